@@ -1,0 +1,1 @@
+"""mmproxy.datasets: WebDataset shards into batches whose heavy fields go through servers."""

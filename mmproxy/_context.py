@@ -1,0 +1,73 @@
+"""Per-process identity: a token unique to this process, and ids that never repeat.
+
+A forked child gets a new token the first time it asks, so ids made in a worker can never collide
+with ids made in its parent or in any other worker, in this epoch or any later one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+_lock = threading.Lock()
+_pid: int | None = None
+_token = ""
+_counter: Iterator[int] = itertools.count()
+
+# Set in DataLoader workers (and around each step in the main process when num_workers=0):
+# (loader id, shared epoch value). Runs submitted under it are tagged (loader id, epoch).
+_loader_tag: tuple[str, Any] | None = None
+_sample_key = threading.local()
+
+
+def process_token() -> str:
+    """A short token unique to this process (renewed after a fork)."""
+    global _pid, _token, _counter
+    pid = os.getpid()
+    if _pid != pid:
+        with _lock:
+            if _pid != pid:
+                _token = f"{pid:x}.{secrets.token_hex(3)}"
+                _counter = itertools.count()
+                _pid = pid
+    return _token
+
+
+def new_id() -> str:
+    """An id unique across processes and time: ``<process token>:<counter>``."""
+    token = process_token()
+    return f"{token}:{next(_counter)}"
+
+
+def set_loader_tag(tag: tuple[str, Any] | None) -> None:
+    global _loader_tag
+    _loader_tag = tag
+
+
+def current_tag() -> tuple[str, int] | None:
+    """(loader id, epoch) of the loader whose batch is being collated in this process, if any."""
+    tag = _loader_tag
+    if tag is None:
+        return None
+    return tag[0], int(tag[1].value)
+
+
+def current_key() -> str | None:
+    """The sample key the dataset layer is processing in this thread, if it said so."""
+    return getattr(_sample_key, "value", None)
+
+
+@contextlib.contextmanager
+def sample_key(key: str | None) -> Iterator[None]:
+    """Names the sample being processed, so that proxy calls inside carry its key."""
+    previous = getattr(_sample_key, "value", None)
+    _sample_key.value = key
+    try:
+        yield
+    finally:
+        _sample_key.value = previous

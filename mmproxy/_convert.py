@@ -1,0 +1,81 @@
+"""Turning DALI outputs into torch tensors: dense, per-sample, or padded; CPU or GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmproxy.refs import PaddedBatch
+
+Output = Any  # torch.Tensor | list[torch.Tensor] | PaddedBatch
+
+
+def pad(samples: list[torch.Tensor]) -> PaddedBatch:
+    """Pads samples of one rank and dtype with zeros to the largest extent along every axis."""
+    if not samples:
+        return PaddedBatch(torch.empty(0), torch.empty(0, dtype=torch.int64))
+    ndim = samples[0].dim()
+    shapes = torch.tensor([list(s.shape) for s in samples], dtype=torch.int64).reshape(len(samples), ndim)
+    size = shapes.max(dim=0).values.tolist() if len(samples) else []
+    data = samples[0].new_zeros((len(samples), *size))
+    for i, s in enumerate(samples):
+        data[(i, *(slice(0, n) for n in s.shape))] = s
+    return PaddedBatch(data, shapes[:, 0].clone() if ndim == 1 else shapes)
+
+
+def _cpu(tensor: Any, copy: bool) -> torch.Tensor:
+    out = torch.from_dlpack(tensor)
+    return out.clone() if copy else out
+
+
+def _gpu(tensor: Any, device: torch.device, stream: Any) -> torch.Tensor:
+    from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+
+    out = torch.empty(tensor.shape(), dtype=to_torch_type[tensor.dtype], device=device)
+    feed_ndarray(tensor, out, cuda_stream=stream)
+    return out
+
+
+def to_torch(tensor_list: Any, *, copy: bool, want_pad: bool, device: torch.device | None,
+             stream: Any = None) -> Output:
+    """Converts one DALI output (a TensorList) to torch.
+
+    CPU outputs of a dynamic-executor pipeline are wrapped without a copy (DLPack; DALI does not
+    reuse memory that is still referenced). GPU outputs are copied into tensors of PyTorch's
+    caching allocator on ``stream``, so their lifetime follows PyTorch's stream rules.
+    """
+    gpu = device is not None and device.type == "cuda"
+    if tensor_list.is_dense_tensor():
+        whole = tensor_list.as_tensor()
+        return _gpu(whole, device, stream) if gpu else _cpu(whole, copy)
+    samples = [(_gpu(t, device, stream) if gpu else _cpu(t, copy)) for t in tensor_list]
+    return pad(samples) if want_pad else samples
+
+
+def select(output: Output, rows: tuple[int, ...] | None) -> Output:
+    """Picks batch rows (used when one call appears several times in a field)."""
+    if rows is None:
+        return output
+    if isinstance(output, PaddedBatch):
+        index = torch.tensor(rows, device=output.data.device)
+        return PaddedBatch(output.data[index], output.lengths[torch.tensor(rows)])
+    if isinstance(output, torch.Tensor):
+        return output[torch.tensor(rows, device=output.device)]
+    return [output[r] for r in rows]
+
+
+def tensors_of(output: Output) -> list[torch.Tensor]:
+    if isinstance(output, PaddedBatch):
+        return [output.data]
+    if isinstance(output, torch.Tensor):
+        return [output]
+    return list(output)
+
+
+def batch_len(output: Output) -> int:
+    if isinstance(output, PaddedBatch):
+        return int(output.data.shape[0])
+    if isinstance(output, torch.Tensor):
+        return int(output.shape[0]) if output.dim() else 1
+    return len(output)

@@ -1,0 +1,52 @@
+"""Collate: the composite collate that turns samples into one batch for several servers.
+
+It is ``default_collate`` (whose map knows :class:`~mmproxy.refs.DALIOutputSampleRef`) made
+explicit: each field of DALI references becomes one run on its server and one batch reference;
+text tensors and labels are collated as PyTorch does. It then checks the batch's integrity: every
+reference belongs to a known server, and no sample reference was left uncollated by a custom inner
+collate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import default_collate
+
+from mmproxy import _walk
+from mmproxy.errors import CollateError
+from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef
+
+if TYPE_CHECKING:
+    from mmproxy.server import DALIServer
+
+__all__ = ["Collate"]
+
+
+class Collate:
+    """Collates samples holding proxy outputs of one or more servers into one batch.
+
+    Args:
+        servers: The servers whose references may appear; others raise. ``None`` accepts any.
+        inner: The collate applied to the samples; ``default_collate`` when ``None``.
+    """
+
+    def __init__(self, servers: Iterable[DALIServer] | None = None,
+                 inner: Callable[[list[Any]], Any] | None = None) -> None:
+        self._names = None if servers is None else {s.uid: s.name for s in servers}
+        self._inner = inner or default_collate
+
+    def __call__(self, samples: list[Any]) -> Any:
+        batch = self._inner(samples)
+        left = _walk.collect(batch, DALIOutputSampleRef)
+        if left:
+            raise CollateError(f"the collate left {len(left)} DALI sample references uncollated "
+                               f"(first: {left[0]!r}); collate them with default_collate")
+        if self._names is not None:
+            for ref in _walk.collect(batch, DALIOutputBatchRef):
+                if ref.server_uid not in self._names:
+                    raise CollateError(
+                        f"the batch holds references of server {ref.server_name!r}, which this "
+                        f"collate was not given (it has {sorted(self._names.values())})")
+        return batch

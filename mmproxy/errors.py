@@ -1,0 +1,92 @@
+"""Errors: one root, ``MmproxyError``, with leaves that also subclass the matching built-in.
+
+Errors raised in a server thread or a worker cross to the caller as values that keep the original
+traceback text (:class:`RemoteTraceback` as ``__cause__``) and name the server, the run and, where
+known, the shard and sample keys.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+__all__ = [
+    "BatchSizeError",
+    "CollateError",
+    "MmproxyError",
+    "PipelineError",
+    "ProxyArgumentError",
+    "RemoteTraceback",
+    "RunDroppedError",
+    "SampleError",
+    "ServerFailedError",
+    "ServerStateError",
+    "ShardError",
+    "TransportError",
+    "WaitTimeoutError",
+]
+
+
+class MmproxyError(Exception):
+    """Root of every error mmproxy raises."""
+
+
+class ProxyArgumentError(MmproxyError, ValueError):
+    """A proxy was called with arguments that do not match the pipeline's inputs."""
+
+
+class BatchSizeError(MmproxyError, ValueError):
+    """A collated batch holds more samples than the pipeline's ``batch_size``."""
+
+
+class CollateError(MmproxyError, ValueError):
+    """References of different servers or outputs were collated into one field."""
+
+
+class ServerStateError(MmproxyError, RuntimeError):
+    """A server was used in a state that does not allow it (not started, stopped)."""
+
+
+class ServerFailedError(ServerStateError):
+    """A server failed; every later call raises this, pointing at the first error."""
+
+
+class PipelineError(MmproxyError, RuntimeError):
+    """The DALI pipeline raised while running a batch."""
+
+
+class RunDroppedError(MmproxyError, RuntimeError):
+    """A batch reference points at a run the server dropped (abandoned epoch, old server)."""
+
+
+class TransportError(MmproxyError, RuntimeError):
+    """Inputs could not be sent from a worker to a server."""
+
+
+class WaitTimeoutError(MmproxyError, TimeoutError):
+    """Waiting for a server's outputs took longer than the server's ``timeout``."""
+
+
+class SampleError(MmproxyError, ValueError):
+    """A sample is bad (missing, empty or corrupt field); names the shard and the sample key."""
+
+
+class ShardError(MmproxyError, ValueError):
+    """A shard list is empty or cannot be split among ranks and workers."""
+
+
+class RemoteTraceback(Exception):
+    """Carries the formatted traceback of an error raised in another thread or process."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n" + self.text
+
+
+def with_remote_cause(error: BaseException, original: BaseException) -> BaseException:
+    """Attaches ``original``'s traceback text to ``error`` as its cause and returns ``error``."""
+    text = "".join(traceback.format_exception(type(original), original, original.__traceback__))
+    error.__cause__ = RemoteTraceback(text)
+    return error

@@ -1,0 +1,142 @@
+"""Loader: a torch ``DataLoader`` that swaps every server's batch references for real data.
+
+It takes one server, a sequence of servers, or a name-to-server mapping. It starts the servers on
+iteration, tags every run with (loader, epoch) so that a new epoch drops the runs of an abandoned
+one, and in deterministic mode claims the next batch's runs one batch ahead so that the servers
+work while the training step runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch.utils.data
+
+from mmproxy import _context, _walk
+from mmproxy.refs import DALIOutputBatchRef
+from mmproxy.server import DALIServer, resolve
+
+__all__ = ["DataLoader"]
+
+Servers = DALIServer | Sequence[DALIServer] | Mapping[str, DALIServer]
+_SIGNATURE = inspect.signature(torch.utils.data.DataLoader.__init__)
+
+
+def _as_servers(servers: Servers) -> dict[str, DALIServer]:
+    if isinstance(servers, DALIServer):
+        items = [servers]
+    elif isinstance(servers, Mapping):
+        items = list(servers.values())
+    else:
+        items = list(servers)
+    for s in items:
+        if not isinstance(s, DALIServer):
+            raise TypeError(f"DataLoader expects DALIServer objects, got {type(s).__name__}")
+    if not items:
+        raise ValueError("DataLoader needs at least one server")
+    return {s.uid: s for s in items}
+
+
+class _WorkerInit:
+    """Runs in each worker: tags the worker's runs with this loader's id and live epoch."""
+
+    def __init__(self, loader_id: str, epoch: Any, user: Callable[[int], None] | None) -> None:
+        self.loader_id, self.epoch, self.user = loader_id, epoch, user
+
+    def __call__(self, worker_id: int) -> None:
+        _context.set_loader_tag((self.loader_id, self.epoch))
+        if self.user is not None:
+            self.user(worker_id)
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """``torch.utils.data.DataLoader`` that returns batches with real data from DALI servers.
+
+    Args:
+        dali_server: One server, a sequence of servers, or a mapping of name to server.
+        *args: Passed to ``torch.utils.data.DataLoader``.
+        **kwargs: Passed to ``torch.utils.data.DataLoader``.
+    """
+
+    def __init__(self, dali_server: Servers, *args: Any, **kwargs: Any) -> None:
+        bound = _SIGNATURE.bind(None, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        arguments.update(arguments.pop("kwargs", {}) or {})
+        self._servers = _as_servers(dali_server)
+        self._loader_id = os.urandom(6).hex()
+        self._epoch = multiprocessing.RawValue("q", 0)
+        arguments["worker_init_fn"] = _WorkerInit(self._loader_id, self._epoch,
+                                                  arguments.get("worker_init_fn"))
+        super().__init__(**arguments)
+
+    @property
+    def servers(self) -> list[DALIServer]:
+        return list(self._servers.values())
+
+    def ensure_server_listening(self) -> None:
+        """Starts every server that is not running (DALI's name for it)."""
+        for server in self._servers.values():
+            server.start_thread()
+
+    def __iter__(self) -> _LoaderIter:
+        self.ensure_server_listening()
+        self._epoch.value += 1
+        for server in self._servers.values():
+            server._begin_epoch(self._loader_id, self._epoch.value)
+        return _LoaderIter(self, super().__iter__())
+
+
+class _LoaderIter:
+    def __init__(self, loader: DataLoader, it: Iterator[Any]) -> None:
+        self._loader = loader
+        self._it = it
+        self._servers = loader._servers
+        self._in_main = loader.num_workers == 0
+        self._ahead = any(s.deterministic for s in self._servers.values())
+        self._next: list[Any] = []  # the batch fetched one step ahead (deterministic mode)
+
+    def __iter__(self) -> _LoaderIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def _fetch(self) -> Any:
+        if self._in_main:
+            _context.set_loader_tag((self._loader._loader_id, self._loader._epoch))
+        try:
+            return next(self._it)
+        finally:
+            if self._in_main:
+                _context.set_loader_tag(None)
+
+    def _claim(self, batch: Any) -> None:
+        per_server: dict[str, list[str]] = {}
+        for ref in _walk.collect(batch, DALIOutputBatchRef):
+            per_server.setdefault(ref.server_uid, []).append(ref.run_id)
+        for uid, run_ids in per_server.items():
+            server = self._servers.get(uid)
+            if server is not None and server.deterministic:
+                server._claim(run_ids)
+
+    def __next__(self) -> Any:
+        if not self._ahead:
+            return resolve(self._fetch(), self._servers, strict=True)
+        if not self._next:
+            batch = self._fetch()
+            self._claim(batch)
+        else:
+            batch = self._next.pop()
+        try:
+            upcoming = self._fetch()
+        except StopIteration:
+            pass
+        else:
+            self._claim(upcoming)
+            self._next.append(upcoming)
+        return resolve(batch, self._servers, strict=True)

@@ -1,0 +1,151 @@
+"""Proxy: the picklable callable that DataLoader workers use in place of a DALI pipeline.
+
+Calling it checks the arguments against the pipeline's ``external_source`` inputs and returns one
+:class:`~mmproxy.refs.DALIOutputSampleRef` per pipeline output (a single ref when there is one
+output). Nothing is sent then: the inputs ride inside the references until the batch is collated,
+so shuffling, dropping or calling twice per sample is safe. At collate time :meth:`submit` sends the
+batch's inputs to the server, directly when the server lives in this process, otherwise through
+shared memory (:mod:`mmproxy._transport`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from mmproxy import _context, _transport
+from mmproxy.errors import BatchSizeError, ProxyArgumentError
+from mmproxy.refs import DALIOutputSampleRef, _Call
+
+if TYPE_CHECKING:
+    from mmproxy.server import DALIServer
+
+__all__ = ["DALIProxy"]
+
+# Servers of this process by uid; a forked child inherits the dict but not the pid, so it sends.
+_local_servers: weakref.WeakValueDictionary[str, DALIServer] = weakref.WeakValueDictionary()
+_local_pid = os.getpid()
+
+
+def register_local(server: DALIServer) -> None:
+    global _local_pid
+    _local_pid = os.getpid()
+    _local_servers[server.uid] = server
+
+
+def _local(uid: str) -> DALIServer | None:
+    return _local_servers.get(uid) if os.getpid() == _local_pid else None
+
+
+def _as_array(value: Any, name: str, server_name: str) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return np.frombuffer(value, dtype=np.uint8)
+    if isinstance(value, str):
+        return np.frombuffer(value.encode(), dtype=np.uint8)
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, DALIOutputSampleRef):
+        raise ProxyArgumentError(
+            f"server {server_name!r}, input {name!r}: got the output of another proxy call; "
+            "DALI outputs can only be used after the loader resolves them")
+    try:
+        return np.asarray(value)
+    except Exception as err:
+        raise ProxyArgumentError(f"server {server_name!r}, input {name!r}: cannot turn "
+                                 f"{type(value).__name__} into an array: {err}") from err
+
+
+class DALIProxy:
+    """Stands in for a server's pipeline in workers: ``proxy(*inputs)`` or ``proxy(**inputs)``.
+
+    Args:
+        server_name: The server's name, used in every message.
+        server_uid: The server's unique id.
+        input_names: The pipeline's ``external_source`` names, in declaration order.
+        num_outputs: How many outputs the pipeline has.
+        max_batch_size: The pipeline's ``batch_size``.
+        address: Path of the server's socket.
+    """
+
+    def __init__(self, server_name: str, server_uid: str, input_names: tuple[str, ...],
+                 num_outputs: int, max_batch_size: int, address: str) -> None:
+        self.server_name = server_name
+        self.server_uid = server_uid
+        self.input_names = input_names
+        self.num_outputs = num_outputs
+        self.max_batch_size = max_batch_size
+        self.address = address
+        self._recent: OrderedDict[tuple[str, ...], str] = OrderedDict()
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                  for n in self.input_names]
+        return inspect.Signature(params)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_recent"] = OrderedDict()
+        return state
+
+    def __repr__(self) -> str:
+        return f"DALIProxy(server={self.server_name!r}, signature={self.__signature__})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        names = self.input_names
+        if kwargs or len(args) != len(names):
+            try:
+                bound = self.__signature__.bind(*args, **kwargs)
+            except TypeError as err:
+                got = ", ".join([type(a).__name__ for a in args]
+                                + [f"{k}={type(v).__name__}" for k, v in kwargs.items()])
+                raise ProxyArgumentError(
+                    f"server {self.server_name!r}: expected proxy{self.__signature__}, "
+                    f"got proxy({got}): {err}") from None
+            args = tuple(bound.arguments[n] for n in names)
+        inputs = tuple(_as_array(v, n, self.server_name) for v, n in zip(args, names))
+        call = _Call(self, _context.new_id(), inputs, _context.current_key())
+        if self.num_outputs == 1:
+            return DALIOutputSampleRef(call, 0)
+        return tuple(DALIOutputSampleRef(call, i) for i in range(self.num_outputs))
+
+    def submit(self, calls: list[_Call]) -> str:
+        """Sends the inputs of ``calls`` (in order) to the server as one run; returns its id.
+
+        The same calls collated again (the other outputs of a multi-output pipeline) reuse the
+        run instead of running the pipeline twice.
+        """
+        key = tuple(c.id for c in calls)
+        run_id = self._recent.get(key)
+        if run_id is not None:
+            return run_id
+        if len(calls) > self.max_batch_size:
+            raise BatchSizeError(
+                f"server {self.server_name!r}: a batch of {len(calls)} samples is larger than the "
+                f"pipeline's batch_size={self.max_batch_size}; raise the pipeline's batch_size or "
+                "lower the loader's")
+        run_id = _context.new_id()
+        tag = _context.current_tag()
+        keys = [c.key for c in calls]
+        inputs = [[c.inputs[i] for c in calls] for i in range(len(self.input_names))]
+        server = _local(self.server_uid)
+        if server is not None:
+            server._accept(_transport.Request(run_id, tag, keys, inputs))
+        else:
+            fd = _transport.pack(run_id, tag, keys, inputs)
+            try:
+                _transport.send(self.address, fd, self.server_name)
+            finally:
+                os.close(fd)
+        self._recent[key] = run_id
+        if len(self._recent) > 8:
+            self._recent.popitem(last=False)
+        return run_id

@@ -1,0 +1,1 @@
+"""mmproxy.pipelines: ready DALI pipelines for images and audio."""
