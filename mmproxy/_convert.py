@@ -20,7 +20,8 @@ def pad(samples: list[torch.Tensor]) -> PaddedBatch:
     size = shapes.max(dim=0).values.tolist() if len(samples) else []
     data = samples[0].new_zeros((len(samples), *size))
     for i, s in enumerate(samples):
-        data[(i, *(slice(0, n) for n in s.shape))] = s
+        region: Any = (i, *(slice(0, n) for n in s.shape))
+        data[region] = s
     return PaddedBatch(data, shapes[:, 0].clone() if ndim == 1 else shapes)
 
 
@@ -29,27 +30,36 @@ def _cpu(tensor: Any, copy: bool) -> torch.Tensor:
     return out.clone() if copy else out
 
 
-def _gpu(tensor: Any, device: torch.device, stream: Any) -> torch.Tensor:
+def _gpu(tensor: Any, stream: Any) -> torch.Tensor:
     from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
 
+    device = torch.device("cuda", tensor.device_id())
     out = torch.empty(tensor.shape(), dtype=to_torch_type[tensor.dtype], device=device)
     feed_ndarray(tensor, out, cuda_stream=stream)
     return out
 
 
-def to_torch(tensor_list: Any, *, copy: bool, want_pad: bool, device: torch.device | None,
-             stream: Any = None) -> Output:
+def to_torch(tensor_list: Any, *, copy: bool, want_pad: bool, stream: Any = None) -> Output:
     """Converts one DALI output (a TensorList) to torch.
+
+    With ``want_pad`` the result is always a :class:`PaddedBatch`, even when the samples
+    happen to share a shape.
 
     CPU outputs of a dynamic-executor pipeline are wrapped without a copy (DLPack; DALI does not
     reuse memory that is still referenced). GPU outputs are copied into tensors of PyTorch's
     caching allocator on ``stream``, so their lifetime follows PyTorch's stream rules.
     """
-    gpu = device is not None and device.type == "cuda"
+    from nvidia.dali.backend import TensorListGPU
+
+    gpu = isinstance(tensor_list, TensorListGPU)
     if tensor_list.is_dense_tensor():
         whole = tensor_list.as_tensor()
-        return _gpu(whole, device, stream) if gpu else _cpu(whole, copy)
-    samples = [(_gpu(t, device, stream) if gpu else _cpu(t, copy)) for t in tensor_list]
+        dense = _gpu(whole, stream) if gpu else _cpu(whole, copy)
+        if not want_pad:
+            return dense
+        shapes = torch.tensor(dense.shape[1:], dtype=torch.int64).repeat(dense.shape[0], 1)
+        return PaddedBatch(dense, shapes[:, 0].clone() if dense.dim() == 2 else shapes)
+    samples = [(_gpu(t, stream) if gpu else _cpu(t, copy)) for t in tensor_list]
     return pad(samples) if want_pad else samples
 
 

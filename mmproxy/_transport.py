@@ -71,7 +71,7 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[str | None],
     position = 0
     for a in payloads:
         if a.nbytes:
-            buffers.append(memoryview(a).cast("B"))
+            buffers.append(a.reshape(-1).view(np.uint8))
         position += a.nbytes
         pad = _align(position) - position
         if pad:
@@ -122,7 +122,7 @@ class Listener:
         """Returns a received descriptor, or None after a short timeout."""
         try:
             _, fds, flags, _ = socket.recv_fds(self._sock, 16, 1)
-        except (socket.timeout, BlockingIOError):
+        except (TimeoutError, BlockingIOError):
             return None
         if flags & socket.MSG_CTRUNC or not fds:
             for fd in fds:

@@ -83,7 +83,7 @@ class DataLoader(torch.utils.data.DataLoader):
         for server in self._servers.values():
             server.start_thread()
 
-    def __iter__(self) -> _LoaderIter:
+    def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         self.ensure_server_listening()
         self._epoch.value += 1
         for server in self._servers.values():

@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
-from mmproxy import _convert, _transport, _walk, proxy as _proxy
+from mmproxy import _convert, _transport, _walk
+from mmproxy import proxy as _proxy
 from mmproxy.errors import (
     BatchSizeError,
     PipelineError,
-    RunDroppedError,
     ServerFailedError,
     ServerStateError,
     WaitTimeoutError,
@@ -104,7 +104,7 @@ def _input_names(pipeline: Any) -> tuple[str, ...]:
     if not pipeline._py_graph_built:
         pipeline._build_graph()
     return tuple(op.name for op in pipeline._ops
-                 if isinstance(op._op, ExternalSource) and op._op._callback is None)
+                 if isinstance(op._op, ExternalSource) and getattr(op._op, "_callback", None) is None)
 
 
 class DALIServer:
@@ -405,14 +405,13 @@ class DALIServer:
                     with torch.cuda.stream(stream):
                         outs = pipe.outputs(cuda_stream=stream)
                         data = tuple(_convert.to_torch(o, copy=False, want_pad=i in self._pad,
-                                                       device=self._device, stream=stream)
+                                                       stream=stream)
                                      for i, o in enumerate(outs))
                         event = torch.cuda.Event()
                         event.record(stream)
                 else:
                     outs = pipe.outputs()
-                    data = tuple(_convert.to_torch(o, copy=copy, want_pad=i in self._pad,
-                                                   device=None)
+                    data = tuple(_convert.to_torch(o, copy=copy, want_pad=i in self._pad)
                                  for i, o in enumerate(outs))
                     event = None
                 inflight.popleft()

@@ -1,0 +1,216 @@
+"""MultiModalDataset: WebDataset shards into batches whose heavy fields go through servers.
+
+Stages, each a small generator over the previous one, all running in DataLoader workers::
+
+    shard urls -> (shuffle per epoch) -> split by node -> split by worker -> tar members
+      -> samples (grouped by key) -> shuffle buffer (raw bytes) -> fields: header check, then
+         proxy or function -> batches (composite collate) -> batch transform
+
+A bad sample (missing, empty or corrupt field, or a field function that raises) never reaches a
+server: with ``on_error="raise"`` it raises :class:`~mmproxy.errors.SampleError` naming the shard
+and the key; with ``on_error="skip"`` it is dropped and reported in the next batch's
+``"__skipped__"`` list as ``(shard, key, reason)``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch.utils.data
+import webdataset as wds
+
+from mmproxy import _context
+from mmproxy.collate import Collate
+from mmproxy.errors import SampleError, ShardError
+from mmproxy.proxy import DALIProxy
+
+from .checks import check_header
+from .shards import current_epoch, expand, rank_shards, resampled, worker_info, worker_shards
+
+__all__ = ["MultiModalDataset", "OnError"]
+
+OnError = Literal["raise", "skip"]
+FieldSpec = Callable[[bytes], Any] | tuple[str, Callable[[bytes], Any]]
+SKIPPED = "__skipped__"
+
+
+class _Skip(Exception):
+    def __init__(self, url: str, key: str, reason: str) -> None:
+        super().__init__(reason)
+        self.record = (url, key, reason)
+
+
+class MultiModalDataset(torch.utils.data.IterableDataset):
+    """Batches from WebDataset shards; chosen fields go through servers' proxies.
+
+    Args:
+        urls: Shards: a brace pattern (``"data-{000..099}.tar"``), a list, local paths, or
+            ``pipe:`` commands, as webdataset reads them.
+        fields: Output name -> what to do. A value is either a callable (a server's proxy or a
+            plain function of the field's bytes) applied to the extension of the same name, or
+            ``(extensions, callable)`` where ``extensions`` is like ``"jpg;jpeg;png"`` (the first
+            one present is used). Proxy fields get a header check before they are sent.
+        batch_size: Samples per batch (batching happens in the workers).
+        shuffle_shards: Shuffle the shard list every epoch (same order on every rank).
+        shuffle_buffer: Size of the sample shuffle buffer on raw bytes; 0 disables it.
+        seed: Base seed for shard and sample shuffling; every epoch reseeds from it.
+        resampled: Draw shards with replacement (needs ``epoch_length``).
+        epoch_length: Batches per rank per epoch. With it every rank yields the same number of
+            batches (ranks that run out of their own shards start them again).
+        on_error: "raise" or "skip" (see the module docstring).
+        partial: Yield the last, smaller batch of each worker.
+        collate: The collate for a list of sample dicts; :class:`~mmproxy.Collate` by default.
+        batch_transform: Applied to each collated batch in the worker (e.g. tokenization).
+        keep_keys: Keep ``"__key__"`` (and ``"__url__"``) in the batches.
+    """
+
+    def __init__(self, urls: str | Sequence[str], fields: Mapping[str, FieldSpec], *,
+                 batch_size: int, shuffle_shards: bool = True, shuffle_buffer: int = 0,
+                 seed: int = 0, resampled: bool = False, epoch_length: int | None = None,
+                 on_error: OnError = "raise", partial: bool = True,
+                 collate: Callable[[list[Any]], Any] | None = None,
+                 batch_transform: Callable[[Any], Any] | None = None,
+                 keep_keys: bool = True) -> None:
+        super().__init__()
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if resampled and epoch_length is None:
+            raise ValueError("resampled=True needs epoch_length (batches per rank per epoch)")
+        self.urls = expand(urls)
+        self.fields = {name: _parse_field(name, spec) for name, spec in fields.items()}
+        if not self.fields:
+            raise ValueError("fields is empty: say which fields to read")
+        self.batch_size = batch_size
+        self.shuffle_shards = shuffle_shards
+        self.shuffle_buffer = shuffle_buffer
+        self.seed = seed
+        self.resampled = resampled
+        self.epoch_length = epoch_length
+        self.on_error = on_error
+        self.partial = partial
+        self.collate = collate or Collate()
+        self.batch_transform = batch_transform
+        self.keep_keys = keep_keys
+        self._epoch: int | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fixes the epoch used for seeding (otherwise mmproxy's DataLoader supplies it)."""
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        if self.epoch_length is None:
+            raise TypeError("the number of batches is known only with epoch_length set")
+        return self.epoch_length
+
+    def loader(self, servers: Any, *, num_workers: int = 2, **kwargs: Any) -> Any:
+        """An :class:`mmproxy.DataLoader` over this dataset (batching stays in the workers)."""
+        from mmproxy.loader import DataLoader
+
+        return DataLoader(servers, self, batch_size=None, num_workers=num_workers, **kwargs)
+
+    # -- stages ---------------------------------------------------------------------------------
+
+    def _quota(self) -> int | None:
+        if self.epoch_length is None:
+            return None
+        _, _, worker, workers = worker_info()
+        return self.epoch_length // workers + (1 if worker < self.epoch_length % workers else 0)
+
+    def _shard_stream(self, epoch: int) -> Iterator[str]:
+        rank, _, worker, _ = worker_info()
+        if self.resampled:
+            yield from resampled(self.urls, random.Random(f"{self.seed}:{epoch}:{rank}:{worker}"))
+            return
+        shards = worker_shards(rank_shards(self.urls, shuffle=self.shuffle_shards,
+                                           seed=self.seed, epoch=epoch))
+        yield from shards
+        if self.epoch_length is not None:  # run out before the quota: start the shards again
+            rng = random.Random(f"{self.seed}:{epoch}:{rank}:{worker}:again")
+            while True:
+                again = list(shards)
+                rng.shuffle(again)
+                yield from again
+
+    def _samples(self, shards: Iterator[str], skipped: list[tuple[str, str, str]]
+                 ) -> Iterator[dict[str, Any]]:
+        def handler(exn: Exception) -> bool:
+            url = getattr(exn, "args", ("",))[-1] if exn.args else ""
+            if self.on_error == "skip":
+                skipped.append((str(url), "", f"unreadable shard: {exn.args[0] if exn.args else exn}"))
+                return True
+            raise ShardError(f"shard {url}: cannot be read: {exn.args[0] if exn.args else exn}") from exn
+
+        return wds.tariterators.tarfile_samples(({"url": u} for u in shards), handler=handler)
+
+    def _process(self, sample: dict[str, Any]) -> dict[str, Any]:
+        key = sample.get("__key__", "?")
+        url = sample.get("__url__", "?")
+        out: dict[str, Any] = {"__key__": key, "__url__": url} if self.keep_keys else {}
+        with _context.sample_key(f"{url}:{key}"):
+            for name, (exts, fn, is_proxy) in self.fields.items():
+                ext = next((e for e in exts if e in sample), None)
+                if ext is None:
+                    present = sorted(k for k in sample if not k.startswith("__"))
+                    raise _Skip(url, key, f"missing field {'/'.join(exts)!r} (has {present})")
+                data = sample[ext]
+                problem = check_header(ext, data) if is_proxy else (None if data else "is empty")
+                if problem:
+                    raise _Skip(url, key, f"field {ext!r} {problem}")
+                try:
+                    out[name] = fn(np.frombuffer(data, np.uint8)) if is_proxy else fn(data)
+                except Exception as err:  # a user function failed on this sample
+                    raise _Skip(url, key, f"field {ext!r}: {type(err).__name__}: {err}") from err
+        return out
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = current_epoch(self._epoch)
+        rank, _, worker, _ = worker_info()
+        skipped: list[tuple[str, str, str]] = []
+        samples: Iterator[dict[str, Any]] = self._samples(self._shard_stream(epoch), skipped)
+        if self.shuffle_buffer > 0:
+            rng = random.Random(f"{self.seed}:{epoch}:{rank}:{worker}:samples")
+            samples = wds.filters._shuffle(samples, self.shuffle_buffer,
+                                           min(100, self.shuffle_buffer), rng=rng)
+        quota = self._quota()
+        made = 0
+        batch: list[dict[str, Any]] = []
+        for raw in samples:
+            if quota is not None and made >= quota:
+                return
+            try:
+                batch.append(self._process(raw))
+            except _Skip as skip:
+                if self.on_error == "raise":
+                    url, key, reason = skip.record
+                    raise SampleError(f"shard {url}, sample {key!r}: {reason}") from skip.__cause__
+                skipped.append(skip.record)
+            if len(batch) == self.batch_size:
+                yield self._collate(batch, skipped)
+                made += 1
+                batch = []
+                skipped.clear()
+        if batch and self.partial and (quota is None or made < quota):
+            yield self._collate(batch, skipped)
+
+    def _collate(self, samples: list[dict[str, Any]], skipped: list[tuple[str, str, str]]) -> Any:
+        batch = self.collate(samples)
+        if self.batch_transform is not None:
+            batch = self.batch_transform(batch)
+        if isinstance(batch, dict):
+            batch[SKIPPED] = list(skipped)  # a copy: the list is reused for the next batch
+        return batch
+
+
+def _parse_field(name: str, spec: FieldSpec) -> tuple[tuple[str, ...], Callable[[Any], Any], bool]:
+    if isinstance(spec, tuple):
+        exts, fn = spec
+    else:
+        exts, fn = name, spec
+    if not callable(fn):
+        raise TypeError(f"field {name!r}: expected a callable or (extensions, callable), got {spec!r}")
+    return tuple(e.strip().lower() for e in exts.split(";") if e.strip()), fn, isinstance(fn, DALIProxy)

@@ -1,0 +1,75 @@
+"""Shards: shard lists, per-epoch shuffling, and splitting by node and worker.
+
+Built on ``webdataset``: brace expansion (``expand_urls``), tar reading with ``pipe:`` and local
+files (``tarfile_samples``), and node / worker splitting (``split_by_node``, ``split_by_worker``).
+What is added: an error when a rank or worker would get no shards, an epoch that every worker of
+every rank agrees on (so a shard shuffle is the same everywhere and splits stay disjoint), and
+resampling with a fixed number of batches per rank.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+
+import webdataset as wds
+
+from mmproxy import _context
+from mmproxy.errors import ShardError
+
+__all__ = ["expand", "rank_shards", "worker_info", "worker_shards"]
+
+
+def expand(urls: str | Sequence[str]) -> list[str]:
+    """Expands brace patterns (``data-{000..009}.tar``) and ``::``-separated lists."""
+    items = [urls] if isinstance(urls, str) else list(urls)
+    out: list[str] = []
+    for item in items:
+        out.extend(wds.shardlists.expand_urls(item))
+    if not out:
+        raise ShardError(f"the shard list {urls!r} is empty")
+    return out
+
+
+def worker_info() -> tuple[int, int, int, int]:
+    """(rank, world size, worker, number of workers), as webdataset sees them."""
+    return wds.utils.pytorch_worker_info()
+
+
+def current_epoch(explicit: int | None) -> int:
+    """The epoch: set explicitly, or the mmproxy DataLoader's live epoch, or 0."""
+    if explicit is not None:
+        return explicit
+    tag = _context.current_tag()
+    return tag[1] if tag else 0
+
+
+def rank_shards(urls: list[str], *, shuffle: bool, seed: int, epoch: int) -> list[str]:
+    """This rank's shards: the list shuffled with a seed shared by all ranks, then split by node."""
+    ordered = list(urls)
+    if shuffle:
+        random.Random(f"{seed}:{epoch}").shuffle(ordered)
+    mine = list(wds.shardlists.split_by_node(ordered))
+    if not mine:
+        rank, world, _, _ = worker_info()
+        raise ShardError(f"rank {rank} of {world} gets no shards: there are only {len(urls)} "
+                         f"shards for {world} ranks; write more, smaller shards or use "
+                         "resampled=True")
+    return mine
+
+
+def worker_shards(shards: list[str]) -> list[str]:
+    """This worker's part of the rank's shards; raises when it would get none."""
+    mine = list(wds.shardlists.split_by_worker(shards))
+    if not mine:
+        rank, _, worker, workers = worker_info()
+        raise ShardError(f"worker {worker} of {workers} on rank {rank} gets no shards: the rank "
+                         f"has {len(shards)} shards for {workers} workers; use fewer workers, "
+                         "more shards, or resampled=True")
+    return mine
+
+
+def resampled(urls: list[str], rng: random.Random) -> Iterator[str]:
+    """Shards drawn with replacement, forever (with resampling every rank sees every shard)."""
+    while True:
+        yield rng.choice(urls)

@@ -1,0 +1,83 @@
+"""Audio pipeline: encoded audio in, resampled waveform (or log-mel spectrogram) and length out.
+
+Inputs:
+    ``audio``: the encoded bytes of one file per sample (uint8, 1-D): WAV, FLAC, OGG/Vorbis,
+    anything DALI's audio decoder reads.
+
+Outputs (in this order):
+    ``audio``: float32; ``[time]`` when ``mono`` else ``[time, channels]``; or, with ``n_mels``,
+    ``[n_mels, frames]`` log-mel in decibels. Lengths differ between samples unless
+    ``duration`` is set: serve with ``DALIServer(..., pad=True)`` to get a padded batch.
+    ``length``: int64 scalar on the CPU, the number of valid time steps (samples, or frames with ``n_mels``)
+    before any padding, so that a padded batch can be masked.
+
+Cost: decoding runs on CPU threads (DALI has no GPU audio decoder); with a GPU the resampling,
+trimming and spectrogram run on the GPU. Resampling uses DALI's windowed-sinc resampler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mmproxy.pipelines._device import Device, resolve_device
+
+__all__ = ["audio_pipeline"]
+
+
+def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = True,
+                   duration: float | None = None, n_mels: int | None = None, n_fft: int = 400,
+                   win_length: int | None = None, hop_length: int = 160, log_mel: bool = True,
+                   device: Device = "auto", device_id: int | None = None, num_threads: int = 4,
+                   prefetch_queue_depth: int = 2, input_name: str = "audio") -> Any:
+    """Builds the audio pipeline.
+
+    Args:
+        batch_size: The largest batch the server will be asked to run.
+        sample_rate: Target rate in Hz; every clip is resampled to it.
+        mono: Downmix to one channel.
+        duration: Trim or zero-pad every clip to this many seconds; None keeps lengths.
+        n_mels: Compute a mel spectrogram with this many mel bands; None returns the waveform.
+        n_fft: FFT size of the spectrogram.
+        win_length: Window length in samples (Hann, periodic); ``n_fft`` when None.
+        hop_length: Hop between windows in samples.
+        log_mel: Return the mel spectrogram in decibels (``10 * log10(max(power, 1e-10))``).
+        device: "auto" (GPU when CUDA is available), "gpu" or "cpu".
+        device_id: The GPU to use; the current one when None.
+        num_threads: DALI CPU threads.
+        prefetch_queue_depth: Runs the server keeps in flight.
+        input_name: Name of the ``external_source`` (the proxy's argument).
+    """
+    import numpy as np
+    from nvidia.dali import fn, pipeline_def, types
+
+    gpu, dev_id = resolve_device(device, device_id)
+    window = win_length or n_fft
+    hann = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(window) / window)).astype(np.float32)
+
+    @pipeline_def
+    def pipe() -> Any:
+        data = fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8)
+        audio, rate = fn.decoders.audio(data, dtype=types.FLOAT, downmix=mono)
+        if gpu:
+            audio = audio.gpu()
+        audio = fn.audio_resample(audio, in_rate=rate, out_rate=float(sample_rate),
+                                  dtype=types.FLOAT)
+        if duration is not None:
+            audio = fn.slice(audio, start=[0], shape=[round(duration * sample_rate)], axes=[0],
+                             out_of_bounds_policy="pad", fill_values=0.0)
+        samples = audio.shape(dtype=types.INT64)[0]
+        if n_mels is None:
+            return audio, samples
+        spec = fn.spectrogram(audio, nfft=n_fft, window_length=window, window_step=hop_length,
+                              window_fn=hann.tolist(), center_windows=True, reflect_padding=True,
+                              power=2, layout="ft")
+        mel = fn.mel_filter_bank(spec, sample_rate=float(sample_rate), nfilter=n_mels,
+                                 freq_low=0.0, freq_high=sample_rate / 2, normalize=False,
+                                 mel_formula="htk")
+        if log_mel:
+            mel = fn.to_decibels(mel, multiplier=10.0, reference=1.0, cutoff_db=-100.0)
+        frames = mel.shape(dtype=types.INT64)[1]
+        return mel, frames
+
+    return pipe(batch_size=batch_size, num_threads=num_threads, device_id=dev_id,
+                prefetch_queue_depth=prefetch_queue_depth)

@@ -1,0 +1,117 @@
+"""Image pipelines: encoded bytes in, normalized crops out.
+
+Inputs:
+    ``images``: the encoded bytes of one image per sample (uint8, 1-D): JPEG, PNG, BMP, TIFF,
+    WebP, JPEG 2000, anything DALI's decoder reads. Grayscale and RGBA files are converted to RGB.
+
+Outputs:
+    One tensor per sample, ``size x size`` RGB, in ``layout`` ("CHW" or "HWC") and ``dtype``
+    (float32 and float16 are normalized with ``mean``/``std`` given in 0-255 units; uint8 is not
+    normalized).
+
+Cost: decoding dominates. On a GPU the decode is ``mixed`` (nvJPEG / nvImageCodec, hardware
+decoder where present) and the crop happens inside the decoder (only the region of interest is
+decoded); resize, flip and normalize run on the GPU. On CPU the same operators run on
+``num_threads`` threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from mmproxy.pipelines._device import Device, resolve_device
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "image_eval_pipeline", "image_train_pipeline"]
+
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+Layout = Literal["CHW", "HWC"]
+DType = Literal["float32", "float16", "uint8"]
+
+
+def _normalize(images: Any, *, size: int, layout: Layout, dtype: DType, mean: Sequence[float],
+               std: Sequence[float], mirror: Any = None, crop: bool = False) -> Any:
+    from nvidia.dali import fn, types
+
+    dali_type = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}[dtype]
+    if dtype == "uint8":
+        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    kwargs: dict[str, Any] = {"crop": (size, size)} if crop else {}
+    if mirror is not None:
+        kwargs["mirror"] = mirror
+    return fn.crop_mirror_normalize(images, dtype=dali_type, output_layout=layout,
+                                    mean=list(mean), std=list(std), **kwargs)
+
+
+def image_train_pipeline(*, batch_size: int, size: int = 224,
+                         scale: tuple[float, float] = (0.08, 1.0),
+                         ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_probability: float = 0.5,
+                         mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                         layout: Layout = "CHW", dtype: DType = "float32", device: Device = "auto",
+                         device_id: int | None = None, num_threads: int = 4, seed: int | None = None,
+                         prefetch_queue_depth: int = 2, input_name: str = "images") -> Any:
+    """Training: random-resized crop (like torchvision's RandomResizedCrop), flip, normalize.
+
+    Args:
+        batch_size: The largest batch the server will be asked to run.
+        size: Output height and width.
+        scale: Range of the crop's area as a fraction of the image's.
+        ratio: Range of the crop's aspect ratio.
+        flip_probability: Chance of a horizontal flip.
+        mean: Per-channel mean, 0-255 units.
+        std: Per-channel standard deviation, 0-255 units.
+        layout: "CHW" or "HWC".
+        dtype: "float32", "float16" or "uint8".
+        device: "auto" (GPU when CUDA is available), "gpu" or "cpu".
+        device_id: The GPU to use; the current one when None.
+        num_threads: DALI CPU threads.
+        seed: DALI's random seed (None: random).
+        prefetch_queue_depth: Runs the server keeps in flight.
+        input_name: Name of the ``external_source`` (the proxy's argument).
+    """
+    from nvidia.dali import fn, pipeline_def, types
+
+    gpu, dev_id = resolve_device(device, device_id)
+
+    @pipeline_def
+    def pipe() -> Any:
+        jpegs = fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8)
+        images = fn.decoders.image_random_crop(
+            jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB,
+            random_area=list(scale), random_aspect_ratio=list(ratio))
+        images = fn.resize(images, size=[size, size], interp_type=types.INTERP_LINEAR,
+                           antialias=True)
+        flip = fn.random.coin_flip(probability=flip_probability)
+        return _normalize(images, size=size, layout=layout, dtype=dtype, mean=mean, std=std,
+                          mirror=flip)
+
+    return pipe(batch_size=batch_size, num_threads=num_threads, device_id=dev_id, seed=seed,
+                prefetch_queue_depth=prefetch_queue_depth)
+
+
+def image_eval_pipeline(*, batch_size: int, size: int = 224, resize_size: int | None = None,
+                        mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                        layout: Layout = "CHW", dtype: DType = "float32", device: Device = "auto",
+                        device_id: int | None = None, num_threads: int = 4,
+                        prefetch_queue_depth: int = 2, input_name: str = "images") -> Any:
+    """Evaluation: resize the shorter side to ``resize_size`` (default ``size * 256 / 224``),
+    center crop ``size``, normalize. Deterministic. Other arguments as in
+    :func:`image_train_pipeline`.
+    """
+    from nvidia.dali import fn, pipeline_def, types
+
+    gpu, dev_id = resolve_device(device, device_id)
+    shorter = resize_size or round(size * 256 / 224)
+
+    @pipeline_def
+    def pipe() -> Any:
+        jpegs = fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8)
+        images = fn.decoders.image(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)
+        images = fn.resize(images, resize_shorter=shorter, interp_type=types.INTERP_LINEAR,
+                           antialias=True)
+        return _normalize(images, size=size, layout=layout, dtype=dtype, mean=mean, std=std,
+                          crop=True)
+
+    return pipe(batch_size=batch_size, num_threads=num_threads, device_id=dev_id,
+                prefetch_queue_depth=prefetch_queue_depth)

@@ -1,0 +1,210 @@
+"""The dataset layer: shards, proxies for heavy fields, text and labels in PyTorch."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import mmproxy
+from mmproxy.datasets import (
+    MultiModalDataset,
+    audio_label_dataset,
+    image_text_dataset,
+    make_shards,
+)
+from mmproxy.pipelines import audio_pipeline, image_eval_pipeline
+from mmproxy.testing import audio_bytes, image_bytes, make_tokenizer, synth_speech, write_tar
+
+pytestmark = pytest.mark.timeout(180)
+
+N_SHARDS, PER_SHARD = 4, 6
+
+
+def color(i):
+    return (i * 37) % 200 + 20
+
+
+def image_sample(i):
+    img = np.full((40, 56, 3), color(i), np.uint8)
+    return {"__key__": f"s{i:04d}", "jpg": image_bytes(img), "txt": f"photo number {i}",
+            "cls": str(i)}
+
+
+@pytest.fixture(scope="module")
+def image_shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("img")
+    for s in range(N_SHARDS):
+        write_tar(root / f"img-{s:03d}.tar",
+                  [image_sample(s * PER_SHARD + k) for k in range(PER_SHARD)])
+    return str(root / "img-{000..003}.tar")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"),
+                          [f"photo number {i}" for i in range(40)] + ["a cat"] * 4)
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    pipe = image_eval_pipeline(batch_size=8, size=32, dtype="uint8", layout="HWC", device="cpu",
+                               num_threads=1)
+    with mmproxy.DALIServer(pipe, name="image") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def audio_server():
+    with mmproxy.DALIServer(audio_pipeline(batch_size=8, device="cpu", num_threads=1),
+                            name="audio", pad=[0]) as server:
+        yield server
+
+
+def _check_image_batch(batch, tokenizer):
+    labels = [int(k[1:]) for k in batch["__key__"]]
+    for img, i in zip(batch["image"], labels):
+        assert abs(img[..., 0].float().mean().item() - color(i)) < 4
+    texts = tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True)
+    assert [t.replace(" ", "") for t in texts] == [f"photonumber{i}" for i in labels]
+    return labels
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_image_text_every_sample_once_per_epoch(image_shards, image_server, tokenizer_dir, workers):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ds = image_text_dataset(image_shards, image_server, tokenizer_dir, batch_size=5,
+                            shuffle_buffer=8)
+    loader = ds.loader(image_server, num_workers=workers)
+    orders = []
+    for _ in range(2):
+        seen = []
+        for batch in loader:
+            assert batch["input_ids"].dtype == torch.int64
+            assert batch["attention_mask"].shape == batch["input_ids"].shape
+            pad = batch["input_ids"][batch["attention_mask"] == 0]
+            assert torch.all(pad == tok.pad_token_id)
+            seen += _check_image_batch(batch, tok)
+        assert sorted(seen) == list(range(N_SHARDS * PER_SHARD))
+        orders.append(seen)
+    assert orders[0] != orders[1]  # reshuffled every epoch
+
+
+def test_fixed_length_padding(image_shards, image_server, tokenizer_dir):
+    ds = image_text_dataset(image_shards, image_server, tokenizer_dir, batch_size=4,
+                            padding="max_length", max_length=12)
+    batch = next(iter(ds.loader(image_server, num_workers=0)))
+    assert batch["input_ids"].shape == (4, 12)
+
+
+def _rank_batches(shards, server, rank, world, **kw):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    try:
+        ds = MultiModalDataset(shards, {"image": ("jpg", server.proxy), "label": ("cls", int)},
+                               batch_size=3, **kw)
+        return [b["label"].tolist() for b in ds.loader(server, num_workers=2)]
+    finally:
+        del os.environ["RANK"], os.environ["WORLD_SIZE"]
+
+
+def test_two_ranks_are_disjoint_cover_the_data_and_match_in_length(image_shards, image_server):
+    per_rank = [_rank_batches(image_shards, image_server, r, 2, epoch_length=4) for r in (0, 1)]
+    assert len(per_rank[0]) == len(per_rank[1]) == 4
+    flat = [[i for b in batches for i in b] for batches in per_rank]
+    assert not set(flat[0]) & set(flat[1])
+    assert sorted(flat[0] + flat[1]) == list(range(N_SHARDS * PER_SHARD))
+
+
+def test_resampled_gives_every_rank_the_same_number_of_batches(image_shards, image_server):
+    counts = [len(_rank_batches(image_shards, image_server, r, 2, resampled=True, epoch_length=5))
+              for r in (0, 1)]
+    assert counts == [5, 5]
+
+
+def test_a_rank_without_shards_is_an_error(image_shards, image_server):
+    with pytest.raises(Exception, match="rank 4 of 5 gets no shards"):
+        _rank_batches(image_shards, image_server, 4, 5)
+
+
+@pytest.fixture(scope="module")
+def bad_shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    samples = [image_sample(i) for i in range(8)]
+    samples[2]["jpg"] = b"\x00\x01garbage"  # fails the header check
+    samples[4]["jpg"] = b""  # empty
+    del samples[6]["jpg"]  # missing
+    write_tar(root / "bad-000.tar", samples)
+    return str(root / "bad-000.tar")
+
+
+def test_bad_samples_raise_with_shard_and_key(bad_shards, image_server):
+    ds = MultiModalDataset(bad_shards, {"image": ("jpg", image_server.proxy), "label": ("cls", int)},
+                           batch_size=4)
+    with pytest.raises(mmproxy.SampleError, match=r"bad-000\.tar, sample 's0002'.*JPG signature"):
+        list(ds.loader(image_server, num_workers=0))
+
+
+def test_bad_samples_skipped_counted_and_the_batch_still_made(bad_shards, image_server):
+    ds = MultiModalDataset(bad_shards, {"image": ("jpg", image_server.proxy), "label": ("cls", int)},
+                           batch_size=4, on_error="skip")
+    labels, skipped = [], []
+    for batch in ds.loader(image_server, num_workers=1):
+        labels += batch["label"].tolist()
+        skipped += batch["__skipped__"]
+        for img, i in zip(batch["image"], batch["label"].tolist()):
+            assert abs(img[..., 0].float().mean().item() - color(i)) < 4
+    assert sorted(labels) == [0, 1, 3, 5, 7]
+    assert sorted(k for _, k, _ in skipped) == ["s0002", "s0004", "s0006"]
+    reasons = {k: r for _, k, r in skipped}
+    assert "signature" in reasons["s0002"] and "empty" in reasons["s0004"]
+    assert "missing" in reasons["s0006"]
+
+
+@pytest.fixture(scope="module")
+def audio_shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("aud")
+    samples = []
+    for i in range(10):
+        fmt = "WAV" if i % 2 else "FLAC"
+        sig = synth_speech(i, 0.2 + 0.05 * i, rate=22050)
+        samples.append({"__key__": f"a{i:03d}", fmt.lower(): audio_bytes(sig, 22050, fmt),
+                        "cls": str(i % 3)})
+    write_tar(root / "aud-000.tar", samples[:5])
+    write_tar(root / "aud-001.tar", samples[5:])
+    return str(root / "aud-{000..001}.tar")
+
+
+def test_audio_label_padded_with_lengths(audio_shards, audio_server):
+    ds = audio_label_dataset(audio_shards, audio_server, batch_size=4)
+    seen = 0
+    for batch in ds.loader(audio_server, num_workers=2):
+        audio, lengths = batch["audio"], batch["audio_length"]
+        assert isinstance(audio, mmproxy.PaddedBatch)
+        idx = [int(k[1:]) for k in batch["__key__"]]
+        expected = [round((0.2 + 0.05 * i) * 16000) for i in idx]
+        assert all(abs(a - b) <= 2 for a, b in zip(lengths.tolist(), expected))
+        assert torch.equal(audio.lengths, lengths)
+        assert batch["label"].tolist() == [i % 3 for i in idx]
+        seen += len(idx)
+    assert seen == 10
+
+
+def test_make_shards_from_an_image_folder(tmp_path):
+    src = tmp_path / "src"
+    for cls in ("cat", "dog"):
+        (src / cls).mkdir(parents=True)
+        for k in range(3):
+            (src / cls / f"{k}.jpg").write_bytes(image_bytes(np.full((8, 8, 3), 9, np.uint8)))
+    (src / "dog" / "1.txt").write_text("a very good dog")
+    shards = make_shards(src, tmp_path / "out", max_count=4)
+    assert len(shards) == 2
+    import webdataset as wds
+
+    samples = list(wds.WebDataset(shards, shardshuffle=False))
+    assert len(samples) == 6
+    assert sorted(int(s["cls"]) for s in samples) == [0, 0, 0, 1, 1, 1]
+    assert b"a very good dog" in [s["txt"] for s in samples]

@@ -1,0 +1,270 @@
+"""The engine: drop-in behaviour of DALI's proxy, and what goes past it."""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import inspect
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import add_sub_pipe, cpu, decode_pipe, double_pipe, noisy_pipe, vec
+from datasets_for_tests import (
+    AddDataset,
+    BytesDataset,
+    DyingDataset,
+    NoisyDataset,
+    ShuffledStream,
+    TwoServerDataset,
+    VarLenDataset,
+)
+from torch.utils.data import default_collate
+
+import mmproxy
+from mmproxy.testing import image_bytes, synth_image
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_public_names_are_sorted_and_resolve():
+    for module in ("mmproxy", "mmproxy.errors", "mmproxy.refs", "mmproxy.server",
+                   "mmproxy.loader", "mmproxy.collate", "mmproxy.proxy", "mmproxy.pipelines"):
+        mod = importlib.import_module(module)
+        assert mod.__all__ == sorted(mod.__all__), module
+        for name in mod.__all__:
+            assert getattr(mod, name) is not None
+
+
+def test_manual_collate_positional_and_keyword(add_server):
+    outs = []
+    for i in range(8):
+        a, b = vec(i), vec(2 * i)
+        s, d = add_server.proxy(a, b) if i % 2 else add_server.proxy(b=b, a=a)
+        outs.append((a, b, s, d))
+    a, b, s, d = add_server.produce_data(default_collate(outs))
+    torch.testing.assert_close(s, a + b)
+    torch.testing.assert_close(d, a - b)
+
+
+def test_wrong_arguments_name_the_signature(add_server):
+    with pytest.raises(ValueError, match=r"addsub.*\(a, b\)"):
+        add_server.proxy(vec(1))
+    with pytest.raises(mmproxy.ProxyArgumentError, match="missing a required argument"):
+        add_server.proxy(a=vec(1), c=vec(2))
+    assert list(inspect.signature(add_server.proxy).parameters) == ["a", "b"]
+
+
+def test_produce_data_replaces_inside_any_nesting(add_server, double_server):
+    Pair = collections.namedtuple("Pair", "x y")
+
+    class Holder:
+        def __init__(self, value):
+            self.value = value
+            self.tag = "kept"
+
+    s, d = zip(*[add_server.proxy(vec(i), vec(1)) for i in range(4)])
+    bs, bd = default_collate(list(s)), default_collate(list(d))
+    other = default_collate([double_server.proxy(vec(i)) for i in range(4)])
+    cyclic = [bs]
+    cyclic.append(cyclic)
+    obj = {"pair": Pair(bs, 7), "holder": Holder(bd), "cyclic": cyclic, "other": other,
+           "text": "hello"}
+    out = add_server.produce_data(obj)
+    assert isinstance(out["pair"], Pair) and out["pair"].y == 7
+    torch.testing.assert_close(out["pair"].x[:, 0], torch.arange(4.0) + 1)
+    torch.testing.assert_close(out["holder"].value[:, 0], torch.arange(4.0) - 1)
+    assert out["holder"].tag == "kept"
+    assert out["cyclic"][1] is out["cyclic"] and isinstance(out["cyclic"][0], torch.Tensor)
+    assert isinstance(out["other"], mmproxy.DALIOutputBatchRef)  # another server's: untouched
+    assert out["text"] == "hello"
+    torch.testing.assert_close(double_server.produce_data(out)["other"][:, 0], torch.arange(4.0) * 2)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver", None])
+def test_loader_every_start_method_pairs_batches_with_inputs(add_server, context):
+    workers = 0 if context is None else 2
+    loader = mmproxy.DataLoader(add_server, AddDataset(add_server.proxy), batch_size=8,
+                                num_workers=workers, multiprocessing_context=context, shuffle=True)
+    for _ in range(2):
+        seen = []
+        for s, d, i in loader:
+            torch.testing.assert_close(s[:, 0], i.float() + 1)
+            torch.testing.assert_close(d[:, 0], i.float() - 1)
+            seen += i.tolist()
+        assert sorted(seen) == list(range(32))
+
+
+def test_plain_torch_dataloader_then_produce_data(add_server):
+    loader = torch.utils.data.DataLoader(AddDataset(add_server.proxy), batch_size=8, num_workers=2)
+    for s, d, i in loader:
+        s = add_server.produce_data(s)
+        torch.testing.assert_close(s[:, 0], i.float() + 1)
+
+
+def test_two_servers_in_one_loader_with_two_views(add_server, double_server):
+    loader = mmproxy.DataLoader({"add": add_server, "double": double_server},
+                                TwoServerDataset(add_server.proxy, double_server.proxy),
+                                batch_size=8, num_workers=2)
+    n = 0
+    for batch in loader:
+        i = batch["label"].float()
+        torch.testing.assert_close(batch["sum"][:, 0], i + 1)
+        torch.testing.assert_close(batch["view1"][:, 0], i * 2)
+        torch.testing.assert_close(batch["view2"][:, 0], (i + 1000) * 2)
+        n += len(i)
+    assert n == 32
+
+
+def test_own_produce_data_leaves_other_servers_refs_alone(add_server, double_server):
+    batch = default_collate([TwoServerDataset(add_server.proxy, double_server.proxy)[i]
+                             for i in range(4)])
+    start = time.perf_counter()
+    out = add_server.produce_data(batch)
+    assert time.perf_counter() - start < 5
+    assert isinstance(out["view1"], mmproxy.DALIOutputBatchRef)
+    out = double_server.produce_data(out)
+    torch.testing.assert_close(out["view1"][:, 0], torch.arange(4.0) * 2)
+
+
+def test_variable_shapes_give_lists_or_padded_batches():
+    with mmproxy.DALIServer(cpu(double_pipe)) as plain, \
+            mmproxy.DALIServer(cpu(double_pipe), pad=True) as padded:
+        for server in (plain, padded):
+            loader = mmproxy.DataLoader(server, VarLenDataset(server.proxy), batch_size=8,
+                                        num_workers=1)
+            for x, i in loader:
+                if server is plain:
+                    assert isinstance(x, list) and [len(t) for t in x] == [1 + k % 5 for k in i]
+                    for t, k in zip(x, i):
+                        assert torch.all(t == 2 * k)
+                else:
+                    assert isinstance(x, mmproxy.PaddedBatch)
+                    assert x.lengths.tolist() == [1 + k % 5 for k in i.tolist()]
+                    assert x.data.shape == (len(i), max(x.lengths))
+                    for row, n, k in zip(x.data, x.lengths, i):
+                        assert torch.all(row[:n] == 2 * k) and torch.all(row[n:] == 0)
+
+
+def test_shuffled_and_dropped_after_the_proxy_call(double_server):
+    loader = mmproxy.DataLoader(double_server, ShuffledStream(double_server.proxy), batch_size=5,
+                                num_workers=2)
+    total = 0
+    for x, i in loader:
+        torch.testing.assert_close(x[:, 0], i.float() * 2)
+        total += len(i)
+    assert 0 < total < 40
+
+
+def test_breaking_out_of_an_epoch_never_mixes_outputs(add_server):
+    loader = mmproxy.DataLoader(add_server, AddDataset(add_server.proxy, n=64), batch_size=4,
+                                num_workers=2, persistent_workers=True, prefetch_factor=4)
+    for epoch in range(6):
+        for k, (s, d, i) in enumerate(loader):
+            torch.testing.assert_close(s[:, 0], i.float() + 1)
+            if epoch % 2 == 0 and k == 2:
+                break
+    time.sleep(0.3)
+    iter(loader)  # a new epoch drops whatever the abandoned ones left
+    assert len(add_server._runs) <= 2 * 4
+
+
+def test_batch_larger_than_pipeline_batch_size_raises_fast(add_server):
+    loader = mmproxy.DataLoader(add_server, AddDataset(add_server.proxy), batch_size=16,
+                                num_workers=2)
+    start = time.perf_counter()
+    with pytest.raises(Exception, match=r"addsub.*16 samples.*batch_size=8"):
+        next(iter(loader))
+    assert time.perf_counter() - start < 10
+
+
+def test_pipeline_error_names_server_and_samples_and_stays_failed():
+    good = [image_bytes(synth_image(i)) for i in range(3)]
+    items = good + [b"not an image at all"] + good
+    with mmproxy.DALIServer(cpu(decode_pipe, batch_size=4), name="img") as server:
+        loader = mmproxy.DataLoader(server, BytesDataset(server.proxy, items), batch_size=4,
+                                    num_workers=1)
+        start = time.perf_counter()
+        with pytest.raises(mmproxy.PipelineError, match=r"'img'.*sample-003"):
+            for _ in loader:
+                pass
+        assert time.perf_counter() - start < 10
+        assert server.state is mmproxy.ServerState.FAILED
+        with pytest.raises(mmproxy.ServerFailedError, match="stays failed"):
+            server.start_thread()
+        with pytest.raises(mmproxy.ServerFailedError):
+            server.produce_data(default_collate([server.proxy(np.frombuffer(good[0], np.uint8))]))
+
+
+def test_dead_worker_raises_in_the_main_loop(double_server):
+    loader = mmproxy.DataLoader(double_server, DyingDataset(double_server.proxy), batch_size=4,
+                                num_workers=2)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        for _ in loader:
+            pass
+    assert time.perf_counter() - start < 15
+
+
+def test_stop_is_fast_and_idempotent_and_restartable():
+    server = mmproxy.DALIServer(cpu(add_sub_pipe))
+    server.start_thread()
+    server.start_thread()
+    start = time.perf_counter()
+    server.stop_thread()
+    assert time.perf_counter() - start < 0.5
+    server.stop_thread()
+    assert server.state is mmproxy.ServerState.STOPPED
+    assert not [t for t in threading.enumerate() if t.name.startswith("mmproxy-")]
+    with server:
+        s, _ = server.produce_data(default_collate([server.proxy(vec(1), vec(2))]))
+        assert s[0, 0] == 3
+
+
+def test_using_a_stopped_server_says_so(add_server):
+    ref = default_collate([add_server.proxy(vec(1), vec(2))[0]])
+    add_server.stop_thread()
+    with pytest.raises(mmproxy.ServerStateError, match="addsub.*stopped"):
+        add_server.produce_data(ref)
+
+
+def _noisy_outputs(workers):
+    with mmproxy.DALIServer(cpu(noisy_pipe, seed=1234), deterministic=True) as server:
+        loader = mmproxy.DataLoader(server, NoisyDataset(server.proxy), batch_size=4,
+                                    num_workers=workers)
+        return torch.cat([x[:, 0] - i for x, i in loader])
+
+
+def test_deterministic_mode_repeats_exactly():
+    first, second = _noisy_outputs(3), _noisy_outputs(3)
+    assert torch.equal(first, second)
+    assert first.unique().numel() > 16  # the noise is real
+
+
+def test_collate_rejects_mixed_servers(add_server, double_server):
+    refs = [add_server.proxy(vec(1), vec(1))[0], double_server.proxy(vec(1))]
+    with pytest.raises(mmproxy.CollateError, match="different servers"):
+        default_collate(refs)
+
+
+@pytest.mark.gpu
+def test_gpu_outputs_are_ready_on_the_current_stream():
+    from nvidia.dali import fn, pipeline_def
+
+    @pipeline_def
+    def gpu_pipe():
+        x = fn.external_source(name="x", no_copy=True)
+        return x.gpu() * 2
+
+    with mmproxy.DALIServer(gpu_pipe(batch_size=8, num_threads=1, device_id=0)) as server:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for k in range(20):
+                batch = default_collate([server.proxy(np.full((1 << 16,), k + j, np.float32))
+                                         for j in range(8)])
+                out = server.produce_data(batch)
+                assert out.is_cuda
+                expected = (torch.arange(8, device="cuda", dtype=torch.float32) + k) * 2
+                assert torch.equal(out[:, -1], expected)
