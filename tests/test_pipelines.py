@@ -1,0 +1,176 @@
+"""Ready pipelines against the PyTorch references (torchvision, torchaudio)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import torchaudio
+from torch.utils.data import default_collate
+
+import mmproxy
+from mmproxy.pipelines import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    audio_pipeline,
+    image_eval_pipeline,
+    image_train_pipeline,
+)
+from mmproxy.testing import audio_bytes, image_bytes, synth_image, synth_speech
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def run(server, payloads):
+    batch = default_collate([server.proxy(np.frombuffer(p, np.uint8)) for p in payloads])
+    return server.produce_data(batch)
+
+
+def torchvision_eval(jpeg, size=64, resize=73):
+    from PIL import Image
+    from torchvision.transforms import v2
+
+    img = Image.open(io.BytesIO(jpeg)).convert("RGB")
+    t = v2.Compose([v2.PILToTensor(), v2.Resize(resize, antialias=True), v2.CenterCrop(size),
+                    v2.ToDtype(torch.float32),
+                    v2.Normalize(list(IMAGENET_MEAN), list(IMAGENET_STD))])
+    return t(img)
+
+
+def test_eval_matches_torchvision_within_tolerance():
+    # Both decode with libjpeg-turbo; the differences are the resize filters (DALI's and
+    # torchvision's antialiased bilinear weigh taps slightly differently: about one level of 255)
+    # and the center crop's offset: with an odd margin (73 - 64 = 9) torchvision rounds 4.5 to 4,
+    # DALI to 5, so the windows sit one pixel apart, which moves sharp edges by many levels. So:
+    # mean absolute difference under 0.04 (about 2 levels in normalized units) and 95% of values
+    # within 0.1 (about 6 levels); the sharp-edged 5% may differ more.
+    jpegs = [image_bytes(synth_image(i, 120 + 16 * i, 160)) for i in range(6)]
+    pipe = image_eval_pipeline(batch_size=8, size=64, resize_size=73, device="cpu", num_threads=1)
+    with mmproxy.DALIServer(pipe) as server:
+        out = run(server, jpegs)
+    ref = torch.stack([torchvision_eval(j) for j in jpegs])
+    diff = (out - ref).abs()
+    assert out.shape == ref.shape == (6, 3, 64, 64)
+    assert diff.mean() < 0.04, diff.mean()
+    assert torch.quantile(diff.flatten(), 0.95) < 0.1
+
+
+@pytest.mark.parametrize("mode,fmt", [("L", "JPEG"), ("RGBA", "PNG"), ("RGB", "PNG")])
+def test_grayscale_rgba_png_inputs_become_rgb(mode, fmt):
+    payload = image_bytes(synth_image(3), fmt=fmt, mode=mode)
+    pipe = image_eval_pipeline(batch_size=2, size=32, layout="HWC", dtype="uint8", device="cpu",
+                               num_threads=1)
+    with mmproxy.DALIServer(pipe) as server:
+        out = run(server, [payload, payload])
+    assert out.shape == (2, 32, 32, 3) and out.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("float32", torch.float32),
+                                               ("float16", torch.float16),
+                                               ("uint8", torch.uint8)])
+def test_train_shape_dtype_range(dtype, torch_dtype):
+    jpegs = [image_bytes(synth_image(i)) for i in range(4)]
+    pipe = image_train_pipeline(batch_size=4, size=48, dtype=dtype, device="cpu", num_threads=1,
+                                seed=7)
+    with mmproxy.DALIServer(pipe) as server:
+        out = run(server, jpegs)
+    assert out.shape == (4, 3, 48, 48) and out.dtype == torch_dtype
+    if dtype == "uint8":
+        assert out.max() > 50
+    else:
+        assert -2.2 < out.float().min() < 0 < out.float().max() < 2.7
+
+
+def _train_crops(seed):
+    jpegs = [image_bytes(synth_image(i)) for i in range(8)]
+    pipe = image_train_pipeline(batch_size=8, size=32, device="cpu", num_threads=1, seed=seed)
+    with mmproxy.DALIServer(pipe) as server:
+        return run(server, jpegs)
+
+
+def test_train_crops_and_flips_follow_the_seed():
+    a, b, c = _train_crops(1), _train_crops(1), _train_crops(2)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
+
+
+def tone(freq, rate, seconds=0.5):
+    t = np.arange(int(rate * seconds)) / rate
+    return (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+def snr_db(ref, got):
+    n = min(len(ref), len(got))
+    ref, got = ref[:n], got[:n]
+    return 10 * torch.log10((ref ** 2).sum() / ((ref - got) ** 2).sum()).item()
+
+
+@pytest.mark.parametrize("signal", ["tone", "noise"])
+def test_resampling_matches_torchaudio_above_30_db(signal):
+    rate = 44100
+    if signal == "tone":
+        x = tone(440, rate) + tone(3000, rate) * 0.5
+    else:  # white noise kept below the target's Nyquist, so both resamplers keep all of it
+        spectrum = np.fft.rfft(np.random.default_rng(0).normal(0, 0.2, rate // 2))
+        spectrum[np.fft.rfftfreq(rate // 2, 1 / rate) > 6000] = 0
+        x = np.fft.irfft(spectrum).astype(np.float32)
+    # 16-bit WAV: compare against the same quantized signal
+    payload = audio_bytes(x, rate, "WAV")
+    x16 = torch.from_numpy(np.round(np.clip(x, -1, 1) * 32767) / 32768).float()
+    with mmproxy.DALIServer(audio_pipeline(batch_size=2, device="cpu", num_threads=1)) as server:
+        audio, length = run(server, [payload])
+    ref = torchaudio.functional.resample(x16, rate, 16000)
+    assert abs(int(length[0]) - len(ref)) <= 1
+    # skip the edges, where the two resamplers pad differently
+    assert snr_db(ref[200:-200], audio[0][200:-200]) > 30
+
+
+@pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG"])
+def test_decodes_wav_flac_ogg_downmix_and_fixed_duration(fmt):
+    x = synth_speech(1, 0.7, rate=16000, channels=2)
+    pipe = audio_pipeline(batch_size=2, device="cpu", num_threads=1, duration=0.5)
+    with mmproxy.DALIServer(pipe) as server:
+        audio, length = run(server, [audio_bytes(x, 16000, fmt)])
+    assert audio.shape == (1, 8000) and int(length[0]) == 8000
+
+
+def test_log_mel_matches_torchaudio():
+    # Same waveform (16 kHz input, no resampling), same Hann window, HTK mel scale, no norm.
+    # Tolerance: 1e-3 of the peak in power, and 0.1 dB where the power is within 40 dB of the
+    # peak (further down, float32 FFT rounding of two different FFT codes reaches tenths of a dB).
+    x = synth_speech(2, 0.6, rate=16000)
+    x16 = torch.from_numpy(np.round(x * 32767) / 32768).float()
+    pipe = audio_pipeline(batch_size=2, device="cpu", num_threads=1, n_mels=40, n_fft=512,
+                          win_length=400, hop_length=160, log_mel=False)
+    with mmproxy.DALIServer(pipe) as server:
+        mel, frames = run(server, [audio_bytes(x, 16000, "WAV")])
+    ref = torchaudio.transforms.MelSpectrogram(16000, n_fft=512, win_length=400, hop_length=160,
+                                               n_mels=40, mel_scale="htk")(x16)
+    got = mel[0]
+    assert got.shape == ref.shape and int(frames[0]) == ref.shape[1]
+    assert (got - ref).abs().max() / ref.max() < 1e-3
+    loud = ref > ref.max() * 1e-4
+    assert (10 * torch.log10(got[loud]) - 10 * torch.log10(ref[loud])).abs().max() < 0.1
+
+
+@pytest.mark.gpu
+def test_gpu_pipelines_agree_with_cpu():
+    jpegs = [image_bytes(synth_image(i, 120, 160)) for i in range(4)]
+    outs = {}
+    for device in ("cpu", "gpu"):
+        pipe = image_eval_pipeline(batch_size=4, size=64, device=device, num_threads=2)
+        with mmproxy.DALIServer(pipe) as server:
+            outs[device] = run(server, jpegs).cpu()
+    # nvJPEG (GPU) and libjpeg-turbo (CPU) differ by IDCT rounding: a level or two.
+    assert (outs["cpu"] - outs["gpu"]).abs().mean() < 0.05
+    wav = audio_bytes(synth_speech(0, 1.0, 44100), 44100, "WAV")
+    res = {}
+    for device in ("cpu", "gpu"):
+        pipe = audio_pipeline(batch_size=2, device=device, num_threads=2, n_mels=64)
+        with mmproxy.DALIServer(pipe, pad=[0]) as server:
+            mel, _ = run(server, [wav])
+            res[device] = mel.data.cpu()
+    loud = res["cpu"] > res["cpu"].max() - 60
+    assert (res["cpu"][loud] - res["gpu"][loud]).abs().max() < 0.5
