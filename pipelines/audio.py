@@ -25,7 +25,8 @@ __all__ = ["audio_pipeline"]
 
 
 def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = True,
-                   duration: float | None = None, n_mels: int | None = None, n_fft: int = 400,
+                   duration: float | None = None, pad_to_longest: bool = False,
+                   n_mels: int | None = None, n_fft: int = 400,
                    win_length: int | None = None, hop_length: int = 160, log_mel: bool = True,
                    device: Device = "auto", device_id: int | None = None, num_threads: int = 4,
                    prefetch_queue_depth: int = 2, input_name: str = "audio") -> Any:
@@ -36,6 +37,8 @@ def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = Tr
         sample_rate: Target rate in Hz; every clip is resampled to it.
         mono: Downmix to one channel.
         duration: Trim or zero-pad every clip to this many seconds; None keeps lengths.
+        pad_to_longest: Zero-pad every clip to the longest of its batch inside the pipeline, so
+            the output is one dense tensor (the lengths still say what is real).
         n_mels: Compute a mel spectrogram with this many mel bands; None returns the waveform.
         n_fft: FFT size of the spectrogram.
         win_length: Window length in samples (Hann, periodic); ``n_fft`` when None.
@@ -66,6 +69,8 @@ def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = Tr
             audio = fn.slice(audio, start=[0], shape=[round(duration * sample_rate)], axes=[0],
                              out_of_bounds_policy="pad", fill_values=0.0)
         samples = audio.shape(dtype=types.INT64)[0]
+        if pad_to_longest:
+            audio = fn.pad(audio, axes=[0], fill_value=0.0)
         if n_mels is None:
             return audio, samples
         spec = fn.spectrogram(audio, nfft=n_fft, window_length=window, window_step=hop_length,
@@ -76,8 +81,7 @@ def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = Tr
                                  mel_formula="htk")
         if log_mel:
             mel = fn.to_decibels(mel, multiplier=10.0, reference=1.0, cutoff_db=-100.0)
-        frames = mel.shape(dtype=types.INT64)[1]
-        return mel, frames
+        return mel, samples // hop_length + 1  # frames of the unpadded clip (centered windows)
 
     return pipe(batch_size=batch_size, num_threads=num_threads, device_id=dev_id,
                 prefetch_queue_depth=prefetch_queue_depth)
