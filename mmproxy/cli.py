@@ -153,13 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
     shards.add_argument("--max-size", type=float, default=1e9, help="bytes per shard")
     shards.set_defaults(func=_make_shards)
 
-    bench = sub.add_parser("bench", help="compare mmproxy with plain PyTorch, DALI's proxy and a pure DALI reader",
+    bench = sub.add_parser("bench", help="compare mmproxy with plain PyTorch, DALI's proxy and a "
+                           "pure DALI reader",
                            description="Runs the same data side by side through every system and "
                            "prints throughput ratios; writes JSON (and a PNG with --plot).")
     bench.add_argument("--workload", choices=["image", "audio", "image-text", "machinery", "all"],
                        default="image")
-    bench.add_argument("--systems", default="mmproxy,torch,dali-proxy,dali-reader",
-                       help="comma-separated subset of mmproxy,torch,dali-proxy,dali-reader")
+    bench.add_argument("--systems", default="mmproxy,torch,torch-tensor,dali-proxy,dali-reader",
+                       help="comma-separated subset of mmproxy, torch (PIL decode + torchvision "
+                       "v2 in workers), torch-tensor (torchvision.io.decode_jpeg + v2), dali-proxy "
+                       "(DALI's own proxy), dali-reader (fn.readers.webdataset, no Python)")
     bench.add_argument("--samples", type=int, default=1024, help="images (audio: clips / 4)")
     bench.add_argument("--batch-size", type=int, default=None, help="default: 256 images, 64 clips "
                        "on a GPU; 64 and 32 on CPU")

@@ -8,9 +8,11 @@ work while the training step runs.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import multiprocessing
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -85,6 +87,10 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         self.ensure_server_listening()
+        if self.num_workers > 0 and (self._iterator is None or not self.persistent_workers):
+            # Collect garbage here, before workers fork: a DALI pipeline left in a garbage cycle
+            # must be destroyed by this process, never by a forked child (that aborts it).
+            gc.collect()
         self._epoch.value += 1
         for server in self._servers.values():
             server._begin_epoch(self._loader_id, self._epoch.value)
@@ -99,6 +105,7 @@ class _LoaderIter:
         self._in_main = loader.num_workers == 0
         self._ahead = any(s.deterministic for s in self._servers.values())
         self._next: list[Any] = []  # the batch fetched one step ahead (deterministic mode)
+        _live_iterators.add(self)
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -140,3 +147,17 @@ class _LoaderIter:
             self._claim(upcoming)
             self._next.append(upcoming)
         return resolve(batch, self._servers, strict=True)
+
+
+# A forked worker of a later loader inherits the iterators of earlier ones; if it garbage-collected
+# them, torch's iterator would try to shut down workers that are not its children. The child keeps
+# them alive (inert) instead.
+_live_iterators: weakref.WeakSet[_LoaderIter] = weakref.WeakSet()
+_inherited: list[Any] = []
+
+
+def _keep_inherited_iterators() -> None:
+    _inherited.extend(it._it for it in list(_live_iterators))
+
+
+os.register_at_fork(after_in_child=_keep_inherited_iterators)
