@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import torch
-
 from mmproxy.server import DALIServer
 
 from .multimodal import MultiModalDataset

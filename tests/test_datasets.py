@@ -7,8 +7,6 @@ import os
 import numpy as np
 import pytest
 import torch
-
-import mmproxy
 from mmproxy.datasets import (
     MultiModalDataset,
     audio_label_dataset,
@@ -16,6 +14,8 @@ from mmproxy.datasets import (
     make_shards,
 )
 from mmproxy.pipelines import audio_pipeline, image_eval_pipeline
+
+import mmproxy
 from mmproxy.testing import audio_bytes, image_bytes, make_tokenizer, synth_speech, write_tar
 
 pytestmark = pytest.mark.timeout(180)

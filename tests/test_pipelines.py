@@ -8,9 +8,6 @@ import numpy as np
 import pytest
 import torch
 import torchaudio
-from torch.utils.data import default_collate
-
-import mmproxy
 from mmproxy.pipelines import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -18,6 +15,9 @@ from mmproxy.pipelines import (
     image_eval_pipeline,
     image_train_pipeline,
 )
+from torch.utils.data import default_collate
+
+import mmproxy
 from mmproxy.testing import audio_bytes, image_bytes, synth_image, synth_speech
 
 pytestmark = pytest.mark.timeout(180)
