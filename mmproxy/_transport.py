@@ -160,7 +160,8 @@ def send(path: str, fd: int, server_name: str) -> None:
                     _clients[path] = sock
                 socket.send_fds(sock, [_MAGIC], [fd])
                 return
-            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as err:
+            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError,
+                    BrokenPipeError) as err:
                 _clients.pop(path, None)
                 if sock is not None:
                     sock.close()

@@ -356,16 +356,22 @@ class DALIServer:
         except BaseException as err:  # noqa: BLE001 - every error must reach the main loop
             self._fail(with_remote_cause(
                 ServerFailedError(f"server {self.name!r}: receiving inputs failed: {err}"), err))
+        finally:
+            # Closing here (stopped or failed) makes workers blocked on a full socket fail fast.
+            listener.close()
 
     def _next(self, block: bool) -> _Run | None:
         with self._cond:
             while not self._stop.is_set():
+                run = None
                 if self.deterministic:
                     if self._claims and self._claims[0] in self._arrived:
                         run = self._arrived.pop(self._claims.popleft())
-                        return run
                 elif self._arrived:
-                    return self._arrived.popitem(last=False)[1]
+                    run = self._arrived.popitem(last=False)[1]
+                if run is not None:
+                    run.state = RunState.SCHEDULED  # under the lock, so it is never claimed again
+                    return run
                 if not block:
                     return None
                 self._cond.wait(_POLL)
@@ -393,8 +399,6 @@ class DALIServer:
                     for name, arrays in zip(self._input_names, req.inputs):
                         pipe.feed_input(name, arrays)
                     pipe._run_once()
-                    with self._cond:
-                        run.state = RunState.SCHEDULED
                     inflight.append(run)
                 if not inflight:
                     if self._stop.is_set():

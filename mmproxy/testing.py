@@ -64,12 +64,21 @@ def synth_speech(seed: int, seconds: float, rate: int = 16000, channels: int = 1
 
 
 def audio_bytes(signal: np.ndarray, rate: int, fmt: str = "WAV") -> bytes:
-    """Encodes a float signal as WAV (16-bit), FLAC or OGG (Vorbis) with soundfile."""
+    """Encodes a float signal as 16-bit WAV (standard library), FLAC or OGG/Vorbis (soundfile)."""
+    buf = io.BytesIO()
+    if fmt == "WAV":
+        import wave
+
+        pcm = np.round(np.clip(signal, -1, 1) * 32767).astype("<i2")
+        with wave.open(buf, "wb") as w:
+            w.setnchannels(1 if pcm.ndim == 1 else pcm.shape[1])
+            w.setsampwidth(2)
+            w.setframerate(rate)
+            w.writeframes(pcm.tobytes())
+        return buf.getvalue()
     import soundfile as sf
 
-    buf = io.BytesIO()
-    subtype = {"WAV": "PCM_16", "FLAC": "PCM_16", "OGG": "VORBIS"}[fmt]
-    sf.write(buf, signal, rate, format=fmt, subtype=subtype)
+    sf.write(buf, signal, rate, format=fmt, subtype={"FLAC": "PCM_16", "OGG": "VORBIS"}[fmt])
     return buf.getvalue()
 
 

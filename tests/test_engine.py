@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import importlib
 import inspect
 import threading
@@ -174,6 +175,7 @@ def test_breaking_out_of_an_epoch_never_mixes_outputs(add_server):
 def test_batch_larger_than_pipeline_batch_size_raises_fast(add_server):
     loader = mmproxy.DataLoader(add_server, AddDataset(add_server.proxy), batch_size=16,
                                 num_workers=2)
+    gc.collect()
     start = time.perf_counter()
     with pytest.raises(Exception, match=r"addsub.*16 samples.*batch_size=8"):
         next(iter(loader))
@@ -186,6 +188,7 @@ def test_pipeline_error_names_server_and_samples_and_stays_failed():
     with mmproxy.DALIServer(cpu(decode_pipe, batch_size=4), name="img") as server:
         loader = mmproxy.DataLoader(server, BytesDataset(server.proxy, items), batch_size=4,
                                     num_workers=1)
+        gc.collect()  # earlier tests' abandoned torch iterators take seconds to shut down
         start = time.perf_counter()
         with pytest.raises(mmproxy.PipelineError, match=r"'img'.*sample-003"):
             for _ in loader:
@@ -201,6 +204,7 @@ def test_pipeline_error_names_server_and_samples_and_stays_failed():
 def test_dead_worker_raises_in_the_main_loop(double_server):
     loader = mmproxy.DataLoader(double_server, DyingDataset(double_server.proxy), batch_size=4,
                                 num_workers=2)
+    gc.collect()
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match="exited unexpectedly"):
         for _ in loader:
