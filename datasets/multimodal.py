@@ -121,20 +121,40 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         _, _, worker, workers = worker_info()
         return self.epoch_length // workers + (1 if worker < self.epoch_length % workers else 0)
 
-    def _shard_stream(self, epoch: int) -> Iterator[str]:
+    def _shard_stream(self, epoch: int, again: int) -> Iterator[str]:
         rank, _, worker, _ = worker_info()
         if self.resampled:
             yield from resampled(self.urls, random.Random(f"{self.seed}:{epoch}:{rank}:{worker}"))
             return
         shards = worker_shards(rank_shards(self.urls, shuffle=self.shuffle_shards,
                                            seed=self.seed, epoch=epoch))
+        if again:  # a later pass over this worker's shards (to fill epoch_length): reshuffled
+            random.Random(f"{self.seed}:{epoch}:{rank}:{worker}:{again}").shuffle(shards)
         yield from shards
-        if self.epoch_length is not None:  # run out before the quota: start the shards again
-            rng = random.Random(f"{self.seed}:{epoch}:{rank}:{worker}:again")
-            while True:
-                again = list(shards)
-                rng.shuffle(again)
-                yield from again
+
+    def _passes(self, epoch: int, skipped: list[tuple[str, str, str]]) -> Iterator[dict[str, Any]]:
+        """Samples of this worker's shards, shuffled; passes repeat only to fill epoch_length.
+
+        Each pass is shuffled on its own, so the shuffle buffer's read-ahead never mixes a
+        sample's repeat into the pass that holds the sample.
+        """
+        rank, _, worker, _ = worker_info()
+        again = 0
+        while True:
+            samples = self._samples(self._shard_stream(epoch, again), skipped)
+            if self.shuffle_buffer > 0:
+                rng = random.Random(f"{self.seed}:{epoch}:{rank}:{worker}:{again}:samples")
+                samples = wds.filters._shuffle(samples, self.shuffle_buffer,
+                                               min(100, self.shuffle_buffer), rng=rng)
+            count = 0
+            for sample in samples:
+                count += 1
+                yield sample
+            if self.epoch_length is None or self.resampled:
+                return
+            if count == 0:
+                raise ShardError(f"worker {worker} on rank {rank}: its shards hold no samples")
+            again += 1
 
     def _samples(self, shards: Iterator[str], skipped: list[tuple[str, str, str]]
                  ) -> Iterator[dict[str, Any]]:
@@ -169,13 +189,8 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         epoch = current_epoch(self._epoch)
-        rank, _, worker, _ = worker_info()
         skipped: list[tuple[str, str, str]] = []
-        samples: Iterator[dict[str, Any]] = self._samples(self._shard_stream(epoch), skipped)
-        if self.shuffle_buffer > 0:
-            rng = random.Random(f"{self.seed}:{epoch}:{rank}:{worker}:samples")
-            samples = wds.filters._shuffle(samples, self.shuffle_buffer,
-                                           min(100, self.shuffle_buffer), rng=rng)
+        samples = self._passes(epoch, skipped)
         quota = self._quota()
         made = 0
         batch: list[dict[str, Any]] = []

@@ -59,7 +59,8 @@ def _demo(args: argparse.Namespace) -> int:
     else:
         print(f"mmproxy demo: writing {args.samples} synthetic samples (image, caption, audio, "
               f"label) to {cache} (once)")
-        urls = make_demo_shards(cache / f"shards-{args.samples}", args.samples)
+        per_shard = max(1, min(64, args.samples // (2 * max(1, args.workers))))
+        urls = make_demo_shards(cache / f"shards-{args.samples}-{per_shard}", args.samples, per_shard)
     tokenizer_dir = args.tokenizer or str(cache / "tokenizer")
     if not args.tokenizer and not Path(tokenizer_dir, "tokenizer.json").exists():
         make_tokenizer(tokenizer_dir, [f"{w}, take {i}" for i, w in enumerate(WORDS * 10)])

@@ -1,0 +1,61 @@
+"""CLIP-style image-text training: images through an image server, captions tokenized in workers.
+
+Run: python examples/clip_train.py [--data 'shards-{0000..0009}.tar' --tokenizer FOLDER]
+"""
+
+import argparse
+import time
+
+import torch
+from _common import demo_shards
+from _models import TinyCLIP
+from mmproxy.datasets import image_text_dataset, load_tokenizer
+from mmproxy.pipelines import image_train_pipeline
+
+import mmproxy
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", help="image-text shards (default: the demo's synthetic set)")
+    parser.add_argument("--tokenizer", help="a transformers tokenizer folder (default: the demo's)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--image-size", type=int, default=96)
+    args = parser.parse_args()
+    urls = args.data or demo_shards(128)
+    tokenizer = args.tokenizer
+    if tokenizer is None:
+        from mmproxy.cli import _cache_dir
+        from mmproxy.testing import WORDS, make_tokenizer
+
+        tokenizer = make_tokenizer(_cache_dir() / "demo" / "tokenizer-clip",
+                                   [f"{w}, take {i}" for i, w in enumerate(WORDS * 10)])
+    tok = load_tokenizer(tokenizer)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    image = mmproxy.DALIServer(image_train_pipeline(batch_size=args.batch_size, size=args.image_size,
+                                                    num_threads=2), name="image")
+    dataset = image_text_dataset(urls, image, tok, batch_size=args.batch_size, max_length=32,
+                                 shuffle_buffer=64, on_error="skip", partial=False)
+    model = TinyCLIP(len(tok)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step, start = 0, time.perf_counter()
+    with image:
+        while step < args.steps:
+            for batch in dataset.loader(image, num_workers=args.workers):
+                loss = model(batch["image"].to(device), batch["input_ids"].to(device),
+                             batch["attention_mask"].to(device))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                step += 1
+                print(f"step {step}: loss {loss.item():.3f}")
+                if step == args.steps:
+                    break
+    print(f"clip: {step} steps in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

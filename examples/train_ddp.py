@@ -1,0 +1,131 @@
+"""Multi-GPU image-text training under torchrun: one image server per rank, on its own GPU.
+
+Run:  torchrun --nproc_per_node=2 examples/train_ddp.py [--data 'shards-{0000..0127}.tar']
+      (CPU: the same command uses the gloo backend and CPU pipelines)
+Multi-node: torchrun --nnodes=N --node_rank=R --master_addr=HOST --nproc_per_node=G ...
+
+Shards are split by rank (webdataset's split_by_node, after a shuffle every rank agrees on) and
+by worker; --epoch-length gives every rank the same number of batches, so DDP never waits on a
+short rank.
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from _common import demo_shards
+from _models import TinyCLIP
+from mmproxy.datasets import image_text_dataset, load_tokenizer
+from mmproxy.pipelines import image_train_pipeline
+
+import mmproxy
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", help="image-text shards (default: the demo's synthetic set)")
+    parser.add_argument("--samples", type=int, default=0, help="samples in --data, for the "
+                        "default epoch length (default: 128 for the demo set)")
+    parser.add_argument("--tokenizer", help="a transformers tokenizer folder")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--epoch-length", type=int, default=0,
+                        help="batches per rank per epoch (default: samples / (ranks * batch))")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="DALI threads per rank")
+    parser.add_argument("--image-size", type=int, default=96)
+    parser.add_argument("--dump-keys", help="write each rank's sample keys to PATH.rankN.json")
+    parser.add_argument("--json", help="rank 0 writes the throughput summary here")
+    args = parser.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+
+    if rank == 0 and not args.data:
+        demo_shards(128)  # made once, by one rank
+    if world > 1:
+        dist.barrier()
+    urls = args.data or demo_shards(128)
+    samples = args.samples or 128
+    epoch_length = args.epoch_length or max(1, math.floor(samples / (world * args.batch_size)))
+    tokenizer = args.tokenizer
+    if tokenizer is None:
+        from mmproxy.cli import _cache_dir
+        from mmproxy.testing import WORDS, make_tokenizer
+
+        folder = _cache_dir() / "demo" / "tokenizer-ddp"
+        if rank == 0:
+            make_tokenizer(folder, [f"{w}, take {i}" for i, w in enumerate(WORDS * 10)])
+        if world > 1:
+            dist.barrier()
+        tokenizer = str(folder)
+    tok = load_tokenizer(tokenizer)
+
+    # Each rank: its own server on its own GPU (device="auto" picks LOCAL_RANK's GPU).
+    image = mmproxy.DALIServer(
+        image_train_pipeline(batch_size=args.batch_size, size=args.image_size,
+                             device_id=local if cuda else None, num_threads=args.threads),
+        name=f"image-rank{rank}")
+    dataset = image_text_dataset(urls, image, tok, batch_size=args.batch_size, max_length=32,
+                                 epoch_length=epoch_length, shuffle_buffer=256, seed=1234,
+                                 partial=False)
+    model = TinyCLIP(len(tok)).to(device)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if cuda else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    keys: list[list[str]] = []
+    with image:
+        loader = dataset.loader(image, num_workers=args.workers, persistent_workers=True)
+        rates = []
+        for epoch in range(args.epochs):
+            epoch_keys, n = [], 0
+            start = time.perf_counter()
+            for batch in loader:
+                loss = model(batch["image"].to(device, non_blocking=True),
+                             batch["input_ids"].to(device), batch["attention_mask"].to(device))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                epoch_keys += batch["__key__"]
+                n += len(batch["__key__"])
+            if cuda:
+                torch.cuda.synchronize()
+            rates.append(n / (time.perf_counter() - start))
+            keys.append(epoch_keys)
+            print(f"rank {rank} epoch {epoch}: {len(epoch_keys)} samples, {rates[-1]:.0f} "
+                  f"samples/s, loss {loss.item():.3f}", flush=True)
+    best = torch.tensor([max(rates)], device=device)
+    gathered = [torch.zeros_like(best) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(gathered, best)
+    else:
+        gathered = [best]
+    if args.dump_keys:
+        with open(f"{args.dump_keys}.rank{rank}.json", "w") as f:
+            json.dump(keys, f)
+    if rank == 0:
+        per_rank = [round(g.item(), 1) for g in gathered]
+        summary = {"world": world, "per_rank_samples_per_s": per_rank,
+                   "total_samples_per_s": round(sum(per_rank), 1), "batch_size": args.batch_size,
+                   "epoch_length": epoch_length, "workers": args.workers}
+        print(json.dumps(summary))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
