@@ -268,6 +268,8 @@ def _system(name: str, kind: str, paths: list[str], a: Any, gpu: bool, dev: int 
         result = _time_epochs(lambda: loader, count, a.epochs, gpu)
         result["main_loop_wait_per_batch_ms"] = round(
             1000 * server.wait_seconds / max(1, result["batches"] * a.epochs), 3)
+        result["server_starved_per_batch_ms"] = round(
+            1000 * server.starved_seconds / max(1, result["batches"] * a.epochs), 3)
         return result
 
 

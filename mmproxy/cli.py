@@ -98,7 +98,8 @@ def _demo(args: argparse.Namespace) -> int:
         for name, n in counts.items():
             print(f"  {name:6s} {n:6d} samples  {n / elapsed:8.1f} samples/s")
         for server in (image, audio):
-            print(f"  main loop waited {server.wait_seconds:6.2f} s on server {server.name!r}")
+            print(f"  main loop waited {server.wait_seconds:6.2f} s on server {server.name!r} "
+                  f"(which waited {server.starved_seconds:.2f} s for inputs from workers)")
         print(f"  skipped {len(skipped)} samples" + (f", first: {skipped[:3]}" if skipped else ""))
     return 0
 

@@ -168,6 +168,7 @@ class DALIServer:
         self._epochs: dict[str, int] = {}
         self._done: OrderedDict[str, _Run] = OrderedDict()
         self.wait_seconds = 0.0  # main-loop time spent waiting on this server
+        self.starved_seconds = 0.0  # time the pipeline sat idle waiting for inputs from workers
         self.samples = 0  # samples produced
         _proxy.register_local(self)
 
@@ -361,6 +362,14 @@ class DALIServer:
             listener.close()
 
     def _next(self, block: bool) -> _Run | None:
+        start = time.perf_counter()
+        try:
+            return self._next_locked(block)
+        finally:
+            if block:
+                self.starved_seconds += time.perf_counter() - start
+
+    def _next_locked(self, block: bool) -> _Run | None:
         with self._cond:
             while not self._stop.is_set():
                 run = None
@@ -521,7 +530,8 @@ def resolve(obj: Any, servers: dict[str, DALIServer], *, strict: bool = False) -
                 current.wait_event(run.event)
                 for out in run.outputs:
                     for t in _convert.tensors_of(out):
-                        t.record_stream(current)
+                        if t.is_cuda:  # a GPU pipeline may also have CPU outputs
+                            t.record_stream(current)
         return _convert.select(run.outputs[ref.output_idx], ref.rows)
 
     out = _walk.replace(obj, DALIOutputBatchRef, produce)
