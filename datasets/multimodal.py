@@ -27,7 +27,7 @@ from mmproxy.collate import Collate
 from mmproxy.errors import SampleError, ShardError
 from mmproxy.proxy import DALIProxy
 
-from .checks import check_header
+from .checks import MAX_PIXELS, check_header
 from .shards import current_epoch, expand, rank_shards, resampled, worker_info, worker_shards
 
 __all__ = ["MultiModalDataset", "OnError"]
@@ -65,6 +65,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         collate: The collate for a list of sample dicts; :class:`~mmproxy.Collate` by default.
         batch_transform: Applied to each collated batch in the worker (e.g. tokenization).
         keep_keys: Keep ``"__key__"`` (and ``"__url__"``) in the batches.
+        max_pixels: Images whose header declares more pixels are bad samples.
     """
 
     def __init__(self, urls: str | Sequence[str], fields: Mapping[str, FieldSpec], *,
@@ -73,7 +74,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                  on_error: OnError = "raise", partial: bool = True,
                  collate: Callable[[list[Any]], Any] | None = None,
                  batch_transform: Callable[[Any], Any] | None = None,
-                 keep_keys: bool = True) -> None:
+                 keep_keys: bool = True, max_pixels: int = MAX_PIXELS) -> None:
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -96,6 +97,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         self.collate = collate or Collate()
         self.batch_transform = batch_transform
         self.keep_keys = keep_keys
+        self.max_pixels = max_pixels
         self._epoch: int | None = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -178,7 +180,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                     present = sorted(k for k in sample if not k.startswith("__"))
                     raise _Skip(url, key, f"missing field {'/'.join(exts)!r} (has {present})")
                 data = sample[ext]
-                problem = check_header(ext, data) if is_proxy else (None if data else "is empty")
+                problem = check_header(ext, data, self.max_pixels) if is_proxy else (None if data else "is empty")
                 if problem:
                     raise _Skip(url, key, f"field {ext!r} {problem}")
                 try:

@@ -113,6 +113,12 @@ class _LoaderIter:
     def __len__(self) -> int:
         return len(self._loader)
 
+    def close(self) -> None:
+        """Shuts this iterator's workers down now, instead of when it is garbage-collected."""
+        shutdown = getattr(self._it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
     def _fetch(self) -> Any:
         if self._in_main:
             _context.set_loader_tag((self._loader._loader_id, self._loader._epoch))

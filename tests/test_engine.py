@@ -205,11 +205,15 @@ def test_dead_worker_raises_in_the_main_loop(double_server):
     loader = mmproxy.DataLoader(double_server, DyingDataset(double_server.proxy), batch_size=4,
                                 num_workers=2)
     gc.collect()
+    it = iter(loader)
     start = time.perf_counter()
-    with pytest.raises(RuntimeError, match="exited unexpectedly"):
-        for _ in loader:
-            pass
-    assert time.perf_counter() - start < 15
+    try:
+        with pytest.raises(RuntimeError, match="exited unexpectedly"):
+            for _ in it:
+                pass
+        assert time.perf_counter() - start < 15
+    finally:
+        it.close()
 
 
 def test_stop_is_fast_and_idempotent_and_restartable():
