@@ -180,7 +180,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                     present = sorted(k for k in sample if not k.startswith("__"))
                     raise _Skip(url, key, f"missing field {'/'.join(exts)!r} (has {present})")
                 data = sample[ext]
-                problem = check_header(ext, data, self.max_pixels) if is_proxy else (None if data else "is empty")
+                if is_proxy:
+                    problem = check_header(ext, data, self.max_pixels)
+                else:
+                    problem = None if data else "is empty"
                 if problem:
                     raise _Skip(url, key, f"field {ext!r} {problem}")
                 try:
