@@ -40,6 +40,8 @@ def main():
     parser.add_argument("--image-size", type=int, default=96)
     parser.add_argument("--dump-keys", help="write each rank's sample keys to PATH.rankN.json")
     parser.add_argument("--json", help="rank 0 writes the throughput summary here")
+    parser.add_argument("--independent", action="store_true",
+                        help="skip DDP's gradient sync (measures data loading alone per rank)")
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -81,7 +83,7 @@ def main():
                                  epoch_length=epoch_length, shuffle_buffer=256, seed=1234,
                                  partial=False)
     model = TinyCLIP(len(tok)).to(device)
-    if world > 1:
+    if world > 1 and not args.independent:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if cuda else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     keys: list[list[str]] = []

@@ -103,7 +103,7 @@ def _audio_ops(data: Any, gpu: bool) -> Any:
 
 
 def _input_pipe(kind: str, batch: int, threads: int, device_id: int | None, gpu: bool,
-                machinery: bool = False) -> Any:
+                machinery: bool = False, prefetch: int = 2) -> Any:
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def
@@ -114,7 +114,7 @@ def _input_pipe(kind: str, batch: int, threads: int, device_id: int | None, gpu:
         return _image_ops(data, gpu) if kind == "image" else _audio_ops(data, gpu)
 
     return pipe(batch_size=batch, num_threads=threads, device_id=device_id,
-                prefetch_queue_depth=2)
+                prefetch_queue_depth=prefetch)
 
 
 def _reader_pipe(kind: str, paths: list[str], batch: int, threads: int, device_id: int | None,
@@ -234,7 +234,8 @@ def _system(name: str, kind: str, paths: list[str], a: Any, gpu: bool, dev: int 
         return _time_epochs(lambda: (b[0]["data"] for b in reader), lambda b: int(b.shape[0]),
                             a.epochs, gpu)
     machinery = kind == "machinery"
-    pipe = _input_pipe("image" if ext == "jpg" else "audio", batch, a.threads, dev, gpu, machinery)
+    pipe = _input_pipe("image" if ext == "jpg" else "audio", batch, a.threads, dev, gpu, machinery,
+                       a.prefetch)
     if name == "dali-proxy":
         from nvidia.dali.plugin.pytorch.experimental import proxy as dali_proxy
 
@@ -316,7 +317,11 @@ def run(a: Any) -> int:
     gpu = a.device == "gpu" or (a.device == "auto" and torch.cuda.is_available())
     dev = torch.cuda.current_device() if gpu else None
     folder = Path(a.data_dir or Path.home() / ".cache" / "mmproxy" / "bench")
-    workloads = ["image", "audio", "image-text", "machinery"] if a.workload == "all" else [a.workload]
+    workloads = (["image", "audio", "image-text", "machinery"] if a.workload == "all"
+                 else [w.strip() for w in a.workload.split(",")])
+    unknown = set(workloads) - {"image", "audio", "image-text", "machinery"}
+    if unknown:
+        raise SystemExit(f"mmproxy bench: unknown workload(s) {sorted(unknown)}")
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     out: dict[str, Any] = {"machine": {"gpu": torch.cuda.get_device_name() if gpu else None,
                                        "cpus": os.cpu_count(), "python": platform.python_version(),

@@ -159,8 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "pure DALI reader",
                            description="Runs the same data side by side through every system and "
                            "prints throughput ratios; writes JSON (and a PNG with --plot).")
-    bench.add_argument("--workload", choices=["image", "audio", "image-text", "machinery", "all"],
-                       default="image")
+    bench.add_argument("--workload", default="image",
+                       help="image, audio, image-text, machinery, a comma-separated list, or all")
+    bench.add_argument("--prefetch", type=int, default=2,
+                       help="prefetch_queue_depth of the proxied pipelines (mmproxy, dali-proxy)")
     bench.add_argument("--systems", default="mmproxy,torch,torch-tensor,dali-proxy,dali-reader",
                        help="comma-separated subset of mmproxy, torch (PIL decode + torchvision "
                        "v2 in workers), torch-tensor (torchvision.io.decode_jpeg + v2), dali-proxy "
