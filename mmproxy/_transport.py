@@ -138,6 +138,14 @@ class Listener:
         except FileNotFoundError:
             pass
 
+    def forget(self) -> None:
+        """In a forked child: drop the inherited descriptor (the path stays the parent's).
+
+        Otherwise the child would keep the socket alive after the server closes it, and sends
+        after a server restart would queue into a socket that nobody reads.
+        """
+        self._sock.close()
+
 
 _clients: dict[str, socket.socket] = {}
 _clients_pid = 0

@@ -540,11 +540,16 @@ def resolve(obj: Any, servers: dict[str, DALIServer], *, strict: bool = False) -
     return out
 
 
-def _keep_inherited_pipelines() -> None:
-    # A forked worker must never destroy a pipeline it inherited (a CUDA call in a forked child
-    # aborts it), so the child keeps a reference to each for the rest of its life.
-    _inherited.extend(s._pipe for s in list(_proxy._local_servers.values()))
+def _after_fork_in_child() -> None:
+    # Whatever a worker inherits from the main process must be inert there:
+    # - it must never destroy a pipeline (a CUDA call in a forked child aborts it), so the child
+    #   keeps a reference to each for the rest of its life;
+    # - it must not hold the servers' sockets open (see Listener.forget).
+    for server in list(_proxy._local_servers.values()):
+        _inherited.append(server._pipe)
+        if server._listener is not None:
+            server._listener.forget()
 
 
 _inherited: list[Any] = []
-os.register_at_fork(after_in_child=_keep_inherited_pipelines)
+os.register_at_fork(after_in_child=_after_fork_in_child)

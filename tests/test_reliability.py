@@ -299,3 +299,21 @@ def test_no_shell_command_is_built_anywhere():
         text = path.read_text()
         for pattern in ("os.system", "shell=True", "subprocess", "os.popen", "Popen("):
             assert pattern not in text, f"{path}: {pattern}"
+
+
+def test_server_restart_under_persistent_workers_keeps_working():
+    # Regression: forked workers held the old socket open, so sends after a restart were lost.
+    from conftest import add_sub_pipe
+
+    s = mmproxy.DALIServer(cpu(add_sub_pipe), name="restart")
+    s.start_thread()
+    loader = mmproxy.DataLoader(s, AddDataset(s.proxy, n=32), batch_size=4, num_workers=2,
+                                persistent_workers=True)
+    try:
+        for epoch in range(4):
+            for total, _, i in loader:
+                torch.testing.assert_close(total[:, 0], i.float() + 1)
+            s.stop_thread()
+            s.start_thread()
+    finally:
+        s.stop_thread()
