@@ -32,6 +32,7 @@ __all__ = [
     "ShardError",
     "TransportError",
     "WaitTimeoutError",
+    "WorkerDiedError",
     "sample_key",
 ]
 
@@ -56,6 +57,7 @@ _WHERE = {
     "ShardError": "mmproxy.errors",
     "TransportError": "mmproxy.errors",
     "WaitTimeoutError": "mmproxy.errors",
+    "WorkerDiedError": "mmproxy.errors",
     "sample_key": "mmproxy._context",
 }
 
@@ -75,6 +77,7 @@ if TYPE_CHECKING:
         ShardError,
         TransportError,
         WaitTimeoutError,
+        WorkerDiedError,
     )
     from mmproxy.loader import DataLoader
     from mmproxy.proxy import DALIProxy

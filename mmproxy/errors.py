@@ -23,6 +23,7 @@ __all__ = [
     "ShardError",
     "TransportError",
     "WaitTimeoutError",
+    "WorkerDiedError",
 ]
 
 
@@ -64,6 +65,10 @@ class TransportError(MmproxyError, RuntimeError):
 
 class WaitTimeoutError(MmproxyError, TimeoutError):
     """Waiting for a server's outputs took longer than the server's ``timeout``."""
+
+
+class WorkerDiedError(MmproxyError, RuntimeError):
+    """A DataLoader worker died (killed, crashed) while handing a batch to the main process."""
 
 
 class SampleError(MmproxyError, ValueError):

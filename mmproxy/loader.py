@@ -19,6 +19,7 @@ from typing import Any
 import torch.utils.data
 
 from mmproxy import _context, _walk
+from mmproxy.errors import WorkerDiedError
 from mmproxy.refs import DALIOutputBatchRef
 from mmproxy.server import DALIServer, resolve
 
@@ -124,6 +125,12 @@ class _LoaderIter:
             _context.set_loader_tag((self._loader._loader_id, self._loader._epoch))
         try:
             return next(self._it)
+        except (ConnectionError, EOFError) as err:
+            # torch hands tensors over through the worker; a worker killed mid-handover shows up
+            # as a broken connection here rather than as torch's "exited unexpectedly"
+            codes = [w.exitcode for w in getattr(self._it, "_workers", [])]
+            raise WorkerDiedError(f"a DataLoader worker died while handing over a batch "
+                                  f"(worker exit codes {codes}): {err!r}") from err
         finally:
             if self._in_main:
                 _context.set_loader_tag(None)
