@@ -120,7 +120,10 @@ class DALIServer:
             :class:`~mmproxy.refs.PaddedBatch` instead of returning a list of tensors. ``True``
             pads every output; a collection of output indices pads only those.
         timeout: Seconds to wait for one run's outputs before raising
-            :class:`~mmproxy.errors.WaitTimeoutError`; ``None`` waits while the server is alive.
+            :class:`~mmproxy.errors.WaitTimeoutError`. A run's inputs are already on their way
+            when the main loop asks for it, so the wait is bounded by the pipeline's own time;
+            the default (300 s) only turns a bug into an error instead of a hang. ``None``
+            waits as long as the server is alive.
 
     Example::
 
@@ -132,7 +135,7 @@ class DALIServer:
 
     def __init__(self, pipeline: Any, deterministic: bool = False, *, name: str | None = None,
                  pad: bool | tuple[int, ...] | list[int] = False,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = 300.0) -> None:
         from nvidia.dali.pipeline import Pipeline
 
         if not isinstance(pipeline, Pipeline):

@@ -276,3 +276,12 @@ def test_gpu_outputs_are_ready_on_the_current_stream():
                 assert out.is_cuda
                 expected = (torch.arange(8, device="cuda", dtype=torch.float32) + k) * 2
                 assert torch.equal(out[:, -1], expected)
+
+
+def test_a_run_that_never_arrives_times_out_with_a_named_error():
+    with mmproxy.DALIServer(cpu(double_pipe), name="slow", timeout=0.3) as server:
+        ghost = mmproxy.DALIOutputBatchRef(server.uid, server.name, "nobody:0", 0)
+        start = time.perf_counter()
+        with pytest.raises(mmproxy.WaitTimeoutError, match=r"'slow': run nobody:0 not ready"):
+            server.produce_data([ghost])
+        assert time.perf_counter() - start < 3
