@@ -19,9 +19,10 @@ from typing import Any
 import torch.utils.data
 
 from mmproxy import _context, _walk
+from mmproxy._resolve import resolve
 from mmproxy.errors import WorkerDiedError
 from mmproxy.refs import DALIOutputBatchRef
-from mmproxy.server import DALIServer, resolve
+from mmproxy.server import DALIServer
 
 __all__ = ["DataLoader"]
 

@@ -40,8 +40,9 @@ from typing import Any
 
 import torch
 
-from mmproxy import _convert, _transport, _walk
+from mmproxy import _convert, _transport
 from mmproxy import proxy as _proxy
+from mmproxy._resolve import resolve
 from mmproxy.errors import (
     BatchSizeError,
     PipelineError,
@@ -493,54 +494,6 @@ def _summary(err: BaseException) -> str:
         if rest:
             return rest[0]
     return lines[0] if lines else type(err).__name__
-
-
-def resolve(obj: Any, servers: dict[str, DALIServer], *, strict: bool = False) -> Any:
-    """Replaces the batch references of ``servers`` (uid -> server) inside ``obj`` with data.
-
-    With ``strict``, a reference to a server not in ``servers`` raises; otherwise it is kept.
-    """
-    refs = _walk.collect(obj, DALIOutputBatchRef)
-    if not refs:
-        return obj
-    claims: dict[str, list[str]] = {}
-    for ref in refs:
-        server = servers.get(ref.server_uid)
-        if server is None:
-            if strict:
-                known = ", ".join(repr(s.name) for s in servers.values())
-                raise ServerStateError(f"the batch holds references of server {ref.server_name!r}, "
-                                       f"which this loader was not given (it has {known})")
-            continue
-        if server.deterministic:
-            claims.setdefault(ref.server_uid, []).append(ref.run_id)
-    for uid, run_ids in claims.items():
-        servers[uid]._claim(run_ids)
-    runs: dict[tuple[str, str], _Run] = {}
-    current = None
-
-    def produce(ref: DALIOutputBatchRef) -> Any:
-        nonlocal current
-        server = servers.get(ref.server_uid)
-        if server is None:
-            return ref
-        key = (ref.server_uid, ref.run_id)
-        run = runs.get(key)
-        if run is None:
-            run = runs[key] = server._wait(ref)
-            if run.event is not None:
-                current = current or torch.cuda.current_stream(server._device)
-                current.wait_event(run.event)
-                for out in run.outputs:
-                    for t in _convert.tensors_of(out):
-                        if t.is_cuda:  # a GPU pipeline may also have CPU outputs
-                            t.record_stream(current)
-        return _convert.select(run.outputs[ref.output_idx], ref.rows)
-
-    out = _walk.replace(obj, DALIOutputBatchRef, produce)
-    for (uid, _), run in runs.items():
-        servers[uid]._release(run)
-    return out
 
 
 def _after_fork_in_child() -> None:

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_public_names_are_sorted_and_resolve():
     for module in ("mmproxy", "mmproxy.errors", "mmproxy.refs", "mmproxy.server",
-                   "mmproxy.loader", "mmproxy.collate", "mmproxy.proxy", "mmproxy.pipelines"):
+                   "mmproxy.loader", "mmproxy.collate", "mmproxy.proxy", "mmproxy.pipelines",
+                   "mmproxy.datasets"):
         mod = importlib.import_module(module)
         assert mod.__all__ == sorted(mod.__all__), module
         for name in mod.__all__:
