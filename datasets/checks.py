@@ -65,14 +65,14 @@ def _wav_frames(data: bytes) -> int | None:
     return None
 
 
-def check_header(ext: str, data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
+def check_header(ext: str, data: bytes | memoryview, max_pixels: int = MAX_PIXELS) -> str | None:
     """Returns why ``data`` is not a usable ``ext`` file, or None if it looks right."""
     if not data:
         return "is empty"
     ext = ext.lower()
     check = SIGNATURES.get(ext)
     if check is not None and not check(data[:16]):
-        return f"does not start with a {ext.upper()} signature (first bytes {data[:8]!r})"
+        return f"does not start with a {ext.upper()} signature (first bytes {bytes(data[:8])!r})"
     size = image_size(ext, data)
     if size is not None:
         width, height = size

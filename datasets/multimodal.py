@@ -15,6 +15,7 @@ and the key; with ``on_error="skip"`` it is dropped and reported in the next bat
 from __future__ import annotations
 
 import random
+import tarfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -28,7 +29,16 @@ from mmproxy.errors import SampleError, ShardError
 from mmproxy.proxy import DALIProxy
 
 from .checks import MAX_PIXELS, check_header
-from .shards import current_epoch, expand, rank_shards, resampled, worker_info, worker_shards
+from .shards import (
+    current_epoch,
+    expand,
+    is_local,
+    rank_shards,
+    read_local_tar,
+    resampled,
+    worker_info,
+    worker_shards,
+)
 
 __all__ = ["MultiModalDataset", "OnError"]
 
@@ -160,14 +170,27 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
 
     def _samples(self, shards: Iterator[str], skipped: list[tuple[str, str, str]]
                  ) -> Iterator[dict[str, Any]]:
-        def handler(exn: Exception) -> bool:
-            url = getattr(exn, "args", ("",))[-1] if exn.args else ""
-            if self.on_error == "skip":
-                skipped.append((str(url), "", f"unreadable shard: {exn.args[0] if exn.args else exn}"))
-                return True
-            raise ShardError(f"shard {url}: cannot be read: {exn.args[0] if exn.args else exn}") from exn
+        """Samples of the shards: local ones mapped (zero copy), others through webdataset."""
 
-        return wds.tariterators.tarfile_samples(({"url": u} for u in shards), handler=handler)
+        def failed(url: str, exn: BaseException) -> None:
+            reason = exn.args[0] if exn.args else exn
+            if self.on_error == "skip":
+                skipped.append((url, "", f"unreadable shard: {reason}"))
+            else:
+                raise ShardError(f"shard {url}: cannot be read: {reason}") from exn
+
+        def handler(exn: Exception) -> bool:
+            failed(str(exn.args[-1]) if exn.args else "?", exn)
+            return True
+
+        for url in shards:
+            if is_local(url):
+                try:
+                    yield from read_local_tar(url)
+                except (OSError, tarfile.TarError, ValueError) as exn:
+                    failed(url, exn)
+            else:
+                yield from wds.tariterators.tarfile_samples([{"url": url}], handler=handler)
 
     def _process(self, sample: dict[str, Any]) -> dict[str, Any]:
         key = sample.get("__key__", "?")
@@ -187,7 +210,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                 if problem:
                     raise _Skip(url, key, f"field {ext!r} {problem}")
                 try:
-                    out[name] = fn(np.frombuffer(data, np.uint8)) if is_proxy else fn(data)
+                    out[name] = fn(np.frombuffer(data, np.uint8)) if is_proxy else fn(bytes(data))
                 except Exception as err:  # a user function failed on this sample
                     raise _Skip(url, key, f"field {ext!r}: {type(err).__name__}: {err}") from err
         return out

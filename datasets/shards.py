@@ -3,21 +3,28 @@
 Built on ``webdataset``: brace expansion (``expand_urls``), tar reading with ``pipe:`` and local
 files (``tarfile_samples``), and node / worker splitting (``split_by_node``, ``split_by_worker``).
 What is added: an error when a rank or worker would get no shards, an epoch that every worker of
-every rank agrees on (so a shard shuffle is the same everywhere and splits stay disjoint), and
-resampling with a fixed number of batches per rank.
+every rank agrees on (so a shard shuffle is the same everywhere and splits stay disjoint),
+resampling with a fixed number of batches per rank, and a zero-copy reader for local shards:
+webdataset's streaming tar reader copies each member through 10 KB reads (about 600 MB/s per
+worker here); mapping a local tar and slicing its members is about 15x faster, and the one copy
+left is the one into the server's shared memory.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import random
+import tarfile
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import webdataset as wds
 
 from mmproxy import _context
 from mmproxy.errors import ShardError
 
-__all__ = ["expand", "rank_shards", "worker_info", "worker_shards"]
+__all__ = ["expand", "is_local", "rank_shards", "read_local_tar", "worker_info", "worker_shards"]
 
 
 def expand(urls: str | Sequence[str]) -> list[str]:
@@ -73,3 +80,36 @@ def resampled(urls: list[str], rng: random.Random) -> Iterator[str]:
     """Shards drawn with replacement, forever (with resampling every rank sees every shard)."""
     while True:
         yield rng.choice(urls)
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` names a local file (not ``pipe:``, not a ``scheme://`` URL)."""
+    return not url.startswith("pipe:") and "://" not in url
+
+
+def read_local_tar(url: str) -> Iterator[dict[str, Any]]:
+    """Samples of a local tar, grouped by key like webdataset's; fields are memoryviews of a
+    read-only mapping of the file (no copy). Raises ``tarfile.ReadError`` for a damaged shard.
+    """
+    with open(url, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise tarfile.ReadError("the shard is empty")
+        view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    current: dict[str, Any] | None = None
+    with tarfile.open(url, "r:") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            prefix, suffix = wds.tariterators.base_plus_ext(member.name)
+            if prefix is None:
+                continue
+            end = member.offset_data + member.size
+            if end > len(view):
+                raise tarfile.ReadError(f"member {member.name!r} is truncated")
+            if current is None or current["__key__"] != prefix:
+                if current is not None:
+                    yield current
+                current = {"__key__": prefix, "__url__": url}
+            current[suffix.lower()] = view[member.offset_data:end]
+    if current is not None:
+        yield current

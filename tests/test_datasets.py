@@ -208,3 +208,21 @@ def test_make_shards_from_an_image_folder(tmp_path):
     assert len(samples) == 6
     assert sorted(int(s["cls"]) for s in samples) == [0, 0, 0, 1, 1, 1]
     assert b"a very good dog" in [s["txt"] for s in samples]
+
+
+def test_truncated_shard_is_named_or_skipped(tmp_path, image_server):
+    good = tmp_path / "good-000.tar"
+    write_tar(good, [image_sample(i) for i in range(4)])
+    cut = tmp_path / "cut-000.tar"
+    data = good.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    fields = {"image": ("jpg", image_server.proxy), "label": ("cls", int)}
+    ds = MultiModalDataset([str(cut)], fields, batch_size=4, shuffle_shards=False)
+    with pytest.raises(mmproxy.ShardError, match=r"cut-000\.tar: cannot be read"):
+        list(ds.loader(image_server, num_workers=0))
+    ds = MultiModalDataset([str(cut), str(good)], fields, batch_size=4, shuffle_shards=False,
+                           on_error="skip")
+    batches = list(ds.loader(image_server, num_workers=0))
+    from_good = sorted(k for b in batches for u, k in zip(b["__url__"], b["__key__"]) if u == str(good))
+    assert from_good == [f"s{i:04d}" for i in range(4)]  # the good shard whole, after the cut one
+    assert any("cut-000.tar" in url for b in batches for url, _, _ in b["__skipped__"])
