@@ -6,8 +6,13 @@ through their proxies; a composite collate puts them into one batch per step.
 
 from mmproxy.datasets.checks import check_header
 from mmproxy.datasets.multimodal import MultiModalDataset
-from mmproxy.datasets.recipes import audio_label_dataset, image_text_dataset, load_tokenizer
+from mmproxy.datasets.recipes import (
+    Tokenize,
+    audio_label_dataset,
+    image_text_dataset,
+    load_tokenizer,
+)
 from mmproxy.datasets.writer import make_shards
 
-__all__ = ["MultiModalDataset", "audio_label_dataset", "check_header", "image_text_dataset",
+__all__ = ["MultiModalDataset", "Tokenize", "audio_label_dataset", "check_header", "image_text_dataset",
            "load_tokenizer", "make_shards"]

@@ -9,7 +9,7 @@ from mmproxy.server import DALIServer
 
 from .multimodal import MultiModalDataset
 
-__all__ = ["audio_label_dataset", "image_text_dataset", "load_tokenizer"]
+__all__ = ["Tokenize", "audio_label_dataset", "image_text_dataset", "load_tokenizer"]
 
 IMAGE_EXTS = "jpg;jpeg;png;webp"
 AUDIO_EXTS = "flac;wav;ogg"
@@ -24,8 +24,14 @@ def load_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-class _Tokenize:
-    """Batch transform: tokenizes the batch's captions in the worker, padded together."""
+class Tokenize:
+    """Batch transform: tokenizes the batch's ``text`` list in the worker, padded together.
+
+    Args:
+        tokenizer: A ``transformers`` tokenizer, or a folder / name for ``AutoTokenizer``.
+        max_length: Longest sequence kept (longer captions are truncated).
+        padding: "longest" (the batch's longest caption) or "max_length".
+    """
 
     def __init__(self, tokenizer: Any, max_length: int, padding: str) -> None:
         self.tokenizer = load_tokenizer(tokenizer)
@@ -61,7 +67,7 @@ def image_text_dataset(urls: str | Sequence[str], image_server: DALIServer, toke
         raise ValueError(f"padding must be 'longest' or 'max_length', got {padding!r}")
     return MultiModalDataset(
         urls, {"image": (image_exts, image_server.proxy), "text": (text_exts, _caption)},
-        batch_size=batch_size, batch_transform=_Tokenize(tokenizer, max_length, padding), **kwargs)
+        batch_size=batch_size, batch_transform=Tokenize(tokenizer, max_length, padding), **kwargs)
 
 
 class _SplitAudio:

@@ -247,8 +247,7 @@ def _system(name: str, kind: str, paths: list[str], a: Any, gpu: bool, dev: int 
                                                num_workers=a.workers, persistent_workers=True)
             return _time_epochs(lambda: ref_loader, lambda b: int(b.shape[0]), a.epochs, gpu)
     import mmproxy
-    from mmproxy.datasets import MultiModalDataset
-    from mmproxy.datasets.recipes import _Tokenize
+    from mmproxy.datasets import MultiModalDataset, Tokenize
 
     server = mmproxy.DALIServer(pipe, name=kind)
     with server:
@@ -261,7 +260,7 @@ def _system(name: str, kind: str, paths: list[str], a: Any, gpu: bool, dev: int 
             transform = None
             if kind == "image-text":
                 fields["text"] = ("txt", lambda b: b.decode())
-                transform = _Tokenize(tokenizer, 32, "longest")
+                transform = Tokenize(tokenizer, 32, "longest")
             ds = MultiModalDataset(paths, fields, batch_size=batch, shuffle_buffer=256,
                                    keep_keys=False, batch_transform=transform)
             loader = ds.loader(server, num_workers=a.workers, persistent_workers=True)

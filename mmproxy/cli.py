@@ -48,8 +48,7 @@ def _demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import mmproxy
-    from mmproxy.datasets import MultiModalDataset, load_tokenizer
-    from mmproxy.datasets.recipes import _Tokenize
+    from mmproxy.datasets import MultiModalDataset, Tokenize, load_tokenizer
     from mmproxy.pipelines import audio_pipeline, image_train_pipeline
     from mmproxy.testing import WORDS, make_tokenizer
 
@@ -79,7 +78,7 @@ def _demo(args: argparse.Namespace) -> int:
         urls, {"image": ("jpg;jpeg;png", image.proxy), "audio": ("flac;wav;ogg", audio.proxy),
                "text": ("txt", lambda b: b.decode().strip()), "label": ("cls", int)},
         batch_size=args.batch_size, shuffle_buffer=64, on_error=args.on_error,
-        batch_transform=_Tokenize(tokenizer, 32, "longest"))
+        batch_transform=Tokenize(tokenizer, 32, "longest"))
     counts = {"image": 0, "audio": 0, "text": 0}
     skipped: list[Any] = []
     start = time.perf_counter()
