@@ -17,7 +17,7 @@ def pad(samples: list[torch.Tensor]) -> PaddedBatch:
         return PaddedBatch(torch.empty(0), torch.empty(0, dtype=torch.int64))
     ndim = samples[0].dim()
     shapes = torch.tensor([list(s.shape) for s in samples], dtype=torch.int64).reshape(len(samples), ndim)
-    size = shapes.max(dim=0).values.tolist() if len(samples) else []
+    size = shapes.max(dim=0).values.tolist()
     data = samples[0].new_zeros((len(samples), *size))
     for i, s in enumerate(samples):
         region: Any = (i, *(slice(0, n) for n in s.shape))

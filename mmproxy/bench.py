@@ -190,10 +190,6 @@ def _pad_collate(items: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
     return torch.nn.utils.rnn.pad_sequence(items, batch_first=True), lengths
 
 
-def _as_bytes_array(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, np.uint8)
-
-
 class _Call:
     def __init__(self, proxy: Any) -> None:
         self.proxy = proxy
