@@ -21,8 +21,10 @@ from typing import Any
 
 import webdataset as wds
 
-from mmproxy import _context
+from mmproxy import _context, _transport
 from mmproxy.errors import ShardError
+
+from ._tar import members
 
 __all__ = ["expand", "is_local", "rank_shards", "read_local_tar", "worker_info", "worker_shards"]
 
@@ -90,26 +92,25 @@ def is_local(url: str) -> bool:
 def read_local_tar(url: str) -> Iterator[dict[str, Any]]:
     """Samples of a local tar, grouped by key like webdataset's; fields are memoryviews of a
     read-only mapping of the file (no copy). Raises ``tarfile.ReadError`` for a damaged shard.
+
+    The mapping is registered with the transport while the shard is read, so a worker sends the
+    server the shard's descriptor and the members' offsets instead of copying their bytes.
     """
     with open(url, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             raise tarfile.ReadError("the shard is empty")
-        view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        _transport.register_file_mapping(mapping, f.fileno())
+    view = memoryview(mapping)
     current: dict[str, Any] | None = None
-    with tarfile.open(url, "r:") as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            prefix, suffix = wds.tariterators.base_plus_ext(member.name)
-            if prefix is None:
-                continue
-            end = member.offset_data + member.size
-            if end > len(view):
-                raise tarfile.ReadError(f"member {member.name!r} is truncated")
-            if current is None or current["__key__"] != prefix:
-                if current is not None:
-                    yield current
-                current = {"__key__": prefix, "__url__": url}
-            current[suffix.lower()] = view[member.offset_data:end]
+    for name, offset, size in members(view):
+        prefix, suffix = wds.tariterators.base_plus_ext(name)
+        if prefix is None:
+            continue
+        if current is None or current["__key__"] != prefix:
+            if current is not None:
+                yield current
+            current = {"__key__": prefix, "__url__": url}
+        current[suffix.lower()] = view[offset:offset + size]
     if current is not None:
         yield current

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -15,10 +17,14 @@ def device_id() -> int | None:
 
 
 def tiny_image_folder(n_per_class: int = 8) -> str:
-    """An ImageFolder tree of synthetic JPEGs (two classes), for running the examples anywhere."""
+    """An ImageFolder tree of synthetic JPEGs (two classes), for running the examples anywhere.
+
+    The folder is removed when the example exits.
+    """
     from mmproxy.testing import image_bytes, synth_image
 
     root = Path(tempfile.mkdtemp(prefix="mmproxy-example-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     for c, name in enumerate(("circles", "stripes")):
         (root / name).mkdir()
         for i in range(n_per_class):

@@ -25,6 +25,21 @@ from mmproxy.pipelines import image_train_pipeline
 import mmproxy
 
 
+def bind_cpus(local_rank: int, count: int) -> None:
+    """Pins this process (and so the threads and workers it starts) to its own share of cores.
+
+    On a NUMA host prefer torchrun's ``--numa-binding`` (PyTorch >= 2.9), which picks the cores
+    near each GPU; this is the plain split for hosts where every core is as near as any other.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    mine = allowed[local_rank * count:(local_rank + 1) * count]
+    if len(mine) < count:
+        raise SystemExit(f"--cpus-per-rank {count}: local rank {local_rank} needs cores "
+                         f"{local_rank * count}-{(local_rank + 1) * count - 1} but only "
+                         f"{len(allowed)} are allowed")
+    os.sched_setaffinity(0, mine)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", help="image-text shards (default: the demo's synthetic set)")
@@ -42,12 +57,17 @@ def main():
     parser.add_argument("--json", help="rank 0 writes the throughput summary here")
     parser.add_argument("--independent", action="store_true",
                         help="skip DDP's gradient sync (measures data loading alone per rank)")
+    parser.add_argument("--cpus-per-rank", type=int, default=0,
+                        help="pin each rank (its DALI threads and its workers) to its own K cores: "
+                        "local rank r gets cores [r*K, (r+1)*K) of those allowed")
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     local = int(os.environ.get("LOCAL_RANK", 0))
     cuda = torch.cuda.is_available()
+    if args.cpus_per_rank:
+        bind_cpus(local, args.cpus_per_rank)
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -120,7 +140,8 @@ def main():
         per_rank = [round(g.item(), 1) for g in gathered]
         summary = {"world": world, "per_rank_samples_per_s": per_rank,
                    "total_samples_per_s": round(sum(per_rank), 1), "batch_size": args.batch_size,
-                   "epoch_length": epoch_length, "workers": args.workers}
+                   "epoch_length": epoch_length, "workers": args.workers,
+                   "cpus_per_rank": args.cpus_per_rank or None}
         print(json.dumps(summary))
         if args.json:
             with open(args.json, "w") as f:

@@ -5,21 +5,30 @@ anonymous ``memfd`` with one ``writev`` call, sends the file descriptor over the
 datagram socket (``SCM_RIGHTS``) and closes its copy. The server maps the memfd and hands DALI
 numpy views into the mapping, so payloads are never pickled and never copied in the main process.
 
+Payloads that already live in a mapped file (the members of a local shard, see
+:func:`register_file_mapping`) are not copied at all: the worker sends the shard's descriptor
+along with the memfd and only the members' offsets; the server maps the shard read-only (one
+mapping per shard, kept for later batches) and DALI reads the page cache directly.
+
 Lifetime: a memfd has no name, so nothing appears in ``/dev/shm`` and nothing can leak there. Its
 memory is freed when the last holder lets go: the worker closes its descriptor after sending, the
 kernel holds it while in flight (and frees it if the socket closes first), and the server keeps
 the mapping until the pipeline run that reads it has produced its outputs, so DALI's ``no_copy``
-never reads recycled memory. The socket lives in a private ``0700`` directory.
+never reads recycled memory. A shard's mapping stays valid while mapped even if the file is
+deleted; a shard must not be rewritten in place while it is read (true of every tar reader).
+The socket lives in a private ``0700`` directory.
 """
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import pickle
 import socket
 import struct
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +39,8 @@ from mmproxy.errors import TransportError
 _ALIGN = 64
 _IOV_MAX = 1024
 _MAGIC = b"MMPX"
+_MAX_FILES = 16  # shard mappings a worker keeps registered (and may reference in one batch)
+_MAX_FDS = 1 + _MAX_FILES
 
 
 @dataclass
@@ -40,31 +51,97 @@ class Request:
     tag: tuple[str, int] | None
     keys: list[str | None]
     inputs: list[list[np.ndarray]]  # per pipeline input, one array per sample
-    hold: Any = None  # keeps the mapping alive until the run is done
+    hold: Any = None  # keeps the mappings alive until the run is done
 
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _address(a: Any) -> int:
+    return int(np.frombuffer(a, np.uint8).__array_interface__["data"][0]) if len(a) else 0
+
+
+class _FileMappings:
+    """This process's registered read-only file mappings, by address (most recent last).
+
+    An entry holds the mapping and a descriptor of its file, so while registered the address
+    range cannot be reused by anything else; evicted mappings live on in the samples that still
+    view them, and their payloads are then copied like any other.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: OrderedDict[int, tuple[int, int, mmap.mmap]] = OrderedDict()  # start -> end, fd
+        self.starts: list[int] = []
+
+    def add(self, mapping: mmap.mmap, fd: int) -> None:
+        start = _address(mapping)
+        own = os.dup(fd)
+        with self.lock:
+            if start in self.entries:
+                os.close(self.entries.pop(start)[1])
+            self.entries[start] = (start + len(mapping), own, mapping)
+            while len(self.entries) > _MAX_FILES:
+                os.close(self.entries.popitem(last=False)[1][1])
+            self.starts = sorted(self.entries)
+
+    def find(self, address: int, nbytes: int) -> tuple[int, int] | None:
+        """(descriptor, offset) of a registered file holding [address, address + nbytes)."""
+        i = bisect.bisect_right(self.starts, address) - 1
+        if i < 0:
+            return None
+        start = self.starts[i]
+        end, fd, _ = self.entries[start]
+        return (fd, address - start) if address + nbytes <= end else None
+
+    def after_fork(self) -> None:
+        # A forked child keeps the entries (its mappings and descriptors are copies), not a lock
+        # some other thread of the parent may have held.
+        self.lock = threading.Lock()
+
+
+_files = _FileMappings()
+os.register_at_fork(after_in_child=_files.after_fork)
+
+
+def register_file_mapping(mapping: mmap.mmap, fd: int) -> None:
+    """Lets this process send bytes inside ``mapping`` (a read-only map of the file ``fd``) by
+    reference; ``fd`` is duplicated, so the caller may close its own."""
+    _files.add(mapping, fd)
+
+
 def pack(run_id: str, tag: tuple[str, int] | None, keys: list[str | None],
-         inputs: list[list[np.ndarray]]) -> int:
-    """Writes a run's inputs into a new memfd and returns its descriptor (caller closes it)."""
+         inputs: list[list[np.ndarray]]) -> tuple[int, list[int]]:
+    """Writes a run's inputs into a new memfd.
+
+    Returns the memfd (the caller closes it) and the descriptors of registered files whose bytes
+    are sent by reference (owned by the registry: send them, do not close them).
+    """
     layout = []
     payloads: list[np.ndarray] = []
+    files: list[int] = []
     offset = 0
-    for arrays in inputs:
-        shapes, offsets = [], []
-        dtype = arrays[0].dtype.str if arrays else "|u1"
-        for a in arrays:
-            if a.dtype.str != dtype:
-                raise TransportError(f"all samples of one input must share a dtype: {dtype} vs {a.dtype.str}")
-            a = np.ascontiguousarray(a)
-            shapes.append(a.shape)
-            offsets.append(offset)
-            payloads.append(a)
-            offset = _align(offset + a.nbytes)
-        layout.append((dtype, shapes, offsets))
+    with _files.lock:
+        for arrays in inputs:
+            shapes, offsets = [], []
+            dtype = arrays[0].dtype.str if arrays else "|u1"
+            for a in arrays:
+                if a.dtype.str != dtype:
+                    raise TransportError(
+                        f"all samples of one input must share a dtype: {dtype} vs {a.dtype.str}")
+                a = np.ascontiguousarray(a)
+                shapes.append(a.shape)
+                where = _files.find(a.__array_interface__["data"][0], a.nbytes) if a.nbytes else None
+                if where is not None and (where[0] in files or len(files) < _MAX_FILES):
+                    if where[0] not in files:
+                        files.append(where[0])
+                    offsets.append((files.index(where[0]), where[1]))
+                    continue
+                offsets.append(offset)
+                payloads.append(a)
+                offset = _align(offset + a.nbytes)
+            layout.append((dtype, shapes, offsets))
     header = pickle.dumps((run_id, tag, keys, layout), protocol=pickle.HIGHEST_PROTOCOL)
     base = _align(12 + len(header))
     buffers: list[Any] = [_MAGIC + struct.pack("<Q", len(header)), header, bytes(base - 12 - len(header))]
@@ -88,24 +165,46 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[str | None],
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, files
 
 
-def unpack(fd: int) -> Request:
-    """Maps a memfd written by :func:`pack` and returns views of its payloads."""
-    size = os.fstat(fd).st_size
-    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+_mapped_files: OrderedDict[tuple[int, int, int, int], mmap.mmap] = OrderedDict()
+_mapped_lock = threading.Lock()
+
+
+def _map_file(fd: int) -> mmap.mmap:
+    """The server's read-only mapping of a shard, one per file version (the last 32 kept)."""
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _mapped_lock:
+        mapping = _mapped_files.get(key)
+        if mapping is None:
+            mapping = _mapped_files[key] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            while len(_mapped_files) > 32:
+                _mapped_files.popitem(last=False)
+        else:
+            _mapped_files.move_to_end(key)
+    return mapping
+
+
+def unpack(fds: list[int]) -> Request:
+    """Maps a memfd written by :func:`pack` (and the files it references); returns views of the
+    payloads. The caller closes ``fds``."""
+    size = os.fstat(fds[0]).st_size
+    mm = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
     if mm[:4] != _MAGIC:
         raise TransportError("received a buffer that mmproxy did not write")
     (hlen,) = struct.unpack_from("<Q", mm, 4)
     run_id, tag, keys, layout = pickle.loads(mm[12:12 + hlen])
     base = _align(12 + hlen)
+    files = [_map_file(fd) for fd in fds[1:]]
     inputs = []
     for dtype, shapes, offsets in layout:
         dt = np.dtype(dtype)
-        inputs.append([np.ndarray(shape, dt, buffer=mm, offset=base + off)
+        inputs.append([np.ndarray(shape, dt, buffer=mm, offset=base + off) if isinstance(off, int)
+                       else np.ndarray(shape, dt, buffer=files[off[0]], offset=off[1])
                        for shape, off in zip(shapes, offsets)])
-    return Request(run_id, tag, keys, inputs, hold=mm)
+    return Request(run_id, tag, keys, inputs, hold=(mm, files))
 
 
 class Listener:
@@ -118,18 +217,18 @@ class Listener:
         os.chmod(path, 0o600)
         self._sock.settimeout(0.05)
 
-    def receive(self) -> int | None:
-        """Returns a received descriptor, or None after a short timeout."""
+    def receive(self) -> list[int] | None:
+        """Returns the descriptors of one batch (memfd first), or None after a short timeout."""
         try:
-            _, fds, flags, _ = socket.recv_fds(self._sock, 16, 1)
+            _, fds, flags, _ = socket.recv_fds(self._sock, 16, _MAX_FDS)
         except (TimeoutError, BlockingIOError):
             return None
         if flags & socket.MSG_CTRUNC or not fds:
             for fd in fds:
                 os.close(fd)
-            raise TransportError("a worker's inputs arrived without their buffer "
+            raise TransportError("a worker's inputs arrived without their buffers "
                                  "(is the main process out of file descriptors?)")
-        return fds[0]
+        return fds
 
     def close(self) -> None:
         self._sock.close()
@@ -152,8 +251,8 @@ _clients_pid = 0
 _clients_lock = threading.Lock()
 
 
-def send(path: str, fd: int, server_name: str) -> None:
-    """Sends a memfd to the server listening at ``path`` (one socket per process and server)."""
+def send(path: str, fds: list[int], server_name: str) -> None:
+    """Sends a batch's descriptors to the server at ``path`` (one socket per process and server)."""
     global _clients_pid
     with _clients_lock:
         if _clients_pid != os.getpid():  # a forked child must not share its parent's sockets
@@ -166,7 +265,7 @@ def send(path: str, fd: int, server_name: str) -> None:
                     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                     sock.connect(path)
                     _clients[path] = sock
-                socket.send_fds(sock, [_MAGIC], [fd])
+                socket.send_fds(sock, [_MAGIC], fds)
                 return
             except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError,
                     BrokenPipeError) as err:

@@ -62,11 +62,39 @@ def _shards(folder: Path, kind: str, count: int, per_shard: int = 64) -> list[st
         return list(pool.map(_write_shard, jobs))
 
 
+def _cpu_seconds() -> dict[str, float]:
+    """CPU time so far of the workers (children) and of this process's threads, by group."""
+    import threading
+
+    import psutil
+
+    me = psutil.Process()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {"workers": 0.0, "main-thread": 0.0, "server-threads": 0.0, "dali-threads": 0.0}
+    for child in me.children(recursive=True):
+        try:
+            times = child.cpu_times()
+            out["workers"] += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    for t in me.threads():
+        name = names.get(t.id)
+        group = ("main-thread" if name == "MainThread" else "dali-threads" if name is None
+                 else "server-threads")  # DALI's own threads are not Python threads
+        out[group] += t.user_time + t.system_time
+    return out
+
+
 def _time_epochs(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], int], epochs: int,
-                 gpu: bool) -> dict[str, Any]:
-    rates, batches = [], 0
+                 gpu: bool, server: Any = None) -> dict[str, Any]:
+    """Times each epoch; the best one counts. Reports, for that epoch, the CPU time per batch of
+    the workers and of the main process's threads, and (for mmproxy) the server's idle time."""
+    rates, best, n, batches = [], None, 0, 0
     for _ in range(epochs):
         n, batches = 0, 0
+        cpu0 = _cpu_seconds()
+        starved0 = server.starved_seconds if server else 0.0
+        waited0 = server.wait_seconds if server else 0.0
         start = time.perf_counter()
         for batch in make_iter():
             n += count(batch)
@@ -74,8 +102,16 @@ def _time_epochs(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], 
         if gpu:
             torch.cuda.synchronize()
         rates.append(n / (time.perf_counter() - start))
+        if rates[-1] == max(rates):
+            cpu1 = _cpu_seconds()
+            best = {"cpu_ms_per_batch": {k: round(1000 * (cpu1[k] - cpu0[k]) / batches, 2) for k in cpu1}}
+            if server:
+                best["server_starved_per_batch_ms"] = round(
+                    1000 * (server.starved_seconds - starved0) / batches, 3)
+                best["main_loop_wait_per_batch_ms"] = round(
+                    1000 * (server.wait_seconds - waited0) / batches, 3)
     return {"samples_per_s": max(rates), "epochs": [round(r, 1) for r in rates], "samples": n,
-            "batches": batches}
+            "batches": batches, **(best or {})}
 
 
 # -- pipelines shared by the DALI-based systems ---------------------------------------------------
@@ -261,12 +297,7 @@ def _system(name: str, kind: str, paths: list[str], a: Any, gpu: bool, dev: int 
                                    keep_keys=False, batch_transform=transform)
             loader = ds.loader(server, num_workers=a.workers, persistent_workers=True)
             count = lambda b: first(b["image"] if "image" in b else b["audio"])  # noqa: E731
-        result = _time_epochs(lambda: loader, count, a.epochs, gpu)
-        result["main_loop_wait_per_batch_ms"] = round(
-            1000 * server.wait_seconds / max(1, result["batches"] * a.epochs), 3)
-        result["server_starved_per_batch_ms"] = round(
-            1000 * server.starved_seconds / max(1, result["batches"] * a.epochs), 3)
-        return result
+        return _time_epochs(lambda: loader, count, a.epochs, gpu, server)
 
 
 class _Tiny(torch.utils.data.Dataset):

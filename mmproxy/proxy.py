@@ -140,9 +140,9 @@ class DALIProxy:
         if server is not None:
             server._accept(_transport.Request(run_id, tag, keys, inputs))
         else:
-            fd = _transport.pack(run_id, tag, keys, inputs)
+            fd, files = _transport.pack(run_id, tag, keys, inputs)
             try:
-                _transport.send(self.address, fd, self.server_name)
+                _transport.send(self.address, [fd, *files], self.server_name)
             finally:
                 os.close(fd)
         self._recent[key] = run_id

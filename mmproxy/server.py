@@ -6,7 +6,7 @@
     ─────────────────────────────────────               ─────────────────────────────────────────
     dataset: proxy(jpeg) -> SampleRef(call: inputs)
     collate: refs of one field -> one run
-       proxy.submit(calls) ── memfd + SCM_RIGHTS ──>  [listener thread] unpack -> Request(run id)
+       proxy.submit(calls) ── memfd (+ shard fds) ──>  [listener thread] unpack -> Request(run id)
        returns BatchRef(server uid, run id)                  │   (a server in this process gets
     batch ── DataLoader result queue ──────────┐             │    the Request directly)
                                                │             v
@@ -156,7 +156,8 @@ class DALIServer:
         self._device = (torch.device("cuda", pipeline.device_id)
                         if pipeline.device_id is not None and pipeline.device_id >= 0 else None)
         self._owner_pid = os.getpid()
-        self._sockdir = tempfile.mkdtemp(prefix="mmproxy-")
+        # The socket's private directory exists only while the server runs.
+        self._sockdir = os.path.join(tempfile.gettempdir(), f"mmproxy-{self.uid}")
         self._proxy = _proxy.DALIProxy(self.name, self.uid, self._input_names, self._num_outputs,
                                        pipeline.max_batch_size,
                                        os.path.join(self._sockdir, "inputs.sock"))
@@ -210,7 +211,11 @@ class DALIServer:
                 raise self._failed_error()
             if self._state is ServerState.STOPPING:
                 raise ServerStateError(f"server {self.name!r} is stopping")
-            os.makedirs(self._sockdir, mode=0o700, exist_ok=True)
+            try:
+                os.mkdir(self._sockdir, mode=0o700)
+            except FileExistsError:
+                raise ServerStateError(f"server {self.name!r}: {self._sockdir} already exists; "
+                                       "refusing to listen in a directory mmproxy did not make") from None
             self._listener = _transport.Listener(self._proxy.address)
             self._stop.clear()
             self._set_state(ServerState.RUNNING)
@@ -348,13 +353,14 @@ class DALIServer:
         assert listener is not None
         try:
             while not self._stop.is_set():
-                fd = listener.receive()
-                if fd is None:
+                fds = listener.receive()
+                if fds is None:
                     continue
                 try:
-                    request = _transport.unpack(fd)
+                    request = _transport.unpack(fds)
                 finally:
-                    os.close(fd)
+                    for fd in fds:
+                        os.close(fd)
                 self._accept(request)
         except ServerStateError:
             pass

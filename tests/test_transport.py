@@ -1,0 +1,90 @@
+"""The transport and the shard reader under it: payloads by reference, tar headers parsed by hand."""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import tarfile
+
+import numpy as np
+import pytest
+from mmproxy.datasets._tar import members
+from mmproxy.datasets.shards import read_local_tar
+
+from mmproxy import _transport
+
+
+def _tar(path, files, fmt):
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for name, data in files:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+FILES = [("a/0001.jpg", b"\xff\xd8jpeg"), ("a/0001.txt", b"a caption"), ("a/0002.cls", b""),
+         ("deep/" + "x" * 120 + "/0003.wav", os.urandom(1000)),  # longer than ustar's 100 bytes
+         ("caf\u00e9/0004.txt", b"unicode name")]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_members_match_tarfile(tmp_path, fmt):
+    files = FILES if fmt != tarfile.USTAR_FORMAT else [f for f in FILES if len(f[0]) < 100 and f[0].isascii()]
+    path = _tar(tmp_path / "s.tar", files, fmt)
+    data = path.read_bytes()
+    got = [(name, bytes(data[o:o + n])) for name, o, n in members(memoryview(data))]
+    assert got == files
+    with tarfile.open(path) as tar:
+        assert [(m.name, m.offset_data, m.size) for m in tar] == list(members(memoryview(data)))
+
+
+def test_damaged_and_truncated_tars_raise(tmp_path):
+    data = bytearray(_tar(tmp_path / "s.tar", FILES[:3], tarfile.GNU_FORMAT).read_bytes())
+    flipped = bytearray(data)
+    flipped[10] ^= 0x55  # inside the first header's name: checksum no longer matches
+    with pytest.raises(tarfile.ReadError, match="bad checksum in the header at byte 0"):
+        list(members(memoryview(bytes(flipped))))
+    with pytest.raises(tarfile.ReadError, match="truncated"):
+        list(members(memoryview(bytes(data[:512 + 3]))))
+
+
+def _registered_view(path):
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        _transport.register_file_mapping(mapping, f.fileno())
+    return mapping
+
+
+def test_shard_bytes_travel_by_reference_and_arrive_intact(tmp_path):
+    path = _tar(tmp_path / "s.tar", FILES, tarfile.GNU_FORMAT)
+    samples = list(read_local_tar(str(path)))
+    payloads = [np.frombuffer(s[k], np.uint8) for s in samples for k in s if not k.startswith("__")]
+    own = np.arange(5000, dtype=np.uint8)  # not in a mapped file: copied
+    fd, files = _transport.pack("run", None, [None] * (len(payloads) + 1), [payloads + [own]])
+    try:
+        assert len(files) == 1 and os.path.samefile(f"/proc/self/fd/{files[0]}", path)
+        assert os.fstat(fd).st_size < 5000 + 4096  # the header and the copied array only
+        request = _transport.unpack([fd, *files])
+    finally:
+        os.close(fd)
+    got = [bytes(a) for a in request.inputs[0]]
+    assert got == [bytes(p) for p in payloads] + [own.tobytes()]
+
+
+def test_a_worker_keeps_a_bounded_number_of_shards_registered(tmp_path):
+    path = _tar(tmp_path / "s.tar", FILES[:2], tarfile.GNU_FORMAT)
+    before = len(os.listdir("/proc/self/fd"))
+    views = [_registered_view(path) for _ in range(3 * _transport._MAX_FILES)]
+    first = np.frombuffer(views[0], np.uint8)[512:516]
+    del views
+    # A registered shard holds two descriptors (its mapping's and the one it is sent by).
+    assert len(os.listdir("/proc/self/fd")) - before <= 2 * _transport._MAX_FILES + 1
+    # An evicted mapping's bytes are still correct: they are copied instead.
+    fd, files = _transport.pack("run", None, [None], [[first]])
+    try:
+        assert files == []
+        assert bytes(_transport.unpack([fd]).inputs[0][0]) == FILES[0][1][:4]
+    finally:
+        os.close(fd)
