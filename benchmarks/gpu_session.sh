@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One GPU session on an nvidia-h200-x2 machine (2x H200, 32 cores), in two parts so that each fits
-# one call: `PART=1` GPU tests and the single-GPU comparison (GPU 0, cores 0-15: one H200 and 16
-# cores, like the reference machine of ../shared/DESIGN.md); `PART=2` a repeat of the comparison
-# (the host's run-to-run noise) and 1 vs 2 GPUs, each rank pinned to its own 16 cores.
+# One GPU session on an nvidia-h200-x2 machine (2x H200, 32 cores). `PART=1`: GPU tests and the
+# single-GPU comparison (GPU 0, cores 0-15: one H200 and 16 cores, like the reference machine of
+# ../shared/DESIGN.md), then 1 vs 2 GPUs with each rank pinned to its own 16 cores.
+# `PART=2`: the comparison again (the host's run-to-run noise).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
@@ -13,20 +13,18 @@ ddp() {  # ddp NAME NPROC ARGS...
   local name=$1 n=$2; shift 2
   (cd examples && python3 -m torch.distributed.run --nproc_per_node="$n" --master_port=$((29800 + n)) \
     train_ddp.py --data '/tmp/bench/image-8192/image-{0000..0127}.tar' --samples 8192 \
-    --epoch-length 96 --batch-size 256 --workers 15 --threads 8 --image-size 224 --epochs 4 \
-    --json "$out/ddp-$name-$n.json" "$@" 2>&1 | grep -a '"world"')
+    --epoch-length 96 --batch-size 256 --workers 12 --threads 8 --image-size 224 --epochs 4 \
+    --cpus-per-rank 16 --json "$out/ddp-$name-$n.json" "$@" 2>&1 | grep -a '"world"')
 }
 if [ "${PART:-1}" = 1 ]; then
   { nvidia-smi -L; nproc; python3 -c "import nvidia.dali, torch; print('dali', nvidia.dali.__version__, 'torch', torch.__version__)"; } 2>&1 | tee "$out/machine.txt"
   python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tail -4 | tee "$out/gpu-tests.log"
-  bench --workload image,audio,image-text,machinery --systems mmproxy,dali-reader,dali-proxy,torch \
-    --json "$out/bench-1.json" --memory-epochs 20
-else
-  bench --workload image,audio,image-text --systems mmproxy,dali-reader,dali-proxy --json "$out/bench-2.json"
-  for mode in ddp independent; do
-    for n in 1 2; do
-      ddp "pinned-$mode" $n --cpus-per-rank 16 $([ $mode = independent ] && echo --independent)
-    done
+  bench --workload image,audio,image-text --systems mmproxy,dali-reader,dali-proxy --json "$out/bench-1.json"
+  for n in 1 2; do
+    ddp ddp $n
+    ddp independent $n --independent
   done
-  ddp unpinned-ddp 2
+else
+  bench --workload image,audio,image-text --systems mmproxy,dali-reader,dali-proxy,torch \
+    --json "$out/bench-2.json" --memory-epochs 20
 fi

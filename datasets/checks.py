@@ -14,13 +14,14 @@ from collections.abc import Callable
 __all__ = ["MAX_PIXELS", "SIGNATURES", "check_header", "image_size"]
 
 MAX_PIXELS = 64 * 2**20  # 64 megapixels
+Data = bytes | memoryview  # a field: bytes, or a view of a mapped shard
 
 
-def _wav(b: bytes) -> bool:
+def _wav(b: Data) -> bool:
     return len(b) >= 12 and b[:4] in (b"RIFF", b"RIFX") and b[8:12] == b"WAVE"
 
 
-SIGNATURES: dict[str, Callable[[bytes], bool]] = {
+SIGNATURES: dict[str, Callable[[Data], bool]] = {
     "jpg": lambda b: b[:3] == b"\xff\xd8\xff",
     "jpeg": lambda b: b[:3] == b"\xff\xd8\xff",
     "png": lambda b: b[:8] == b"\x89PNG\r\n\x1a\n",
@@ -32,7 +33,7 @@ SIGNATURES: dict[str, Callable[[bytes], bool]] = {
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 
 
-def image_size(ext: str, data: bytes) -> tuple[int, int] | None:
+def image_size(ext: str, data: Data) -> tuple[int, int] | None:
     """(width, height) a PNG or JPEG header declares, or None when it cannot be read cheaply."""
     if ext == "png" and len(data) >= 24 and data[12:16] == b"IHDR":
         width, height = struct.unpack(">II", data[16:24])
@@ -54,7 +55,7 @@ def image_size(ext: str, data: bytes) -> tuple[int, int] | None:
     return None
 
 
-def _wav_frames(data: bytes) -> int | None:
+def _wav_frames(data: Data) -> int | None:
     """Bytes in a WAV file's data chunk, or None if the chunk is not found in the header."""
     i = 12
     while i + 8 <= len(data) and i < 1 << 16:
@@ -65,7 +66,7 @@ def _wav_frames(data: bytes) -> int | None:
     return None
 
 
-def check_header(ext: str, data: bytes | memoryview, max_pixels: int = MAX_PIXELS) -> str | None:
+def check_header(ext: str, data: Data, max_pixels: int = MAX_PIXELS) -> str | None:
     """Returns why ``data`` is not a usable ``ext`` file, or None if it looks right."""
     if not data:
         return "is empty"

@@ -76,6 +76,12 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         batch_transform: Applied to each collated batch in the worker (e.g. tokenization).
         keep_keys: Keep ``"__key__"`` (and ``"__url__"``) in the batches.
         max_pixels: Images whose header declares more pixels are bad samples.
+        prefetch_next_epoch: In a persistent worker of an :class:`mmproxy.DataLoader`, prepare
+            the next epoch's first batch as soon as this epoch's samples are done, so the
+            servers start it while the main loop finishes this epoch (as a DALI reader keeps
+            prefetching across epochs). The next epoch is the loader's next (this one plus one);
+            an explicit :meth:`set_epoch` turns it off. The cost: after the last epoch, one
+            batch per worker is prepared and run for nothing.
     """
 
     def __init__(self, urls: str | Sequence[str], fields: Mapping[str, FieldSpec], *,
@@ -84,7 +90,8 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                  on_error: OnError = "raise", partial: bool = True,
                  collate: Callable[[list[Any]], Any] | None = None,
                  batch_transform: Callable[[Any], Any] | None = None,
-                 keep_keys: bool = True, max_pixels: int = MAX_PIXELS) -> None:
+                 keep_keys: bool = True, max_pixels: int = MAX_PIXELS,
+                 prefetch_next_epoch: bool = True) -> None:
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -108,7 +115,9 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         self.batch_transform = batch_transform
         self.keep_keys = keep_keys
         self.max_pixels = max_pixels
+        self.prefetch_next_epoch = prefetch_next_epoch
         self._epoch: int | None = None
+        self._ahead: tuple[int, Any, Iterator[Any]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Fixes the epoch used for seeding (otherwise mmproxy's DataLoader supplies it)."""
@@ -217,6 +226,27 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         epoch = current_epoch(self._epoch)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == epoch:
+            yield ahead[1]
+            batches = ahead[2]
+        else:
+            batches = self._batches(epoch)
+        yield from batches
+        # The loader has asked past this worker's last batch. A persistent worker of an mmproxy
+        # DataLoader will be asked for the next epoch (numbered one more), so it prepares that
+        # epoch's first batch now: its inputs reach the server, which runs them once this epoch's
+        # runs are done, and the next epoch starts with outputs ready instead of a cold pipeline.
+        if self.prefetch_next_epoch and self._epoch is None and _context.in_persistent_worker():
+            upcoming = self._batches(epoch + 1)
+            try:
+                with _context.next_epoch():
+                    first = next(upcoming)
+            except Exception:  # noqa: BLE001 - raised again, in its own epoch
+                return
+            self._ahead = (epoch + 1, first, upcoming)
+
+    def _batches(self, epoch: int) -> Iterator[Any]:
         skipped: list[tuple[str, str, str]] = []
         samples = self._passes(epoch, skipped)
         quota = self._quota()

@@ -22,6 +22,8 @@ _counter: Iterator[int] = itertools.count()
 # Set in DataLoader workers (and around each step in the main process when num_workers=0):
 # (loader id, shared epoch value). Runs submitted under it are tagged (loader id, epoch).
 _loader_tag: tuple[str, Any] | None = None
+_persistent = False  # the worker outlives the epoch (persistent_workers=True)
+_ahead = 0  # 1 while a worker prepares the next epoch's first batch
 _sample_key = threading.local()
 
 
@@ -44,9 +46,9 @@ def new_id() -> str:
     return f"{token}:{next(_counter)}"
 
 
-def set_loader_tag(tag: tuple[str, Any] | None) -> None:
-    global _loader_tag
-    _loader_tag = tag
+def set_loader_tag(tag: tuple[str, Any] | None, persistent: bool = False) -> None:
+    global _loader_tag, _persistent
+    _loader_tag, _persistent = tag, persistent
 
 
 def current_tag() -> tuple[str, int] | None:
@@ -54,7 +56,23 @@ def current_tag() -> tuple[str, int] | None:
     tag = _loader_tag
     if tag is None:
         return None
-    return tag[0], int(tag[1].value)
+    return tag[0], int(tag[1].value) + _ahead
+
+
+def in_persistent_worker() -> bool:
+    """Whether this is a persistent worker of an mmproxy DataLoader (it will see the next epoch)."""
+    return _loader_tag is not None and _persistent
+
+
+@contextlib.contextmanager
+def next_epoch() -> Iterator[None]:
+    """Runs submitted inside are tagged with the loader's next epoch."""
+    global _ahead
+    _ahead = 1
+    try:
+        yield
+    finally:
+        _ahead = 0
 
 
 def current_key() -> str | None:

@@ -124,7 +124,8 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[str | None],
     offset = 0
     with _files.lock:
         for arrays in inputs:
-            shapes, offsets = [], []
+            shapes: list[Any] = []
+            offsets: list[Any] = []  # an int (memfd) or (file index, offset)
             dtype = arrays[0].dtype.str if arrays else "|u1"
             for a in arrays:
                 if a.dtype.str != dtype:

@@ -48,11 +48,12 @@ def _as_servers(servers: Servers) -> dict[str, DALIServer]:
 class _WorkerInit:
     """Runs in each worker: tags the worker's runs with this loader's id and live epoch."""
 
-    def __init__(self, loader_id: str, epoch: Any, user: Callable[[int], None] | None) -> None:
-        self.loader_id, self.epoch, self.user = loader_id, epoch, user
+    def __init__(self, loader_id: str, epoch: Any, user: Callable[[int], None] | None,
+                 persistent: bool) -> None:
+        self.loader_id, self.epoch, self.user, self.persistent = loader_id, epoch, user, persistent
 
     def __call__(self, worker_id: int) -> None:
-        _context.set_loader_tag((self.loader_id, self.epoch))
+        _context.set_loader_tag((self.loader_id, self.epoch), self.persistent)
         if self.user is not None:
             self.user(worker_id)
 
@@ -75,7 +76,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._loader_id = os.urandom(6).hex()
         self._epoch = multiprocessing.RawValue("q", 0)
         arguments["worker_init_fn"] = _WorkerInit(self._loader_id, self._epoch,
-                                                  arguments.get("worker_init_fn"))
+                                                  arguments.get("worker_init_fn"),
+                                                  bool(arguments.get("persistent_workers")))
         super().__init__(**arguments)
 
     @property

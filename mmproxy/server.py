@@ -387,7 +387,10 @@ class DALIServer:
                     if self._claims and self._claims[0] in self._arrived:
                         run = self._arrived.pop(self._claims.popleft())
                 elif self._arrived:
-                    run = self._arrived.popitem(last=False)[1]
+                    # The current epoch's runs before the next epoch's prefetched first batches.
+                    run = next((r for r in self._arrived.values() if not self._is_ahead(r.tag)),
+                               None) or next(iter(self._arrived.values()))
+                    del self._arrived[run.id]
                 if run is not None:
                     run.state = RunState.SCHEDULED  # under the lock, so it is never claimed again
                     return run
@@ -471,6 +474,9 @@ class DALIServer:
 
     def _is_stale(self, tag: tuple[str, int] | None) -> bool:
         return tag is not None and tag[1] < self._epochs.get(tag[0], tag[1])
+
+    def _is_ahead(self, tag: tuple[str, int] | None) -> bool:
+        return tag is not None and tag[1] > self._epochs.get(tag[0], tag[1])
 
     def _set_state(self, new: ServerState) -> None:
         if new not in _TRANSITIONS[self._state]:

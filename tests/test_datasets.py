@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -92,6 +93,44 @@ def test_image_text_every_sample_once_per_epoch(image_shards, image_server, toke
         assert sorted(seen) == list(range(N_SHARDS * PER_SHARD))
         orders.append(seen)
     assert orders[0] != orders[1]  # reshuffled every epoch
+
+
+def _epoch_orders(shards, server, epochs, **kw):
+    ds = MultiModalDataset(shards, {"image": ("jpg", server.proxy), "label": ("cls", int)},
+                           batch_size=5, shuffle_buffer=8, **kw)
+    loader = ds.loader(server, num_workers=2, persistent_workers=True)
+    orders = []
+    for _ in range(epochs):
+        seen = []
+        for batch in loader:
+            for img, label in zip(batch["image"], batch["label"].tolist()):
+                assert abs(img[..., 0].float().mean().item() - color(label)) < 4
+            seen += batch["label"].tolist()
+        orders.append(seen)
+    return orders, loader
+
+
+def test_next_epoch_prefetch_runs_ahead_and_changes_nothing(image_shards, image_server):
+    """Persistent workers start the next epoch's first batch at the end of an epoch: the server
+    runs it before the next epoch starts, and every epoch still holds the same batches."""
+    before = image_server.samples
+    ahead, loader = _epoch_orders(image_shards, image_server, 3)
+    expected = 3 * N_SHARDS * PER_SHARD + 2 * 5  # and one batch of epoch 4 per worker
+    for _ in range(100):
+        if image_server.samples - before >= expected:
+            break
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert image_server.samples - before == expected
+    plain, _ = _epoch_orders(image_shards, image_server, 3, prefetch_next_epoch=False)
+    assert ahead == plain
+    for seen in ahead:
+        assert sorted(seen) == list(range(N_SHARDS * PER_SHARD))
+    # Breaking out of an epoch, then starting the next one, still gives whole epochs.
+    for k, _ in enumerate(loader):
+        if k == 1:
+            break
+    assert sorted(x for b in loader for x in b["label"].tolist()) == list(range(N_SHARDS * PER_SHARD))
 
 
 def test_fixed_length_padding(image_shards, image_server, tokenizer_dir):
