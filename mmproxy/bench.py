@@ -299,7 +299,8 @@ def _system(name: str, kind: str, paths: list[str], a: Any, gpu: bool, dev: int 
                 fields["text"] = ("txt", lambda b: b.decode())
                 transform = Tokenize(tokenizer, 32, "longest")
             ds = MultiModalDataset(paths, fields, batch_size=batch, shuffle_buffer=256,
-                                   keep_keys=False, batch_transform=transform)
+                                   keep_keys=False, batch_transform=transform,
+                                   prefetch_next_epoch=a.next_epoch)
             loader = ds.loader(server, num_workers=a.workers, persistent_workers=True)
             count = lambda b: first(b["image"] if "image" in b else b["audio"])  # noqa: E731
         return _time_epochs(lambda: loader, count, a.epochs, gpu, server)

@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "prints throughput ratios; writes JSON (and a PNG with --plot).")
     bench.add_argument("--workload", default="image",
                        help="image, audio, image-text, machinery, a comma-separated list, or all")
+    bench.add_argument("--no-next-epoch-prefetch", dest="next_epoch", action="store_false",
+                       help="mmproxy: do not prepare the next epoch's first batch early")
     bench.add_argument("--prefetch", type=int, default=2,
                        help="prefetch_queue_depth of the proxied pipelines (mmproxy, dali-proxy)")
     bench.add_argument("--systems", default="mmproxy,torch,torch-tensor,dali-proxy,dali-reader",
