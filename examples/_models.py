@@ -1,4 +1,5 @@
-"""Tiny models for the examples: small enough to train a few steps on a CPU."""
+"""Models for the examples: tiny ones that train a few steps on a CPU, and a ResNet-50 image tower
+for GPU runs where the model, not the data, should set the pace."""
 
 from __future__ import annotations
 
@@ -8,13 +9,24 @@ from torch import nn
 
 
 class TinyCLIP(nn.Module):
-    """A conv image tower and a bag-of-tokens text tower meeting in a shared embedding."""
+    """A conv image tower and a bag-of-tokens text tower meeting in a shared embedding.
 
-    def __init__(self, vocab_size: int, dim: int = 64) -> None:
+    ``image_tower="resnet50"`` swaps the two-layer conv tower for torchvision's ResNet-50 (random
+    weights), a CLIP-sized amount of work per image.
+    """
+
+    def __init__(self, vocab_size: int, dim: int = 64, image_tower: str = "tiny") -> None:
         super().__init__()
-        self.image = nn.Sequential(
-            nn.Conv2d(3, 16, 5, stride=4), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, dim))
+        if image_tower == "resnet50":
+            from torchvision.models import resnet50
+
+            self.image: nn.Module = resnet50(num_classes=dim)
+        elif image_tower == "tiny":
+            self.image = nn.Sequential(
+                nn.Conv2d(3, 16, 5, stride=4), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2), nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, dim))
+        else:
+            raise ValueError(f"image_tower must be 'tiny' or 'resnet50', got {image_tower!r}")
         self.text = nn.EmbeddingBag(vocab_size, dim, mode="sum")
         self.scale = nn.Parameter(torch.tensor(2.0))
 

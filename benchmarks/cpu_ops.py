@@ -1,0 +1,101 @@
+"""Where a CPU image pipeline spends its time: single-thread CPU per image, stage by stage, for the
+DALI pipeline every DALI system of `mmproxy bench` runs and for the torchvision one of its torch
+system (the same ops: decode, random-resized crop 224 with antialiasing, flip, normalize).
+
+    python benchmarks/cpu_ops.py --data-dir /tmp/bench [--json out.json]
+
+Uses the bench's image shards (`mmproxy bench --data-dir DIR` writes them); one process, one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import io
+import json
+import time
+
+
+def dali_stages(paths: list[str], batches: int) -> dict[str, float]:
+    from nvidia.dali import fn, pipeline_def, types
+
+    from mmproxy.bench import IMAGE_MEAN, IMAGE_STD
+
+    def build(stage: int):  # type: ignore[no-untyped-def]
+        @pipeline_def(batch_size=64, num_threads=1, device_id=None, seed=1)
+        def pipe():  # type: ignore[no-untyped-def]
+            x = fn.readers.webdataset(paths=paths, ext=["jpg"])
+            if stage >= 1:
+                x = fn.decoders.image_random_crop(x, device="cpu", output_type=types.RGB,
+                                                  random_area=[0.08, 1.0],
+                                                  random_aspect_ratio=[3 / 4, 4 / 3])
+            if stage >= 2:
+                x = fn.resize(x, size=[224, 224], antialias=True)
+            if stage >= 3:
+                x = fn.crop_mirror_normalize(x, dtype=types.FLOAT, output_layout="CHW",
+                                             mean=IMAGE_MEAN, std=IMAGE_STD,
+                                             mirror=fn.random.coin_flip(probability=0.5))
+            return x
+        return pipe()
+
+    names = ["read", "decode + random crop (ROI)", "resize 224 (antialias)", "flip + normalize"]
+    total, out = 0.0, {}
+    for stage, name in enumerate(names):
+        pipe = build(stage)
+        pipe.build()
+        for _ in range(2):
+            pipe.run()
+        start = time.process_time()
+        for _ in range(batches):
+            pipe.run()
+        us = (time.process_time() - start) / (batches * 64) * 1e6
+        out[name], total = round(us - total), us  # each stage: the increment over the one before
+    out["total"] = round(total)
+    return out
+
+
+def torch_stages(paths: list[str], count: int) -> dict[str, float]:
+    import torch
+    import webdataset as wds
+    from PIL import Image
+    from torchvision.transforms import v2
+
+    from mmproxy.bench import IMAGE_MEAN, IMAGE_STD
+
+    torch.set_num_threads(1)
+    jpegs = [s["jpg"] for s in wds.tariterators.tarfile_samples({"url": u} for u in paths)][:count]
+    steps = [("PIL decode", lambda b: Image.open(io.BytesIO(b)).convert("RGB")),
+             ("to tensor", v2.PILToTensor()),
+             ("random-resized crop 224 (antialias)", v2.RandomResizedCrop(224, antialias=True)),
+             ("flip + normalize", v2.Compose([v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32),
+                                              v2.Normalize(IMAGE_MEAN, IMAGE_STD)]))]
+    out, xs = {}, jpegs
+    for name, step in steps:
+        start = time.process_time()
+        xs = [step(x) for x in xs]
+        out[name] = round((time.process_time() - start) / len(jpegs) * 1e6)
+    out["total"] = sum(out.values())
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", default="/tmp/bench")
+    parser.add_argument("--batches", type=int, default=16, help="DALI batches of 64 per stage")
+    parser.add_argument("--json")
+    a = parser.parse_args()
+    paths = sorted(glob.glob(f"{a.data_dir}/image-*/image-*.tar"))
+    if not paths:
+        raise SystemExit(f"no image shards under {a.data_dir}: run `mmproxy bench` first")
+    result = {"unit": "CPU microseconds per image, one thread",
+              "dali": dali_stages(paths, a.batches), "torchvision": torch_stages(paths, a.batches * 64)}
+    for system in ("dali", "torchvision"):
+        for name, us in result[system].items():
+            print(f"{system:12s} {name:40s} {us:6d} us")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
