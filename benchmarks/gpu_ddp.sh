@@ -3,7 +3,9 @@
 # batch 256 per rank, 96 batches per rank per epoch, 4 epochs, 12 workers and 8 DALI threads per
 # rank. Two models: `tiny` (data loading sets the pace) and `resnet50` (bf16: the model does).
 # Each rank pinned to its own 16 cores (--cpus-per-rank 16), then the same with torchrun's
-# --numa-binding=exclusive instead (cores near each GPU).
+# --numa-binding=exclusive instead (cores near each GPU; NUMA=1). CONTROL=1: the same models on one
+# fixed batch made on the GPU (--synthetic: no loader, the ceiling the model and DDP allow) and
+# without gradient sync (--independent: the loaders alone, per rank).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
@@ -20,9 +22,17 @@ ddp() {  # ddp NAME NPROC [torchrun args --] [train_ddp args]
     --batch-size 256 --workers 12 --threads 8 --image-size 224 --epochs 4 \
     --json "$out/ddp-$name-$n.json" "$@" 2>&1 | grep -a -E '"world"|Error|error' | head -5)
 }
-for model in ${MODELS:-tiny resnet50}; do
-  for n in 1 2; do ddp "$model" "$n" --model "$model"; done
-done
+if [ -z "${CONTROL:-}" ]; then
+  for model in ${MODELS:-tiny resnet50}; do
+    for n in 1 2; do ddp "$model" "$n" --model "$model"; done
+  done
+fi
+if [ -n "${CONTROL:-}" ]; then
+  for model in ${MODELS:-tiny resnet50}; do
+    for n in 1 2; do ddp "$model-synthetic" "$n" --model "$model" --synthetic; done
+    ddp "$model-independent" 2 --model "$model" --independent
+  done
+fi
 if [ -n "${NUMA:-}" ]; then
   for n in 1 2; do ddp "tiny-numa" "$n" --numa --model tiny; done
 fi

@@ -40,6 +40,21 @@ def bind_cpus(local_rank: int, count: int) -> None:
     os.sched_setaffinity(0, mine)
 
 
+class synthetic:  # noqa: N801 - used like a loader
+    """``epoch_length`` copies of one batch already on the device, each epoch."""
+
+    def __init__(self, args, vocab_size, epoch_length, device):
+        n, size = args.batch_size, args.image_size
+        self.length = epoch_length
+        self.batch = {"image": torch.randn(n, 3, size, size, device=device),
+                      "input_ids": torch.randint(0, vocab_size, (n, 32), device=device),
+                      "attention_mask": torch.ones(n, 32, dtype=torch.long, device=device),
+                      "__key__": [f"synthetic-{i}" for i in range(n)]}
+
+    def __iter__(self):
+        return (self.batch for _ in range(self.length))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", help="image-text shards (default: the demo's synthetic set)")
@@ -60,6 +75,9 @@ def main():
     parser.add_argument("--json", help="rank 0 writes the throughput summary here")
     parser.add_argument("--independent", action="store_true",
                         help="skip DDP's gradient sync (measures data loading alone per rank)")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="train on one fixed batch made on the device, no loader: the ceiling "
+                        "the model and DDP allow, to compare the loaded runs with")
     parser.add_argument("--cpus-per-rank", type=int, default=0,
                         help="pin each rank (its DALI threads and its workers) to its own K cores: "
                         "local rank r gets cores [r*K, (r+1)*K) of those allowed")
@@ -115,7 +133,8 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     keys: list[list[str]] = []
     with image:
-        loader = dataset.loader(image, num_workers=args.workers, persistent_workers=True)
+        loader = (synthetic(args, len(tok), epoch_length, device) if args.synthetic
+                  else dataset.loader(image, num_workers=args.workers, persistent_workers=True))
         rates, seconds = [], []
         for epoch in range(args.epochs):
             epoch_keys, n = [], 0
