@@ -78,6 +78,9 @@ def main():
     parser.add_argument("--synthetic", action="store_true",
                         help="train on one fixed batch made on the device, no loader: the ceiling "
                         "the model and DDP allow, to compare the loaded runs with")
+    parser.add_argument("--nccl-high-priority", action="store_true",
+                        help="run NCCL's all-reduce on high-priority CUDA streams, ahead of the "
+                        "DALI pipeline's kernels on the same GPU")
     parser.add_argument("--cpus-per-rank", type=int, default=0,
                         help="pin each rank (its DALI threads and its workers) to its own K cores: "
                         "local rank r gets cores [r*K, (r+1)*K) of those allowed")
@@ -89,8 +92,12 @@ def main():
     cuda = torch.cuda.is_available()
     if args.cpus_per_rank:
         bind_cpus(local, args.cpus_per_rank)
-    if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo")
+    if world > 1 and cuda:
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = args.nccl_high_priority
+        dist.init_process_group("nccl", pg_options=options)
+    elif world > 1:
+        dist.init_process_group("gloo")
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
