@@ -141,7 +141,8 @@ def main():
     keys: list[list[str]] = []
     with image:
         loader = (synthetic(args, len(tok), epoch_length, device) if args.synthetic
-                  else dataset.loader(image, num_workers=args.workers, persistent_workers=True))
+                  else dataset.loader(image, num_workers=args.workers, persistent_workers=True,
+                                      pin_memory=cuda))
         rates, seconds = [], []
         for epoch in range(args.epochs):
             epoch_keys, n = [], 0
@@ -150,8 +151,8 @@ def main():
                 images = batch["image"].to(device, non_blocking=True)
                 with torch.autocast(device.type, torch.bfloat16, enabled=big):
                     loss = model(images.contiguous(memory_format=torch.channels_last) if big
-                                 else images, batch["input_ids"].to(device),
-                                 batch["attention_mask"].to(device))
+                                 else images, batch["input_ids"].to(device, non_blocking=True),
+                                 batch["attention_mask"].to(device, non_blocking=True))
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
