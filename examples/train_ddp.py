@@ -81,6 +81,9 @@ def main():
     parser.add_argument("--nccl-high-priority", action="store_true",
                         help="run NCCL's all-reduce on high-priority CUDA streams, ahead of the "
                         "DALI pipeline's kernels on the same GPU")
+    parser.add_argument("--train-stream-priority", type=int, default=0,
+                        help="run the training steps on a CUDA stream of this priority (negative "
+                        "is higher; DALI's own streams have priority 0)")
     parser.add_argument("--cpus-per-rank", type=int, default=0,
                         help="pin each rank (its DALI threads and its workers) to its own K cores: "
                         "local rank r gets cores [r*K, (r+1)*K) of those allowed")
@@ -144,6 +147,10 @@ def main():
                   else dataset.loader(image, num_workers=args.workers, persistent_workers=True,
                                       pin_memory=cuda))
         rates, seconds = [], []
+        stream = (torch.cuda.Stream(device, priority=args.train_stream_priority)
+                  if cuda and args.train_stream_priority else None)
+        if stream is not None:  # batches are handed over on the current stream: this one
+            torch.cuda.set_stream(stream)
         for epoch in range(args.epochs):
             epoch_keys, n = [], 0
             start = time.perf_counter()
