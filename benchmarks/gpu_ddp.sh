@@ -44,6 +44,11 @@ if [ -n "${STREAM:-}" ]; then  # the training steps on a high-priority stream
     for n in 1 2; do ddp "$model-train-stream-high" "$n" --model "$model" --train-stream-priority -5; done
   done
 fi
+if [ -n "${NOBROADCAST:-}" ]; then  # no BatchNorm-buffer broadcast at each step
+  for model in ${MODELS:-tiny resnet50}; do
+    ddp "$model-no-broadcast-buffers" 2 --model "$model" --no-broadcast-buffers
+  done
+fi
 if [ -n "${NUMA:-}" ]; then
   for n in 1 2; do ddp "tiny-numa" "$n" --numa --model tiny; done
 fi

@@ -84,6 +84,9 @@ def main():
     parser.add_argument("--train-stream-priority", type=int, default=0,
                         help="run the training steps on a CUDA stream of this priority (negative "
                         "is higher; DALI's own streams have priority 0)")
+    parser.add_argument("--no-broadcast-buffers", action="store_true",
+                        help="DDP(broadcast_buffers=False): no BatchNorm-buffer broadcast (a sync "
+                        "between the ranks) at the start of every step")
     parser.add_argument("--cpus-per-rank", type=int, default=0,
                         help="pin each rank (its DALI threads and its workers) to its own K cores: "
                         "local rank r gets cores [r*K, (r+1)*K) of those allowed")
@@ -139,7 +142,9 @@ def main():
         model = model.to(memory_format=torch.channels_last)
         torch.backends.cudnn.benchmark = True
     if world > 1 and not args.independent:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if cuda else None)
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[local] if cuda else None,
+            broadcast_buffers=not args.no_broadcast_buffers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     keys: list[list[str]] = []
     with image:
@@ -174,8 +179,9 @@ def main():
                   f"samples/s, loss {loss.item():.3f}", flush=True)
     # Per rank: the best epoch, and the sustained rate over the epochs after the first (start-up).
     later = seconds[1:] or seconds
-    mine = torch.tensor([max(rates), sum(len(k) for k in keys[-len(later):]) / sum(later)],
-                        device=device)
+    steps = sum(len(k) for k in keys) / args.batch_size
+    mine = torch.tensor([max(rates), sum(len(k) for k in keys[-len(later):]) / sum(later),
+                         image.wait_seconds * 1000 / steps], device=device)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     if world > 1:
         dist.all_gather(gathered, mine)
@@ -187,10 +193,12 @@ def main():
     if rank == 0:
         per_rank = [round(g[0].item(), 1) for g in gathered]
         sustained = [round(g[1].item(), 1) for g in gathered]
+        waits = [round(g[2].item(), 2) for g in gathered]
         summary = {"world": world, "model": args.model, "per_rank_samples_per_s": per_rank,
                    "total_samples_per_s": round(sum(per_rank), 1),
                    "per_rank_sustained_samples_per_s": sustained,
                    "total_sustained_samples_per_s": round(sum(sustained), 1),
+                   "per_rank_main_loop_wait_ms_per_batch": waits,
                    "batch_size": args.batch_size,
                    "epoch_length": epoch_length, "workers": args.workers,
                    "cpus_per_rank": args.cpus_per_rank or None}
