@@ -177,15 +177,19 @@ def main():
             if cuda:
                 torch.cuda.synchronize()
             seconds.append(time.perf_counter() - start)
+            if epoch == 0:
+                start_up_wait = image.wait_seconds
             rates.append(n / seconds[-1])
             keys.append(epoch_keys)
             print(f"rank {rank} epoch {epoch}: {len(epoch_keys)} samples, {rates[-1]:.0f} "
                   f"samples/s, loss {loss.item():.3f}", flush=True)
-    # Per rank: the best epoch, and the sustained rate over the epochs after the first (start-up).
+    # Per rank: the best epoch; over the epochs after the first (start-up): the sustained rate and
+    # how long the main loop waited on the server per batch.
     later = seconds[1:] or seconds
-    steps = sum(len(k) for k in keys) / args.batch_size
-    mine = torch.tensor([max(rates), sum(len(k) for k in keys[-len(later):]) / sum(later),
-                         image.wait_seconds * 1000 / steps], device=device)
+    later_samples = sum(len(k) for k in keys[-len(later):])
+    waited = image.wait_seconds - (start_up_wait if len(seconds) > 1 else 0.0)
+    mine = torch.tensor([max(rates), later_samples / sum(later),
+                         waited * 1000 * args.batch_size / max(1, later_samples)], device=device)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     if world > 1:
         dist.all_gather(gathered, mine)
