@@ -40,12 +40,24 @@ def test_ddp_two_ranks_disjoint_cover_and_equal_batches(tmp_path):
                "--dump-keys", str(keys)], tmp_path)
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["world"] == 2
+    assert len(summary["per_rank_sustained_samples_per_s"]) == 2
+    assert all(r > 0 for r in summary["per_rank_sustained_samples_per_s"])
     ranks = [json.loads(Path(f"{keys}.rank{r}.json").read_text()) for r in (0, 1)]
     for epoch in range(2):
         a, b = ranks[0][epoch], ranks[1][epoch]
         assert len(a) == len(b) == 64  # equal batch counts: 4 batches of 16 on each rank
         assert not set(a) & set(b)  # disjoint
         assert sorted(a + b) == [f"demo{i:06d}" for i in range(128)]  # together, all the data
+
+
+def test_ddp_example_synthetic_control_with_resnet50(tmp_path):
+    """The no-loader control of the DDP benchmark runs, with the ResNet-50 tower."""
+    out = run(["examples/train_ddp.py", "--synthetic", "--model", "resnet50", "--epochs", "2",
+               "--batch-size", "4", "--image-size", "32"], tmp_path)
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["model"] == "resnet50" and summary["world"] == 1
+    assert summary["per_rank_main_loop_wait_ms_per_batch"] == [0.0]  # nothing was loaded
+    assert "rank 0 epoch 1: 128 samples" in out
 
 
 def test_demo_command_runs(tmp_path):
