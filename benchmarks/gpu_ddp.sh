@@ -22,7 +22,7 @@ ddp() {  # ddp NAME NPROC [torchrun args --] [train_ddp args]
     --batch-size 256 --workers 12 --threads 8 --image-size 224 --epochs 4 \
     --json "$out/ddp-$name-$n.json" "$@" 2>&1 | grep -a -E '"world"|Error|error' | head -5)
 }
-if [ -z "${CONTROL:-}${PRIORITY:-}${STREAM:-}${HWDEC:-}${PACED:-}" ]; then
+if [ -z "${CONTROL:-}${PRIORITY:-}${STREAM:-}${HWDEC:-}" ]; then
   for model in ${MODELS:-tiny resnet50}; do
     for n in 1 2; do ddp "$model" "$n" --model "$model"; done
   done
@@ -53,12 +53,6 @@ if [ -n "${HWDEC:-}" ]; then  # every JPEG to the hardware decoder (fewer CUDA k
   for model in ${MODELS:-tiny resnet50}; do
     for n in 1 2; do ddp "$model-hw-decoder" "$n" --model "$model" --hw-decoder-load 1.0; done
     ddp "$model-hw-decoder-no-broadcast" 2 --model "$model" --hw-decoder-load 1.0 --no-broadcast-buffers
-  done
-fi
-if [ -n "${PACED:-}" ]; then  # the server paced by the training loop
-  for model in ${MODELS:-tiny resnet50}; do
-    for n in 1 2; do ddp "$model-ready-ahead-2" "$n" --model "$model" --ready-ahead 2; done
-    ddp "$model-repeat" 2 --model "$model"
   done
 fi
 if [ -n "${NUMA:-}" ]; then

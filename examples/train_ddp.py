@@ -90,10 +90,6 @@ def main():
     parser.add_argument("--hw-decoder-load", type=float,
                         help="share of each batch for the GPU's hardware JPEG decoder (DALI's "
                         "default when not given)")
-    parser.add_argument("--ready-ahead", type=int,
-                        help="pace the server by the training loop: at most K batches run ahead "
-                        "(DALIServer(ready_ahead=K)); every rank then starts its pipeline work at "
-                        "the same point of the step")
     parser.add_argument("--cpus-per-rank", type=int, default=0,
                         help="pin each rank (its DALI threads and its workers) to its own K cores: "
                         "local rank r gets cores [r*K, (r+1)*K) of those allowed")
@@ -140,7 +136,7 @@ def main():
         image_train_pipeline(batch_size=args.batch_size, size=args.image_size,
                              device_id=local if cuda else None, num_threads=args.threads,
                              hw_decoder_load=args.hw_decoder_load),
-        name=f"image-rank{rank}", ready_ahead=args.ready_ahead)
+        name=f"image-rank{rank}")
     dataset = image_text_dataset(urls, image, tok, batch_size=args.batch_size, max_length=32,
                                  epoch_length=epoch_length, shuffle_buffer=256, seed=1234,
                                  partial=False)

@@ -120,11 +120,6 @@ class DALIServer:
         pad: Pad outputs whose shape differs between samples into a
             :class:`~mmproxy.refs.PaddedBatch` instead of returning a list of tensors. ``True``
             pads every output; a collection of output indices pads only those.
-        ready_ahead: Pace the pipeline by the main loop: start a run only while fewer than this
-            many runs are in flight or finished and not yet taken (a run the main loop waits for
-            always starts). ``None`` (the default) starts every run as soon as its inputs arrive.
-            Under DDP, where every rank takes a batch at the same moment, pacing starts each
-            rank's pipeline work at the same point of the step.
         timeout: Seconds to wait for one run's outputs before raising
             :class:`~mmproxy.errors.WaitTimeoutError`. A run's inputs are already on their way
             when the main loop asks for it, so the wait is bounded by the pipeline's own time;
@@ -141,7 +136,7 @@ class DALIServer:
 
     def __init__(self, pipeline: Any, deterministic: bool = False, *, name: str | None = None,
                  pad: bool | tuple[int, ...] | list[int] = False,
-                 ready_ahead: int | None = None, timeout: float | None = 300.0) -> None:
+                 timeout: float | None = 300.0) -> None:
         from nvidia.dali.pipeline import Pipeline
 
         if not isinstance(pipeline, Pipeline):
@@ -150,10 +145,6 @@ class DALIServer:
         self.uid = os.urandom(8).hex()
         self.deterministic = bool(deterministic)
         self.timeout = timeout
-        if ready_ahead is not None and ready_ahead < 1:
-            raise ValueError(f"server {self.name!r}: ready_ahead must be at least 1 or None, "
-                             f"got {ready_ahead}")
-        self.ready_ahead = ready_ahead
         self._pipe = pipeline
         self._input_names = _input_names(pipeline)
         if not self._input_names:
@@ -179,7 +170,6 @@ class DALIServer:
         self._runs: dict[str, _Run] = {}
         self._arrived: OrderedDict[str, _Run] = OrderedDict()
         self._claims: deque[str] = deque()
-        self._wanted: set[str] = set()  # runs the main loop is waiting for
         self._epochs: dict[str, int] = {}
         self._done: OrderedDict[str, _Run] = OrderedDict()
         self.wait_seconds = 0.0  # main-loop time spent waiting on this server
@@ -325,8 +315,6 @@ class DALIServer:
         start = time.perf_counter()
         deadline = None if self.timeout is None else start + self.timeout
         with self._cond:
-            self._wanted.add(ref.run_id)
-            self._cond.notify_all()
             try:
                 while True:
                     run = self._runs.get(ref.run_id) or self._done.get(ref.run_id)
@@ -348,7 +336,6 @@ class DALIServer:
                             f"{self.timeout} s (state {run.state.value})")
                     self._cond.wait(_POLL)
             finally:
-                self._wanted.discard(ref.run_id)
                 self.wait_seconds += time.perf_counter() - start
 
     def _release(self, run: _Run) -> None:
@@ -358,7 +345,6 @@ class DALIServer:
                 self._done[run.id] = run
                 while len(self._done) > 8:
                     self._done.popitem(last=False)
-                self._cond.notify_all()  # a paced server may start the next run
 
     # -- threads --------------------------------------------------------------------------------
 
@@ -397,15 +383,9 @@ class DALIServer:
         with self._cond:
             while not self._stop.is_set():
                 run = None
-                paced = self._paced()
                 if self.deterministic:
-                    if (self._claims and self._claims[0] in self._arrived
-                            and (not paced or self._claims[0] in self._wanted)):
+                    if self._claims and self._claims[0] in self._arrived:
                         run = self._arrived.pop(self._claims.popleft())
-                elif paced:
-                    run = next((r for r in self._arrived.values() if r.id in self._wanted), None)
-                    if run is not None:
-                        del self._arrived[run.id]
                 elif self._arrived:
                     # The current epoch's runs before the next epoch's prefetched first batches.
                     run = next((r for r in self._arrived.values() if not self._is_ahead(r.tag)),
@@ -494,13 +474,6 @@ class DALIServer:
 
     def _is_stale(self, tag: tuple[str, int] | None) -> bool:
         return tag is not None and tag[1] < self._epochs.get(tag[0], tag[1])
-
-    def _paced(self) -> bool:
-        """Whether ``ready_ahead`` runs are already in flight or waiting to be taken."""
-        if self.ready_ahead is None:
-            return False
-        ahead = sum(r.state in (RunState.SCHEDULED, RunState.READY) for r in self._runs.values())
-        return ahead >= self.ready_ahead
 
     def _is_ahead(self, tag: tuple[str, int] | None) -> bool:
         return tag is not None and tag[1] > self._epochs.get(tag[0], tag[1])

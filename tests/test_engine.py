@@ -160,28 +160,6 @@ def test_shuffled_and_dropped_after_the_proxy_call(double_server):
     assert 0 < total < 40
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_ready_ahead_paces_the_server_by_the_main_loop(deterministic):
-    """ready_ahead=1: beyond the batch in hand the server runs at most one more (the one the main
-    loop asks for next always starts), though the workers have sent 12 runs; outputs stay right."""
-    with mmproxy.DALIServer(cpu(double_pipe, batch_size=5), ready_ahead=1,
-                            deterministic=deterministic, name="paced") as server:
-        loader = mmproxy.DataLoader(server, ShuffledStream(server.proxy, n=120), batch_size=5,
-                                    num_workers=3, prefetch_factor=4)
-        batches = 0
-        for x, i in loader:
-            torch.testing.assert_close(x[:, 0], i.float() * 2)
-            batches += 1
-            time.sleep(0.1)  # the workers and the pipeline would run far ahead of this loop
-            assert server.samples <= (batches + 1) * 5, (batches, server.samples)
-        assert batches > 10
-
-
-def test_ready_ahead_must_be_positive():
-    with pytest.raises(ValueError, match="ready_ahead must be at least 1"):
-        mmproxy.DALIServer(cpu(double_pipe), ready_ahead=0, name="bad")
-
-
 def test_breaking_out_of_an_epoch_never_mixes_outputs(add_server):
     loader = mmproxy.DataLoader(add_server, AddDataset(add_server.proxy, n=64), batch_size=4,
                                 num_workers=2, persistent_workers=True, prefetch_factor=4)
