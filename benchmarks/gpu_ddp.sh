@@ -22,7 +22,7 @@ ddp() {  # ddp NAME NPROC [torchrun args --] [train_ddp args]
     --batch-size 256 --workers 12 --threads 8 --image-size 224 --epochs 4 \
     --json "$out/ddp-$name-$n.json" "$@" 2>&1 | grep -a -E '"world"|Error|error' | head -5)
 }
-if [ -z "${CONTROL:-}${PRIORITY:-}${STREAM:-}${HWDEC:-}" ]; then
+if [ -z "${CONTROL:-}${PRIORITY:-}${STREAM:-}" ]; then
   for model in ${MODELS:-tiny resnet50}; do
     for n in 1 2; do ddp "$model" "$n" --model "$model"; done
   done
@@ -47,12 +47,6 @@ fi
 if [ -n "${NOBROADCAST:-}" ]; then  # no BatchNorm-buffer broadcast at each step
   for model in ${MODELS:-tiny resnet50}; do
     ddp "$model-no-broadcast-buffers" 2 --model "$model" --no-broadcast-buffers
-  done
-fi
-if [ -n "${HWDEC:-}" ]; then  # every JPEG to the hardware decoder (fewer CUDA kernels of DALI's)
-  for model in ${MODELS:-tiny resnet50}; do
-    for n in 1 2; do ddp "$model-hw-decoder" "$n" --model "$model" --hw-decoder-load 1.0; done
-    ddp "$model-hw-decoder-no-broadcast" 2 --model "$model" --hw-decoder-load 1.0 --no-broadcast-buffers
   done
 fi
 if [ -n "${NUMA:-}" ]; then

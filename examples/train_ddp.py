@@ -87,9 +87,6 @@ def main():
     parser.add_argument("--no-broadcast-buffers", action="store_true",
                         help="DDP(broadcast_buffers=False): no BatchNorm-buffer broadcast (a sync "
                         "between the ranks) at the start of every step")
-    parser.add_argument("--hw-decoder-load", type=float,
-                        help="share of each batch for the GPU's hardware JPEG decoder (DALI's "
-                        "default when not given)")
     parser.add_argument("--cpus-per-rank", type=int, default=0,
                         help="pin each rank (its DALI threads and its workers) to its own K cores: "
                         "local rank r gets cores [r*K, (r+1)*K) of those allowed")
@@ -134,8 +131,7 @@ def main():
     # Each rank: its own server on its own GPU (device="auto" picks LOCAL_RANK's GPU).
     image = mmproxy.DALIServer(
         image_train_pipeline(batch_size=args.batch_size, size=args.image_size,
-                             device_id=local if cuda else None, num_threads=args.threads,
-                             hw_decoder_load=args.hw_decoder_load),
+                             device_id=local if cuda else None, num_threads=args.threads),
         name=f"image-rank{rank}")
     dataset = image_text_dataset(urls, image, tok, batch_size=args.batch_size, max_length=32,
                                  epoch_length=epoch_length, shuffle_buffer=256, seed=1234,

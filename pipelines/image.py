@@ -50,8 +50,7 @@ def image_train_pipeline(*, batch_size: int, size: int = 224,
                          mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                          layout: Layout = "CHW", dtype: DType = "float32", device: Device = "auto",
                          device_id: int | None = None, num_threads: int = 4, seed: int | None = None,
-                         prefetch_queue_depth: int = 2, input_name: str = "images",
-                         hw_decoder_load: float | None = None) -> Any:
+                         prefetch_queue_depth: int = 2, input_name: str = "images") -> Any:
     """Training: random-resized crop (like torchvision's RandomResizedCrop), flip, normalize.
 
     Args:
@@ -70,21 +69,17 @@ def image_train_pipeline(*, batch_size: int, size: int = 224,
         seed: DALI's random seed (None: random).
         prefetch_queue_depth: Runs the server keeps in flight.
         input_name: Name of the ``external_source`` (the proxy's argument).
-        hw_decoder_load: GPU only: the share of each batch sent to the GPU's hardware JPEG
-            decoder, where it has one (DALI's default when None); the rest is decoded partly on
-            the CPU and partly with CUDA kernels.
     """
     from nvidia.dali import fn, pipeline_def, types
 
     gpu, dev_id = resolve_device(device, device_id)
-    decoder = {"hw_decoder_load": hw_decoder_load} if gpu and hw_decoder_load is not None else {}
 
     @pipeline_def
     def pipe() -> Any:
         jpegs = fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8)
         images = fn.decoders.image_random_crop(
             jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB,
-            random_area=list(scale), random_aspect_ratio=list(ratio), **decoder)
+            random_area=list(scale), random_aspect_ratio=list(ratio))
         images = fn.resize(images, size=[size, size], interp_type=types.INTERP_LINEAR,
                            antialias=True)
         flip = fn.random.coin_flip(probability=flip_probability)
