@@ -120,8 +120,15 @@ class _LoaderIter:
     def close(self) -> None:
         """Shuts this iterator's workers down now, instead of when it is garbage-collected."""
         shutdown = getattr(self._it, "_shutdown_workers", None)
-        if shutdown is not None:
+        if shutdown is None:
+            return
+        try:
             shutdown()
+        except RuntimeError as err:
+            # After a worker died, torch's SIGCHLD handler reports it again when the other workers
+            # exit during the shutdown; the shutdown itself has finished (in torch's `finally`).
+            if "DataLoader worker" not in str(err):
+                raise
 
     def _fetch(self) -> Any:
         if self._in_main:
