@@ -1,6 +1,8 @@
 """Where a CPU image pipeline spends its time: single-thread CPU per image, stage by stage, for the
-DALI pipeline every DALI system of `mmproxy bench` runs and for the torchvision one of its torch
-system (the same ops: decode, random-resized crop 224 with antialiasing, flip, normalize).
+DALI pipeline every DALI system of `mmproxy bench` runs (resizing with DALI's `fn.resize`, or with
+torchvision inside the pipeline, the default of `mmproxy.pipelines` on CPU) and for the torchvision
+one of its torch system (the same ops: decode, random-resized crop 224 with antialiasing, flip,
+normalize).
 
     python benchmarks/cpu_ops.py --data-dir /tmp/bench [--json out.json]
 
@@ -16,10 +18,11 @@ import json
 import time
 
 
-def dali_stages(paths: list[str], batches: int) -> dict[str, float]:
+def dali_stages(paths: list[str], batches: int, resize: str) -> dict[str, float]:
     from nvidia.dali import fn, pipeline_def, types
 
     from mmproxy.bench import IMAGE_MEAN, IMAGE_STD
+    from mmproxy.pipelines.image import _resize
 
     def build(stage: int):  # type: ignore[no-untyped-def]
         @pipeline_def(batch_size=64, num_threads=1, device_id=None, seed=1)
@@ -30,7 +33,7 @@ def dali_stages(paths: list[str], batches: int) -> dict[str, float]:
                                                   random_area=[0.08, 1.0],
                                                   random_aspect_ratio=[3 / 4, 4 / 3])
             if stage >= 2:
-                x = fn.resize(x, size=[224, 224], antialias=True)
+                x = _resize(x, 224, gpu=False, cpu_resize=resize)  # type: ignore[arg-type]
             if stage >= 3:
                 x = fn.crop_mirror_normalize(x, dtype=types.FLOAT, output_layout="CHW",
                                              mean=IMAGE_MEAN, std=IMAGE_STD,
@@ -38,7 +41,8 @@ def dali_stages(paths: list[str], batches: int) -> dict[str, float]:
             return x
         return pipe()
 
-    names = ["read", "decode + random crop (ROI)", "resize 224 (antialias)", "flip + normalize"]
+    names = ["read", "decode + random crop (ROI)", f"resize 224 (antialias, {resize})",
+             "flip + normalize"]
     total, out = 0.0, {}
     for stage, name in enumerate(names):
         pipe = build(stage)
@@ -88,10 +92,12 @@ def main() -> None:
     if not paths:
         raise SystemExit(f"no image shards under {a.data_dir}: run `mmproxy bench` first")
     result = {"unit": "CPU microseconds per image, one thread",
-              "dali": dali_stages(paths, a.batches), "torchvision": torch_stages(paths, a.batches * 64)}
-    for system in ("dali", "torchvision"):
+              "dali": dali_stages(paths, a.batches, "dali"),
+              "dali, torchvision resize": dali_stages(paths, a.batches, "torchvision"),
+              "torchvision": torch_stages(paths, a.batches * 64)}
+    for system in ("dali", "dali, torchvision resize", "torchvision"):
         for name, us in result[system].items():
-            print(f"{system:12s} {name:40s} {us:6d} us")
+            print(f"{system:26s} {name:44s} {us:6d} us")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

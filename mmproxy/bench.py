@@ -121,13 +121,15 @@ def _time_epochs(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], 
 
 # -- pipelines shared by the DALI-based systems ---------------------------------------------------
 
-def _image_ops(jpegs: Any, gpu: bool) -> Any:
+def _image_ops(jpegs: Any, gpu: bool, cpu_resize: str) -> Any:
     from nvidia.dali import fn, types
+
+    from mmproxy.pipelines.image import _resize
 
     images = fn.decoders.image_random_crop(jpegs, device="mixed" if gpu else "cpu",
                                            output_type=types.RGB, random_area=[0.08, 1.0],
                                            random_aspect_ratio=[3 / 4, 4 / 3])
-    images = fn.resize(images, size=[224, 224], antialias=True)
+    images = _resize(images, 224, gpu=gpu, cpu_resize=cpu_resize)  # type: ignore[arg-type]
     return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
                                     mean=IMAGE_MEAN, std=IMAGE_STD,
                                     mirror=fn.random.coin_flip(probability=0.5))
@@ -144,7 +146,7 @@ def _audio_ops(data: Any, gpu: bool) -> Any:
 
 
 def _input_pipe(kind: str, batch: int, threads: int, device_id: int | None, gpu: bool,
-                machinery: bool = False, prefetch: int = 2) -> Any:
+                machinery: bool = False, prefetch: int = 2, cpu_resize: str = "torchvision") -> Any:
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def
@@ -152,14 +154,14 @@ def _input_pipe(kind: str, batch: int, threads: int, device_id: int | None, gpu:
         data = fn.external_source(name="data", no_copy=True, dtype=types.UINT8)
         if machinery:
             return data
-        return _image_ops(data, gpu) if kind == "image" else _audio_ops(data, gpu)
+        return _image_ops(data, gpu, cpu_resize) if kind == "image" else _audio_ops(data, gpu)
 
     return pipe(batch_size=batch, num_threads=threads, device_id=device_id,
                 prefetch_queue_depth=prefetch)
 
 
 def _reader_pipe(kind: str, paths: list[str], batch: int, threads: int, device_id: int | None,
-                 gpu: bool) -> Any:
+                 gpu: bool, cpu_resize: str = "torchvision") -> Any:
     from nvidia.dali import fn, pipeline_def
 
     ext = "jpg" if kind == "image" else "wav"
@@ -168,7 +170,7 @@ def _reader_pipe(kind: str, paths: list[str], batch: int, threads: int, device_i
     def pipe() -> Any:
         data = fn.readers.webdataset(paths=paths, ext=[ext], random_shuffle=True,
                                      initial_fill=256, name="reader", missing_component_behavior="skip")
-        return _image_ops(data, gpu) if kind == "image" else _audio_ops(data, gpu)
+        return _image_ops(data, gpu, cpu_resize) if kind == "image" else _audio_ops(data, gpu)
 
     return pipe(batch_size=batch, num_threads=threads, device_id=device_id)
 
@@ -265,14 +267,15 @@ def _system(name: str, kind: str, paths: list[str], a: Any, gpu: bool, dev: int 
     if name == "dali-reader":
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-        pipe = _reader_pipe("image" if ext == "jpg" else "audio", paths, batch, a.threads, dev, gpu)
+        pipe = _reader_pipe("image" if ext == "jpg" else "audio", paths, batch, a.threads, dev, gpu,
+                            a.cpu_resize)
         reader = DALIGenericIterator(pipe, ["data"], reader_name="reader", auto_reset=True,
                                      last_batch_policy=LastBatchPolicy.PARTIAL)
         return _time_epochs(lambda: (b[0]["data"] for b in reader), lambda b: int(b.shape[0]),
                             a.epochs, gpu)
     machinery = kind == "machinery"
     pipe = _input_pipe("image" if ext == "jpg" else "audio", batch, a.threads, dev, gpu, machinery,
-                       a.prefetch)
+                       a.prefetch, a.cpu_resize)
     if name == "dali-proxy":
         from nvidia.dali.plugin.pytorch.experimental import proxy as dali_proxy
 
@@ -326,7 +329,8 @@ def _memory(paths: list[str], a: Any, gpu: bool, dev: int | None, batch: int) ->
     from mmproxy.datasets import MultiModalDataset
 
     me = psutil.Process()
-    server = mmproxy.DALIServer(_input_pipe("image", batch, a.threads, dev, gpu), name="mem")
+    server = mmproxy.DALIServer(_input_pipe("image", batch, a.threads, dev, gpu,
+                                            cpu_resize=a.cpu_resize), name="mem")
     rows = []
     with server:
         ds = MultiModalDataset(paths, {"image": ("jpg", server.proxy)}, batch_size=batch)

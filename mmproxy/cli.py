@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=2, help="DALI threads per pipeline")
     bench.add_argument("--epochs", type=int, default=3, help="the best epoch counts")
     bench.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
+    bench.add_argument("--cpu-resize", choices=["torchvision", "dali"], default="torchvision",
+                       help="CPU image pipelines of every DALI system: resize with torchvision "
+                       "inside the pipeline (default) or with DALI's fn.resize")
     bench.add_argument("--data-dir", default=None, help="where to write the benchmark shards")
     bench.add_argument("--json", default="bench.json", help="where to write the results")
     bench.add_argument("--plot", default=None, help="write a PNG bar chart here")

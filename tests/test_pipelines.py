@@ -83,6 +83,24 @@ def test_train_shape_dtype_range(dtype, torch_dtype):
         assert -2.2 < out.float().min() < 0 < out.float().max() < 2.7
 
 
+def test_cpu_resize_with_torchvision_matches_dali_resize():
+    # The crop is the whole image (area 1, the image's own aspect ratio) and nothing is flipped,
+    # so the two differ only by the resize filters' rounding: about one level of 255.
+    jpegs = [image_bytes(synth_image(i, 200, 300)) for i in range(4)]
+    outs = {}
+    for resize in ("torchvision", "dali"):
+        pipe = image_train_pipeline(batch_size=4, size=64, device="cpu", num_threads=2, seed=3,
+                                    scale=(1.0, 1.0), ratio=(1.5, 1.5), flip_probability=0.0,
+                                    cpu_resize=resize)
+        with mmproxy.DALIServer(pipe) as server:
+            outs[resize] = run(server, jpegs)
+    diff = (outs["torchvision"] - outs["dali"]).abs()
+    assert outs["dali"].shape == (4, 3, 64, 64)
+    assert diff.mean() < 0.005 and diff.max() < 0.05, (diff.mean(), diff.max())
+    with pytest.raises(ValueError, match="cpu_resize must be"):
+        image_train_pipeline(batch_size=4, device="cpu", cpu_resize="pil")
+
+
 def _train_crops(seed):
     jpegs = [image_bytes(synth_image(i)) for i in range(8)]
     pipe = image_train_pipeline(batch_size=8, size=32, device="cpu", num_threads=1, seed=seed)
