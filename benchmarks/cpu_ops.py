@@ -19,10 +19,10 @@ import time
 
 
 def dali_stages(paths: list[str], batches: int, resize: str) -> dict[str, float]:
+    from mmproxy.pipelines.image import _resize
     from nvidia.dali import fn, pipeline_def, types
 
     from mmproxy.bench import IMAGE_MEAN, IMAGE_STD
-    from mmproxy.pipelines.image import _resize
 
     def build(stage: int):  # type: ignore[no-untyped-def]
         @pipeline_def(batch_size=64, num_threads=1, device_id=None, seed=1)
