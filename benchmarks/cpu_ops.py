@@ -16,9 +16,13 @@ import glob
 import io
 import json
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mmproxy.pipelines.image import CpuResize
 
 
-def dali_stages(paths: list[str], batches: int, resize: str) -> dict[str, float]:
+def dali_stages(paths: list[str], batches: int, resize: CpuResize) -> dict[str, int]:
     from mmproxy.pipelines.image import _resize
     from nvidia.dali import fn, pipeline_def, types
 
@@ -33,7 +37,7 @@ def dali_stages(paths: list[str], batches: int, resize: str) -> dict[str, float]
                                                   random_area=[0.08, 1.0],
                                                   random_aspect_ratio=[3 / 4, 4 / 3])
             if stage >= 2:
-                x = _resize(x, 224, gpu=False, cpu_resize=resize)  # type: ignore[arg-type]
+                x = _resize(x, 224, gpu=False, cpu_resize=resize)
             if stage >= 3:
                 x = fn.crop_mirror_normalize(x, dtype=types.FLOAT, output_layout="CHW",
                                              mean=IMAGE_MEAN, std=IMAGE_STD,
@@ -58,7 +62,7 @@ def dali_stages(paths: list[str], batches: int, resize: str) -> dict[str, float]
     return out
 
 
-def torch_stages(paths: list[str], count: int) -> dict[str, float]:
+def torch_stages(paths: list[str], count: int) -> dict[str, int]:
     import torch
     import webdataset as wds
     from PIL import Image
@@ -91,16 +95,15 @@ def main() -> None:
     paths = sorted(glob.glob(f"{a.data_dir}/image-*/image-*.tar"))
     if not paths:
         raise SystemExit(f"no image shards under {a.data_dir}: run `mmproxy bench` first")
-    result = {"unit": "CPU microseconds per image, one thread",
-              "dali": dali_stages(paths, a.batches, "dali"),
-              "dali, torchvision resize": dali_stages(paths, a.batches, "torchvision"),
-              "torchvision": torch_stages(paths, a.batches * 64)}
-    for system in ("dali", "dali, torchvision resize", "torchvision"):
-        for name, us in result[system].items():
+    systems = {"dali": dali_stages(paths, a.batches, "dali"),
+               "dali, torchvision resize": dali_stages(paths, a.batches, "torchvision"),
+               "torchvision": torch_stages(paths, a.batches * 64)}
+    for system, stages in systems.items():
+        for name, us in stages.items():
             print(f"{system:26s} {name:44s} {us:6d} us")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({"unit": "CPU microseconds per image, one thread", **systems}, f, indent=1)
 
 
 if __name__ == "__main__":

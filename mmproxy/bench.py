@@ -15,10 +15,13 @@ import platform
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from mmproxy.pipelines.image import CpuResize
 
 __all__ = ["run"]
 
@@ -121,7 +124,7 @@ def _time_epochs(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], 
 
 # -- pipelines shared by the DALI-based systems ---------------------------------------------------
 
-def _image_ops(jpegs: Any, gpu: bool, cpu_resize: str) -> Any:
+def _image_ops(jpegs: Any, gpu: bool, cpu_resize: CpuResize) -> Any:
     from nvidia.dali import fn, types
 
     from mmproxy.pipelines.image import _resize
@@ -129,7 +132,7 @@ def _image_ops(jpegs: Any, gpu: bool, cpu_resize: str) -> Any:
     images = fn.decoders.image_random_crop(jpegs, device="mixed" if gpu else "cpu",
                                            output_type=types.RGB, random_area=[0.08, 1.0],
                                            random_aspect_ratio=[3 / 4, 4 / 3])
-    images = _resize(images, 224, gpu=gpu, cpu_resize=cpu_resize)  # type: ignore[arg-type]
+    images = _resize(images, 224, gpu=gpu, cpu_resize=cpu_resize)
     return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
                                     mean=IMAGE_MEAN, std=IMAGE_STD,
                                     mirror=fn.random.coin_flip(probability=0.5))
@@ -146,7 +149,8 @@ def _audio_ops(data: Any, gpu: bool) -> Any:
 
 
 def _input_pipe(kind: str, batch: int, threads: int, device_id: int | None, gpu: bool,
-                machinery: bool = False, prefetch: int = 2, cpu_resize: str = "torchvision") -> Any:
+                machinery: bool = False, prefetch: int = 2,
+                cpu_resize: CpuResize = "torchvision") -> Any:
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def
@@ -161,7 +165,7 @@ def _input_pipe(kind: str, batch: int, threads: int, device_id: int | None, gpu:
 
 
 def _reader_pipe(kind: str, paths: list[str], batch: int, threads: int, device_id: int | None,
-                 gpu: bool, cpu_resize: str = "torchvision") -> Any:
+                 gpu: bool, cpu_resize: CpuResize = "torchvision") -> Any:
     from nvidia.dali import fn, pipeline_def
 
     ext = "jpg" if kind == "image" else "wav"
