@@ -51,11 +51,13 @@ def _write_shard(job: tuple[str, str, int, int]) -> str:
     return path
 
 
-def _shards(folder: Path, kind: str, count: int, per_shard: int = 64) -> list[str]:
-    """Writes (once) ``count`` synthetic samples as shards, in parallel processes."""
+def _shards(folder: Path, kind: str, count: int, workers: int = 1) -> list[str]:
+    """Writes (once) ``count`` synthetic samples as shards of 64, in parallel processes; smaller
+    shards when 64 would leave a worker without one."""
     from concurrent.futures import ProcessPoolExecutor
 
-    folder = folder / f"{kind}-{count}"
+    per_shard = min(64, max(1, count // max(1, workers)))
+    folder = folder / (f"{kind}-{count}" if per_shard == 64 else f"{kind}-{count}-by{per_shard}")
     folder.mkdir(parents=True, exist_ok=True)
     jobs = [(str(folder / f"{kind}-{s:04d}.tar"), kind, s * per_shard, min(count, (s + 1) * per_shard))
             for s in range(math.ceil(count / per_shard))]
@@ -65,27 +67,41 @@ def _shards(folder: Path, kind: str, count: int, per_shard: int = 64) -> list[st
         return list(pool.map(_write_shard, jobs))
 
 
-def _cpu_seconds() -> dict[str, float]:
-    """CPU time so far of the workers (children) and of this process's threads, by group."""
+CPU_GROUPS = ("workers", "main-thread", "server-threads", "dali-threads")
+
+
+def _cpu_seconds() -> dict[tuple[str, int], float]:
+    """CPU time so far of each worker (child process) and of each of this process's threads,
+    keyed by (group, pid or thread id)."""
     import threading
 
     import psutil
 
     me = psutil.Process()
     names = {t.native_id: t.name for t in threading.enumerate()}
-    out = {"workers": 0.0, "main-thread": 0.0, "server-threads": 0.0, "dali-threads": 0.0}
+    out = {}
     for child in me.children(recursive=True):
         try:
             times = child.cpu_times()
-            out["workers"] += times.user + times.system
+            out["workers", child.pid] = times.user + times.system
         except psutil.NoSuchProcess:
             pass
     for t in me.threads():
         name = names.get(t.id)
         group = ("main-thread" if name == "MainThread" else "dali-threads" if name is None
                  else "server-threads")  # DALI's own threads are not Python threads
-        out[group] += t.user_time + t.system_time
+        out[group, t.id] = t.user_time + t.system_time
     return out
+
+
+def _cpu_ms_per_batch(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float],
+                      batches: int) -> dict[str, float]:
+    """CPU per batch by group, between two snapshots (a process or thread that ended in between
+    is not counted; one that started counts from zero)."""
+    out = dict.fromkeys(CPU_GROUPS, 0.0)
+    for (group, ident), seconds in after.items():
+        out[group] += seconds - before.get((group, ident), 0.0)
+    return {k: round(1000 * v / batches, 2) for k, v in out.items()}
 
 
 def _time_epochs(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], int], epochs: int,
@@ -110,7 +126,7 @@ def _time_epochs(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], 
         total += n if epoch else 0
         if rates[-1] == max(rates):
             cpu1 = _cpu_seconds()
-            best = {"cpu_ms_per_batch": {k: round(1000 * (cpu1[k] - cpu0[k]) / batches, 2) for k in cpu1}}
+            best = {"cpu_ms_per_batch": _cpu_ms_per_batch(cpu0, cpu1, batches)}
             if server:
                 best["server_starved_per_batch_ms"] = round(
                     1000 * (server.starved_seconds - starved0) / batches, 3)
@@ -120,6 +136,14 @@ def _time_epochs(make_iter: Callable[[], Iterable[Any]], count: Callable[[Any], 
     sustained = total / (time.perf_counter() - since) if epochs > 1 else None
     return {"samples_per_s": max(rates), "epochs": [round(r, 1) for r in rates], "samples": n,
             "batches": batches, "sustained_samples_per_s": sustained, **(best or {})}
+
+
+def _error_line(err: BaseException) -> str:
+    """One line for a failed system; for an error raised in a DataLoader worker, its own line
+    (torch's message starts with "Caught X in DataLoader worker process N" and a traceback)."""
+    lines = [line for line in str(err).strip().splitlines() if line.strip()] or [""]
+    line = lines[-1] if "Original Traceback" in str(err) else f"{type(err).__name__}: {lines[0]}"
+    return line[:300]
 
 
 # -- pipelines shared by the DALI-based systems ---------------------------------------------------
@@ -374,7 +398,8 @@ def run(a: Any) -> int:
     for kind in workloads:
         audio = kind == "audio"
         batch = a.batch_size or ((64 if audio else 256) if gpu else (32 if audio else 64))
-        paths = _shards(folder, "audio" if audio else "image", a.samples // 4 if audio else a.samples)
+        paths = _shards(folder, "audio" if audio else "image", a.samples // 4 if audio else a.samples,
+                        a.workers)
         tokenizer = None
         if kind == "image-text":
             from mmproxy.testing import WORDS, make_tokenizer
@@ -392,7 +417,7 @@ def run(a: Any) -> int:
             try:
                 res[name] = _system(name, kind, paths, a, gpu, dev, batch, tokenizer)
             except Exception as err:  # a reference system that cannot run is reported, not fatal
-                res[name] = {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"}
+                res[name] = {"error": _error_line(err)}
             print(f"[{kind}] {name:12s} {res[name]}", flush=True)
         base = res.get("mmproxy", {}).get("samples_per_s")
         for name, r in res.items():
@@ -401,7 +426,7 @@ def run(a: Any) -> int:
         out["results"][kind] = {"batch_size": batch, "samples": a.samples // 4 if audio else a.samples,
                                 "systems": res}
     if a.memory_epochs:
-        out["memory"] = _memory(_shards(folder, "image", a.samples), a, gpu, dev,
+        out["memory"] = _memory(_shards(folder, "image", a.samples, a.workers), a, gpu, dev,
                                 a.batch_size or (256 if gpu else 64))
         print("[memory]", out["memory"])
     Path(a.json).write_text(json.dumps(out, indent=2))

@@ -60,6 +60,19 @@ def test_ddp_example_synthetic_control_with_resnet50(tmp_path):
     assert "rank 0 epoch 1: 128 samples" in out
 
 
+def test_bench_runs_every_system_side_by_side(tmp_path):
+    out = tmp_path / "bench.json"
+    run(["-m", "mmproxy.cli", "bench", "--workload", "image", "--samples", "64", "--batch-size",
+         "16", "--epochs", "1", "--device", "cpu", "--data-dir", str(tmp_path / "data"),
+         "--systems", "mmproxy,dali-reader,dali-proxy,torch", "--json", str(out)], tmp_path)
+    systems = json.loads(out.read_text())["results"]["image"]["systems"]
+    assert set(systems) == {"mmproxy", "dali-reader", "dali-proxy", "torch"}
+    for name, result in systems.items():
+        assert result["samples"] == 64 and result["samples_per_s"] > 0, name
+        assert all(ms >= 0 for ms in result["cpu_ms_per_batch"].values()), (name, result)
+    assert systems["torch"]["mmproxy_ratio"] > 0
+
+
 def test_demo_command_runs(tmp_path):
     out = run(["-m", "mmproxy.cli", "demo", "--samples", "64", "--quiet"], tmp_path)
     assert "image      64 samples" in out and "skipped 0 samples" in out
