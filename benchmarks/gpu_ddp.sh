@@ -22,7 +22,7 @@ ddp() {  # ddp NAME NPROC [torchrun args --] [train_ddp args]
     --batch-size 256 --workers 12 --threads 8 --image-size 224 --epochs 4 \
     --json "$out/ddp-$name-$n.json" "$@" 2>&1 | grep -a -E '"world"|Error|error' | head -5)
 }
-if [ -z "${CONTROL:-}${PRIORITY:-}${STREAM:-}" ]; then
+if [ -z "${CONTROL:-}" ]; then
   for model in ${MODELS:-tiny resnet50}; do
     for n in 1 2; do ddp "$model" "$n" --model "$model"; done
   done
@@ -31,17 +31,6 @@ if [ -n "${CONTROL:-}" ]; then
   for model in ${MODELS:-tiny resnet50}; do
     for n in 1 2; do ddp "$model-synthetic" "$n" --model "$model" --synthetic; done
     ddp "$model-independent" 2 --model "$model" --independent
-  done
-fi
-if [ -n "${PRIORITY:-}" ]; then  # NCCL on high-priority streams, with a repeat of the plain runs
-  for model in ${MODELS:-tiny resnet50}; do
-    ddp "$model-nccl-high-priority" 2 --model "$model" --nccl-high-priority
-    for n in 1 2; do ddp "$model-repeat" "$n" --model "$model"; done
-  done
-fi
-if [ -n "${STREAM:-}" ]; then  # the training steps on a high-priority stream
-  for model in ${MODELS:-tiny resnet50}; do
-    for n in 1 2; do ddp "$model-train-stream-high" "$n" --model "$model" --train-stream-priority -5; done
   done
 fi
 if [ -n "${NOBROADCAST:-}" ]; then  # no BatchNorm-buffer broadcast at each step

@@ -78,12 +78,6 @@ def main():
     parser.add_argument("--synthetic", action="store_true",
                         help="train on one fixed batch made on the device, no loader: the ceiling "
                         "the model and DDP allow, to compare the loaded runs with")
-    parser.add_argument("--nccl-high-priority", action="store_true",
-                        help="run NCCL's all-reduce on high-priority CUDA streams, ahead of the "
-                        "DALI pipeline's kernels on the same GPU")
-    parser.add_argument("--train-stream-priority", type=int, default=0,
-                        help="run the training steps on a CUDA stream of this priority (negative "
-                        "is higher; DALI's own streams have priority 0)")
     parser.add_argument("--no-broadcast-buffers", action="store_true",
                         help="DDP(broadcast_buffers=False): no BatchNorm-buffer broadcast (a sync "
                         "between the ranks) at the start of every step")
@@ -98,12 +92,8 @@ def main():
     cuda = torch.cuda.is_available()
     if args.cpus_per_rank:
         bind_cpus(local, args.cpus_per_rank)
-    if world > 1 and cuda:
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = args.nccl_high_priority
-        dist.init_process_group("nccl", pg_options=options)
-    elif world > 1:
-        dist.init_process_group("gloo")
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -152,10 +142,6 @@ def main():
                   else dataset.loader(image, num_workers=args.workers, persistent_workers=True,
                                       pin_memory=cuda))
         rates, seconds = [], []
-        stream = (torch.cuda.Stream(device, priority=args.train_stream_priority)
-                  if cuda and args.train_stream_priority else None)
-        if stream is not None:  # batches are handed over on the current stream: this one
-            torch.cuda.set_stream(stream)
         for epoch in range(args.epochs):
             epoch_keys, n = [], 0
             start = time.perf_counter()

@@ -19,6 +19,17 @@ if TYPE_CHECKING:
     from mmproxy.server import DALIServer, _Run
 
 
+def claim(refs: list[DALIOutputBatchRef], servers: dict[str, DALIServer]) -> None:
+    """Tells each deterministic server among ``servers`` which of its runs go next, in order."""
+    claims: dict[str, list[str]] = {}
+    for ref in refs:
+        server = servers.get(ref.server_uid)
+        if server is not None and server.deterministic:
+            claims.setdefault(ref.server_uid, []).append(ref.run_id)
+    for uid, run_ids in claims.items():
+        servers[uid]._claim(run_ids)
+
+
 def resolve(obj: Any, servers: dict[str, DALIServer], *, strict: bool = False) -> Any:
     """Replaces the batch references of ``servers`` (uid -> server) inside ``obj`` with data.
 
@@ -27,19 +38,13 @@ def resolve(obj: Any, servers: dict[str, DALIServer], *, strict: bool = False) -
     refs = _walk.collect(obj, DALIOutputBatchRef)
     if not refs:
         return obj
-    claims: dict[str, list[str]] = {}
-    for ref in refs:
-        server = servers.get(ref.server_uid)
-        if server is None:
-            if strict:
+    if strict:
+        for ref in refs:
+            if ref.server_uid not in servers:
                 known = ", ".join(repr(s.name) for s in servers.values())
                 raise ServerStateError(f"the batch holds references of server {ref.server_name!r}, "
                                        f"which this loader was not given (it has {known})")
-            continue
-        if server.deterministic:
-            claims.setdefault(ref.server_uid, []).append(ref.run_id)
-    for uid, run_ids in claims.items():
-        servers[uid]._claim(run_ids)
+    claim(refs, servers)
     runs: dict[tuple[str, str], _Run] = {}
     current = None
 

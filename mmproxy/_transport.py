@@ -50,8 +50,8 @@ class Request:
     run_id: str
     tag: tuple[str, int] | None
     keys: list[str | None]
-    inputs: list[list[np.ndarray]]  # per pipeline input, one array per sample
-    hold: Any = None  # keeps the mappings alive until the run is done
+    inputs: list[list[np.ndarray]]  # per pipeline input, one array per sample (views of the
+    # memfd's or a shard's mapping: they keep the mapping alive until the run is done)
 
 
 def _align(n: int) -> int:
@@ -205,7 +205,7 @@ def unpack(fds: list[int]) -> Request:
         inputs.append([np.ndarray(shape, dt, buffer=mm, offset=base + off) if isinstance(off, int)
                        else np.ndarray(shape, dt, buffer=files[off[0]], offset=off[1])
                        for shape, off in zip(shapes, offsets)])
-    return Request(run_id, tag, keys, inputs, hold=(mm, files))
+    return Request(run_id, tag, keys, inputs)
 
 
 class Listener:

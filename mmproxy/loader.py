@@ -19,7 +19,7 @@ from typing import Any
 import torch.utils.data
 
 from mmproxy import _context, _walk
-from mmproxy._resolve import resolve
+from mmproxy._resolve import claim, resolve
 from mmproxy.errors import WorkerDiedError
 from mmproxy.refs import DALIOutputBatchRef
 from mmproxy.server import DALIServer
@@ -146,13 +146,7 @@ class _LoaderIter:
                 _context.set_loader_tag(None)
 
     def _claim(self, batch: Any) -> None:
-        per_server: dict[str, list[str]] = {}
-        for ref in _walk.collect(batch, DALIOutputBatchRef):
-            per_server.setdefault(ref.server_uid, []).append(ref.run_id)
-        for uid, run_ids in per_server.items():
-            server = self._servers.get(uid)
-            if server is not None and server.deterministic:
-                server._claim(run_ids)
+        claim(_walk.collect(batch, DALIOutputBatchRef), self._servers)
 
     def __next__(self) -> Any:
         if not self._ahead:
