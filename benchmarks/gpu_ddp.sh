@@ -5,7 +5,9 @@
 # Each rank pinned to its own 16 cores (--cpus-per-rank 16), then the same with torchrun's
 # --numa-binding=exclusive instead (cores near each GPU; NUMA=1). CONTROL=1: the same models on one
 # fixed batch made on the GPU (--synthetic: no loader, the ceiling the model and DDP allow) and
-# without gradient sync (--independent: the loaders alone, per rank).
+# without gradient sync (--independent: the loaders alone, per rank). PROFILE=1: torch.profiler
+# traces of 8 steps on 1 and 2 GPUs, with the loader and without (--synthetic), summed up by
+# benchmarks/ddp_profile.py.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
@@ -22,7 +24,7 @@ ddp() {  # ddp NAME NPROC [torchrun args --] [train_ddp args]
     --batch-size 256 --workers 12 --threads 8 --image-size 224 --epochs 4 \
     --json "$out/ddp-$name-$n.json" "$@" 2>&1 | grep -a -E '"world"|Error|error' | head -5)
 }
-if [ -z "${CONTROL:-}" ]; then
+if [ -z "${CONTROL:-}${PROFILE:-}" ]; then
   for model in ${MODELS:-tiny resnet50}; do
     for n in 1 2; do ddp "$model" "$n" --model "$model"; done
   done
@@ -40,4 +42,14 @@ if [ -n "${NOBROADCAST:-}" ]; then  # no BatchNorm-buffer broadcast at each step
 fi
 if [ -n "${NUMA:-}" ]; then
   for n in 1 2; do ddp "tiny-numa" "$n" --numa --model tiny; done
+fi
+if [ -n "${PROFILE:-}" ]; then  # torch.profiler over 8 steps of the second epoch, summed per stream
+  for model in ${MODELS:-resnet50}; do
+    for n in 1 2; do
+      ddp "$model-profile" "$n" --model "$model" --epochs 2 --profile "$out/profile-$model-$n"
+      ddp "$model-synthetic-profile" "$n" --model "$model" --epochs 2 --synthetic \
+        --profile "$out/profile-$model-synthetic-$n"
+    done
+  done
+  python3 benchmarks/ddp_profile.py "$out"/profile-* --json "$out/ddp-profile.json"
 fi

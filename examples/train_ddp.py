@@ -10,6 +10,7 @@ short rank.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from _common import demo_shards
 from _models import TinyCLIP
 from mmproxy.datasets import image_text_dataset, load_tokenizer
 from mmproxy.pipelines import image_train_pipeline
+from torch.profiler import ProfilerActivity, record_function
 
 import mmproxy
 
@@ -55,6 +57,18 @@ class synthetic:  # noqa: N801 - used like a loader
         return (self.batch for _ in range(self.length))
 
 
+def finish_profile(profiler, folder: str, rank: int, cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+    profiler.stop()
+    os.makedirs(folder, exist_ok=True)
+    profiler.export_chrome_trace(os.path.join(folder, f"rank{rank}.trace.json.gz"))
+    table = profiler.key_averages().table(
+        sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40)
+    with open(os.path.join(folder, f"rank{rank}.txt"), "w") as f:
+        f.write(table)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", help="image-text shards (default: the demo's synthetic set)")
@@ -81,6 +95,13 @@ def main():
     parser.add_argument("--no-broadcast-buffers", action="store_true",
                         help="DDP(broadcast_buffers=False): no BatchNorm-buffer broadcast (a sync "
                         "between the ranks) at the start of every step")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="torch.profiler (CPU and CUDA) over --profile-steps steps of the "
+                        "second epoch; each rank writes DIR/rank{r}.trace.json.gz (a Chrome trace) "
+                        "and DIR/rank{r}.txt (the ops by CUDA time); that epoch's rate includes the "
+                        "profiler's cost, so take rates from a run without it. "
+                        "benchmarks/ddp_profile.py sums a trace up per stream")
+    parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--cpus-per-rank", type=int, default=0,
                         help="pin each rank (its DALI threads and its workers) to its own K cores: "
                         "local rank r gets cores [r*K, (r+1)*K) of those allowed")
@@ -137,6 +158,16 @@ def main():
             broadcast_buffers=not args.no_broadcast_buffers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     keys: list[list[str]] = []
+    profiler = None
+    if args.profile:
+        if args.epochs < 2 or epoch_length < args.profile_steps + 2:
+            raise SystemExit(f"--profile needs --epochs >= 2 and an epoch of at least "
+                             f"{args.profile_steps + 2} batches (--profile-steps + 2); this run "
+                             f"has {args.epochs} epochs of {epoch_length}")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        profiler = torch.profiler.profile(activities=activities)
+    # Past the first epoch's start-up, in the middle of the second epoch.
+    profile_epoch, profile_from = 1, max(1, (epoch_length - args.profile_steps) // 2)
     with image:
         loader = (synthetic(args, len(tok), epoch_length, device) if args.synthetic
                   else dataset.loader(image, num_workers=args.workers, persistent_workers=True,
@@ -145,15 +176,27 @@ def main():
         for epoch in range(args.epochs):
             epoch_keys, n = [], 0
             start = time.perf_counter()
-            for batch in loader:
-                images = batch["image"].to(device, non_blocking=True)
-                with torch.autocast(device.type, torch.bfloat16, enabled=big):
-                    loss = model(images.contiguous(memory_format=torch.channels_last) if big
-                                 else images, batch["input_ids"].to(device, non_blocking=True),
-                                 batch["attention_mask"].to(device, non_blocking=True))
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+            batches = iter(loader)
+            for step in itertools.count():
+                if profiler is not None and epoch == profile_epoch:
+                    if step == profile_from:
+                        profiler.start()
+                    elif step == profile_from + args.profile_steps:
+                        finish_profile(profiler, args.profile, rank, cuda)
+                        profiler = None
+                with record_function("next_batch"):  # the main loop's wait, in a profile
+                    batch = next(batches, None)
+                if batch is None:
+                    break
+                with record_function("train_step"):
+                    images = batch["image"].to(device, non_blocking=True)
+                    with torch.autocast(device.type, torch.bfloat16, enabled=big):
+                        loss = model(images.contiguous(memory_format=torch.channels_last) if big
+                                     else images, batch["input_ids"].to(device, non_blocking=True),
+                                     batch["attention_mask"].to(device, non_blocking=True))
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
                 epoch_keys += batch["__key__"]
                 n += len(batch["__key__"])
             if cuda:
