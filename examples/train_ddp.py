@@ -10,6 +10,7 @@ short rank.
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -139,14 +140,12 @@ def main():
         tokenizer = str(folder)
     tok = load_tokenizer(tokenizer)
 
-    # Each rank: its own server on its own GPU (device="auto" picks LOCAL_RANK's GPU).
-    image = mmproxy.DALIServer(
+    # Each rank: its own server on its own GPU (device="auto" picks LOCAL_RANK's GPU); none for
+    # --synthetic, whose ceiling must not pay for an idle pipeline's memory and threads.
+    image = None if args.synthetic else mmproxy.DALIServer(
         image_train_pipeline(batch_size=args.batch_size, size=args.image_size,
                              device_id=local if cuda else None, num_threads=args.threads),
         name=f"image-rank{rank}")
-    dataset = image_text_dataset(urls, image, tok, batch_size=args.batch_size, max_length=32,
-                                 epoch_length=epoch_length, shuffle_buffer=256, seed=1234,
-                                 partial=False)
     model = TinyCLIP(len(tok), image_tower=args.model).to(device)
     big = cuda and args.model == "resnet50"
     if big:
@@ -168,10 +167,15 @@ def main():
         profiler = torch.profiler.profile(activities=activities)
     # Past the first epoch's start-up, in the middle of the second epoch.
     profile_epoch, profile_from = 1, max(1, (epoch_length - args.profile_steps) // 2)
-    with image:
-        loader = (synthetic(args, len(tok), epoch_length, device) if args.synthetic
-                  else dataset.loader(image, num_workers=args.workers, persistent_workers=True,
-                                      pin_memory=cuda))
+    with image or contextlib.nullcontext():
+        if image is None:
+            loader = synthetic(args, len(tok), epoch_length, device)
+        else:
+            dataset = image_text_dataset(urls, image, tok, batch_size=args.batch_size,
+                                         max_length=32, epoch_length=epoch_length,
+                                         shuffle_buffer=256, seed=1234, partial=False)
+            loader = dataset.loader(image, num_workers=args.workers, persistent_workers=True,
+                                    pin_memory=cuda)
         rates, seconds = [], []
         for epoch in range(args.epochs):
             epoch_keys, n = [], 0
@@ -203,7 +207,7 @@ def main():
                 torch.cuda.synchronize()
             seconds.append(time.perf_counter() - start)
             if epoch == 0:
-                start_up_wait = image.wait_seconds
+                start_up_wait = image.wait_seconds if image else 0.0
             rates.append(n / seconds[-1])
             keys.append(epoch_keys)
             print(f"rank {rank} epoch {epoch}: {len(epoch_keys)} samples, {rates[-1]:.0f} "
@@ -212,7 +216,7 @@ def main():
     # how long the main loop waited on the server per batch.
     later = seconds[1:] or seconds
     later_samples = sum(len(k) for k in keys[-len(later):])
-    waited = image.wait_seconds - (start_up_wait if len(seconds) > 1 else 0.0)
+    waited = (image.wait_seconds if image else 0.0) - (start_up_wait if len(seconds) > 1 else 0.0)
     mine = torch.tensor([max(rates), later_samples / sum(later),
                          waited * 1000 * args.batch_size / max(1, later_samples)], device=device)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
