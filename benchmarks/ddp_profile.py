@@ -4,12 +4,12 @@ went during the profiled training steps.
     python benchmarks/ddp_profile.py DIR [DIR ...] [--json OUT]
 
 GPU work is split by what issued it: NCCL kernels (by name: gradient all-reduce and the
-BatchNorm-buffer broadcast, their time includes waiting for the other ranks), the training streams
-(every other stream that the main thread or autograd launched work on) and the pipeline (DALI's
-streams: kernels launched by any other thread). Per profiled step, in milliseconds:
+BatchNorm-buffer broadcast, their time includes waiting for the other ranks), training (kernels and
+copies launched by the main loop's thread or autograd's) and the pipeline (launched by any other
+thread: DALI's). Per profiled step, in milliseconds:
 
 - ``step``: GPU time from the first to the last training/NCCL event, divided by the steps;
-- ``train``: the union of the training streams' kernels and copies (the model's own work);
+- ``train``: the union of the training kernels and copies (the model's own work);
 - ``nccl``: the union of NCCL kernels, and ``nccl_only`` the part of it with no training work
   beside it (waiting for a peer or for the network);
 - ``pipeline``: the union of the pipeline's kernels, and ``pipeline_beside_train`` the part that ran
