@@ -43,7 +43,7 @@ fi
 if [ -n "${NUMA:-}" ]; then
   for n in 1 2; do ddp "tiny-numa" "$n" --numa --model tiny; done
 fi
-if [ -n "${PROFILE:-}" ]; then  # torch.profiler over 8 steps of the second epoch, summed per stream
+if [ -n "${PROFILE:-}" ]; then  # torch.profiler over 8 steps of the second epoch, summed per launcher
   for model in ${MODELS:-resnet50}; do
     for n in 1 2; do
       ddp "$model-profile" "$n" --model "$model" --epochs 2 --profile "$out/profile-$model-$n"

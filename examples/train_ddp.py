@@ -101,7 +101,7 @@ def main():
                         "second epoch; each rank writes DIR/rank{r}.trace.json.gz (a Chrome trace) "
                         "and DIR/rank{r}.txt (the ops by CUDA time); that epoch's rate includes the "
                         "profiler's cost, so take rates from a run without it. "
-                        "benchmarks/ddp_profile.py sums a trace up per stream")
+                        "benchmarks/ddp_profile.py sums a trace up by who launched the GPU work")
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--cpus-per-rank", type=int, default=0,
                         help="pin each rank (its DALI threads and its workers) to its own K cores: "
