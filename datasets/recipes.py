@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import socket
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -11,17 +15,123 @@ from .multimodal import MultiModalDataset
 
 __all__ = ["Tokenize", "audio_label_dataset", "image_text_dataset", "load_tokenizer"]
 
-IMAGE_EXTS = "jpg;jpeg;png;webp"
+IMAGE_EXTS = "jpg;jpeg;png;webp;bmp;tif;tiff"  # every format make_shards writes
 AUDIO_EXTS = "flac;wav;ogg"
 
 
-def load_tokenizer(tokenizer: Any) -> Any:
-    """A ``transformers`` tokenizer object, or one loaded with ``AutoTokenizer`` from a path."""
-    if isinstance(tokenizer, str):
-        from transformers import AutoTokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+HUB_CHECK_SECONDS = 3.0  # how long to wait for the Hugging Face Hub to answer before giving up
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+_TRUE = ("1", "on", "yes", "true")
+_HOW = ("give the folder of a saved tokenizer (tokenizer.save_pretrained(folder) writes "
+        "tokenizer.json there), or run once with network access to fill the Hugging Face cache")
 
+
+def _first_line(err: BaseException) -> str:
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    env = (os.environ.get(k, "").strip().lower() for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(v in _TRUE for v in env) or bool(getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+def _hub_unreachable(timeout: float | None = None) -> str | None:
+    """Why the Hub (or the proxy to it) cannot be reached within ``timeout``, or None.
+
+    Without this check a download attempt with no network retries for about 50 seconds.
+    """
+    timeout = HUB_CHECK_SECONDS if timeout is None else timeout
+    from urllib.parse import urlsplit
+    from urllib.request import getproxies, proxy_bypass
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    proxy = getproxies().get(url.scheme or "https")
+    if proxy and not proxy_bypass(host):
+        purl = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = purl.hostname or host, purl.port or 8080
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as err:
+            outcome.append(f"{host}:{port} cannot be reached: {_first_line(err)}")
+
+    probe = threading.Thread(target=connect, name="mmproxy-hub-check", daemon=True)
+    probe.start()
+    probe.join(timeout)  # name resolution has no timeout of its own: the daemon thread may stay
+    return outcome[0] if outcome else f"{host}:{port} did not answer within {timeout:g} s"
+
+
+def _load_folder(folder: str) -> Any:
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"tokenizer folder {folder!r} holds no tokenizer (none of "
+                         f"{', '.join(TOKENIZER_FILES)}); save one there with "
+                         "tokenizer.save_pretrained(folder)")
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"tokenizer folder {folder!r} cannot be loaded: {_first_line(err)}") from err
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """A ``transformers`` tokenizer: ``tokenizer`` itself, or one loaded with ``AutoTokenizer``.
+
+    A string or path is a folder holding a saved tokenizer when such a folder exists, else a
+    Hugging Face Hub name: taken from the local cache when it is there, downloaded otherwise. With
+    ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``), or when the Hub cannot be reached
+    within :data:`HUB_CHECK_SECONDS`, a name missing from the cache fails at once.
+
+    Raises:
+        ValueError: ``tokenizer`` is None or not a tokenizer, or the folder holds none.
+        FileNotFoundError: No such folder, and no such name in the cache or on the Hub.
+    """
+    if tokenizer is None:
+        raise ValueError("a tokenizer is needed to turn the text into input_ids: pass a "
+                         "transformers tokenizer object, the folder of a saved one (holding "
+                         "tokenizer.json), or a Hugging Face Hub name")
+    if isinstance(tokenizer, os.PathLike):
+        tokenizer = os.fspath(tokenizer)
+        if not os.path.isdir(tokenizer):
+            raise FileNotFoundError(f"tokenizer folder {tokenizer!r} does not exist")
+    if not isinstance(tokenizer, str):
+        if not callable(tokenizer) or not hasattr(tokenizer, "pad_token_id"):
+            raise ValueError(f"expected a transformers tokenizer, a folder or a Hub name, got "
+                             f"{type(tokenizer).__name__}")
+        return tokenizer
+    if os.path.isdir(tokenizer):
+        return _load_folder(tokenizer)
+    if not _REPO_ID.fullmatch(tokenizer) or tokenizer.endswith((".json", ".txt", ".model")):
+        raise FileNotFoundError(f"tokenizer folder {tokenizer!r} does not exist (and it is not a "
+                                f"Hugging Face Hub name); {_HOW}")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    except (OSError, ValueError) as err:
+        cached = err
+    missing = f"tokenizer {tokenizer!r} is neither a local folder nor in the Hugging Face cache"
+    if _offline():
+        raise FileNotFoundError(f"{missing}, and HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE forbid "
+                                f"downloading it; {_HOW}") from cached
+    unreachable = _hub_unreachable()
+    if unreachable is not None:
+        raise FileNotFoundError(f"{missing}, nor downloadable ({unreachable}); {_HOW}") from cached
+    try:
         return AutoTokenizer.from_pretrained(tokenizer)
-    return tokenizer
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"{missing}, nor downloadable ({_first_line(err)}); "
+                                f"{_HOW}") from err
 
 
 class Tokenize:
@@ -36,7 +146,9 @@ class Tokenize:
     def __init__(self, tokenizer: Any, max_length: int, padding: str) -> None:
         self.tokenizer = load_tokenizer(tokenizer)
         if self.tokenizer.pad_token_id is None:
-            raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token first")
+            raise ValueError(f"the tokenizer ({type(self.tokenizer).__name__}) has no pad token, "
+                             "so captions cannot be padded into one batch; set "
+                             "tokenizer.pad_token (for example to tokenizer.eos_token) first")
         self.max_length, self.padding = max_length, padding
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:

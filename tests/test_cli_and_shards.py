@@ -1,0 +1,377 @@
+"""make-shards (what it writes, refuses and reports), the CLI's errors, demo --data, tokenizers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mmproxy.datasets import Tokenize, image_text_dataset, load_tokenizer, make_shards
+from mmproxy.pipelines import image_eval_pipeline
+
+import mmproxy
+from mmproxy import cli
+from mmproxy.testing import audio_bytes, image_bytes, make_tokenizer, synth_speech
+
+ROOT = Path(__file__).resolve().parents[1]
+HINT = "(run with --debug for the traceback)"
+pytestmark = pytest.mark.timeout(240)
+
+
+def solid(value, fmt="PNG"):
+    return image_bytes(np.full((24, 32, 3), value, np.uint8), fmt)
+
+
+def members(shard):
+    """{key: {ext: bytes}} of a shard, read with tarfile."""
+    out: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(shard) as tar:
+        for m in tar:
+            key, ext = m.name.split(".", 1)
+            out.setdefault(key, {})[ext] = tar.extractfile(m).read()
+    return out
+
+
+def run_cli(args, tmp_path, timeout=200):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, "-m", "mmproxy.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def image_folder(root, per_class=3):
+    for c, name in enumerate(("cat", "dog_house")):
+        (root / name).mkdir(parents=True)
+        for k in range(per_class):
+            (root / name / f"{k}.png").write_bytes(solid(40 * c + 10 * k + 20))
+    return root
+
+
+# make-shards: the output folder ------------------------------------------------------------
+
+
+def test_a_folder_with_shards_is_refused_and_overwrite_replaces_exactly_them(tmp_path):
+    src, out = image_folder(tmp_path / "src", per_class=2), tmp_path / "out"
+    first = make_shards(src, out, max_count=1)
+    assert [Path(p).name for p in first] == [f"shard-00000{i}.tar" for i in range(4)]
+    (out / "other-000000.tar").write_bytes(b"another set")  # another prefix: not ours to touch
+    with pytest.raises(FileExistsError, match=r"already holds 6 files.*--overwrite"):
+        make_shards(src, out, max_count=4)
+    assert len(list(out.glob("shard-*.tar"))) == 4  # refused before touching anything
+
+    again = make_shards(src, out, max_count=4, overwrite=True)
+    assert list(again) == [str(out / "shard-000000.tar")]  # exactly what was written
+    assert sorted(p.name for p in out.iterdir()) == ["classes.json", "manifest.jsonl",
+                                                     "other-000000.tar", "shard-000000.tar"]
+    assert len(members(again[0])) == again.samples == 4
+    assert len((out / "manifest.jsonl").read_text().splitlines()) == 4
+
+
+def test_cli_refuses_then_overwrites_and_reports_the_count_written(tmp_path, capsys):
+    src, out = image_folder(tmp_path / "src"), tmp_path / "out"
+    assert cli.main(["make-shards", str(src), str(out), "--max-count", "2"]) == 0
+    assert f"wrote 6 samples in 3 shards to {out}" in capsys.readouterr().out
+    assert cli.main(["make-shards", str(src), str(out), "--max-count", "100"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("mmproxy make-shards: error: ") and "--overwrite" in err[0]
+    assert err[1:] == [HINT]
+    assert cli.main(["make-shards", str(src), str(out), "--max-count", "100", "--overwrite"]) == 0
+    assert f"wrote 6 samples in 1 shard to {out}" in capsys.readouterr().out
+    assert [p.name for p in out.glob("*.tar")] == ["shard-000000.tar"]
+
+
+# make-shards: what a sample holds ----------------------------------------------------------
+
+
+def test_each_sample_names_its_source_file_and_the_manifest_maps_keys_back(tmp_path):
+    src, out = image_folder(tmp_path / "src"), tmp_path / "out"
+    (src / "cat" / "1.txt").write_text("a cat with a caption\n")
+    written = make_shards(src, out, max_count=4)
+    manifest = [json.loads(line) for line in Path(written.manifest).read_text().splitlines()]
+    assert len(manifest) == written.samples == 6
+    classes = json.loads((out / "classes.json").read_text())
+    assert classes == ["cat", "dog_house"]
+    for row in manifest:  # key -> shard -> the very bytes of the source file
+        sample = members(out / row["shard"])[row["key"]]
+        assert sample["src"].decode() == row["source"]
+        assert sample["png"] == (src / row["source"]).read_bytes()
+        assert classes[int(sample["cls"])] == row["source"].split("/")[0]
+    by_source = {row["source"]: row for row in manifest}
+    assert by_source["cat/1.png"]["caption"] == "txt"
+    assert members(out / by_source["cat/1.png"]["shard"])[by_source["cat/1.png"]["key"]]["txt"] \
+        == b"a cat with a caption"
+    dog = by_source["dog_house/0.png"]
+    assert dog["caption"] == "folder"
+    assert members(out / dog["shard"])[dog["key"]]["txt"] == b"dog house"
+
+
+def test_left_out_and_guessed_files_are_reported(tmp_path):
+    src = image_folder(tmp_path / "src", per_class=2)
+    (src / "cat" / "0.txt").write_text("a cat")
+    (src / "loose.png").write_bytes(solid(30))                       # no .txt, no class folder
+    (src / "captioned.jpg").write_bytes(solid(50, "JPEG"))
+    (src / "captioned.txt").write_text("a loose image with a caption")
+    (src / "cat" / "anim.gif").write_bytes(solid(60, "GIF"))         # a format not read
+    (src / "notes.txt").write_text("no image beside me")
+    (src / "dog_house" / "broken.jpg").write_bytes(b"not a jpeg at all")
+    (src / "dog_house" / "empty.png").write_bytes(solid(70))
+    (src / "dog_house" / "empty.txt").write_text("  \n")
+    written = make_shards(src, tmp_path / "out")
+    assert written.samples == 5
+    assert (written.captions_from_txt, written.captions_from_folder) == (2, 3)
+    reasons = dict(written.left_out)
+    assert set(reasons) == {"loose.png", "cat/anim.gif", "notes.txt", "dog_house/broken.jpg",
+                            "dog_house/empty.png"}
+    assert "no caption" in reasons["loose.png"]
+    assert ".gif" in reasons["cat/anim.gif"] and ".bmp" in reasons["cat/anim.gif"]
+    assert "no image" in reasons["notes.txt"]
+    assert "JPG signature" in reasons["dog_house/broken.jpg"]
+    assert "empty" in reasons["dog_house/empty.png"]
+    summary = written.summary()
+    assert "3 guessed from the class folder's name" in summary and "left out: 5 files" in summary
+    assert "cat/anim.gif: not an image file" in summary
+    sources = {json.loads(r)["source"] for r in Path(written.manifest).read_text().splitlines()}
+    assert sources == {"captioned.jpg", "cat/0.png", "cat/1.png", "dog_house/0.png",
+                       "dog_house/1.png"}
+
+
+def test_audio_needs_a_class_folder_and_other_files_are_left_out(tmp_path):
+    src = tmp_path / "src"
+    for name in ("no", "yes"):
+        (src / name).mkdir(parents=True)
+        (src / name / "a.flac").write_bytes(audio_bytes(synth_speech(1, 0.2), 16000, "FLAC"))
+    (src / "yes" / "b.wav").write_bytes(audio_bytes(synth_speech(2, 0.2), 16000))
+    (src / "top.wav").write_bytes(audio_bytes(synth_speech(3, 0.2), 16000))
+    (src / "yes" / "c.mp3").write_bytes(b"ID3....")
+    written = make_shards(src, tmp_path / "out", kind="audio-label")
+    assert written.samples == 3 and written.captions_from_folder == 0
+    assert dict(written.left_out).keys() == {"top.wav", "yes/c.mp3"}
+    samples = members(written[0])
+    assert sorted(s["src"].decode() for s in samples.values()) == ["no/a.flac", "yes/a.flac",
+                                                                   "yes/b.wav"]
+    assert all("txt" not in s and ("flac" in s or "wav" in s) for s in samples.values())
+
+
+def test_an_empty_source_says_why_nothing_was_written(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.gif").write_bytes(solid(1, "GIF"))
+    with pytest.raises(FileNotFoundError, match=r"no image files to write.*a\.gif: not an image"):
+        make_shards(tmp_path / "src", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        make_shards(tmp_path / "missing", tmp_path / "out")
+
+
+# make-shards: every format written is read by the recipes' defaults -------------------------
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    pipe = image_eval_pipeline(batch_size=8, size=16, dtype="uint8", layout="HWC", device="cpu",
+                               num_threads=1)
+    with mmproxy.DALIServer(pipe, name="image") as server:
+        yield server
+
+
+def test_bmp_and_tiff_are_written_and_read_back_by_the_recipes(tmp_path, image_server):
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {"a.bmp": ("BMP", 30), "b.tif": ("TIFF", 90), "c.tiff": ("TIFF", 150),
+             "d.jpeg": ("JPEG", 200), "e.png": ("PNG", 60), "f.webp": ("WEBP", 120)}
+    for name, (fmt, value) in files.items():
+        (src / name).write_bytes(solid(value, fmt))
+        (src / name).with_suffix(".txt").write_text(f"picture {name}")
+    written = make_shards(src, tmp_path / "out")
+    assert written.samples == len(files) and not written.left_out
+    exts = {k: set(v) - {"src", "txt"} for k, v in members(written[0]).items()}
+    assert sorted(e for (e,) in exts.values()) == ["bmp", "jpg", "png", "tiff", "tiff", "webp"]
+
+    tokenizer = make_tokenizer(tmp_path / "tok", [f"picture {n}" for n in files])
+    source = {row["key"]: row["source"] for row in
+              map(json.loads, Path(written.manifest).read_text().splitlines())}
+    dataset = image_text_dataset(list(written), image_server, tokenizer, batch_size=3,
+                                 shuffle_buffer=0)  # the recipe's default image extensions
+    seen = {}
+    for batch in dataset.loader(image_server, num_workers=1):
+        assert batch["__skipped__"] == []
+        for key, image in zip(batch["__key__"], batch["image"]):
+            seen[source[key]] = image.float().mean().item()
+    assert seen.keys() == files.keys()
+    for name, (_, value) in files.items():
+        assert abs(seen[name] - value) < 4, (name, seen[name], value)
+
+
+# CLI errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("debug", [[], ["--debug"], ["--debug-after"]])
+def test_cli_errors_are_one_line_with_a_hint_and_debug_gives_the_traceback(tmp_path, debug):
+    args = ["make-shards", str(tmp_path / "missing"), str(tmp_path / "out")]
+    if debug == ["--debug"]:
+        args = ["--debug", *args]
+    elif debug:
+        args = [*args, "--debug"]
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    error = f"mmproxy make-shards: error: {tmp_path / 'missing'} is not a folder"
+    if debug:
+        assert lines[0] == "Traceback (most recent call last):" and "FileNotFoundError" in lines[-2]
+        assert lines[-1] == error
+    else:
+        assert lines == [error, HINT]
+
+
+def test_mmproxy_errors_interrupts_and_bugs(tmp_path, capsys, monkeypatch):
+    import mmproxy.datasets as datasets
+
+    def fail(exc):
+        def make_shards(*args, **kwargs):
+            raise exc
+        monkeypatch.setattr(datasets, "make_shards", make_shards)
+
+    args = ["make-shards", str(tmp_path), str(tmp_path / "out")]
+    fail(mmproxy.ShardError("the first line\n  and the second"))
+    assert cli.main(args) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "mmproxy make-shards: error: the first line and the second", HINT]
+
+    worker = ("Caught ShardError in DataLoader worker process 1.\nOriginal Traceback (most recent "
+              "call last):\n  File \"x.py\", line 1, in f\n    g()\nmmproxy.errors.ShardError: "
+              "worker 1 of 2 gets no shards")
+    fail(mmproxy.ShardError(worker))
+    assert cli.main(args) == 1
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "mmproxy make-shards: error: mmproxy.errors.ShardError: worker 1 of 2 gets no shards "
+        "(Caught ShardError in DataLoader worker process 1)")
+
+    fail(KeyboardInterrupt())
+    assert cli.main(args) == 130
+    assert capsys.readouterr().err.splitlines() == ["mmproxy make-shards: interrupted"]
+
+    fail(TypeError("a bug in mmproxy"))  # not the user's doing: the whole traceback
+    with pytest.raises(TypeError, match="a bug"):
+        cli.main(args)
+
+
+def test_argparse_errors_still_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["make-shards"])
+    assert exit_info.value.code == 2
+
+
+# demo --data ---------------------------------------------------------------------------------
+
+
+def test_demo_on_image_only_shards_uses_the_image_server_and_says_audio_is_missing(tmp_path):
+    src = image_folder(tmp_path / "src", per_class=5)
+    written = make_shards(src, tmp_path / "out", max_count=5)
+    proc = run_cli(["demo", "--data", str(tmp_path / "out" / "shard-{000000..000001}.tar"),
+                    "--quiet", "--batch-size", "4", "--workers", "2", "--device", "cpu"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "fields image (png), text (txt), label (cls); missing: audio (no flac/wav/ogg)" in out
+    counts = dict(re.findall(r"^  (\w+) +(\d+) samples +[\d.]+ samples/s", out, re.M))
+    assert counts == {"image": "10", "text": "10", "label": "10"} and written.samples == 10
+    assert "server 'audio'" not in out and "skipped 0 samples" in out
+
+
+def test_demo_without_image_or_audio_fails_in_one_line(tmp_path):
+    shard = tmp_path / "text-000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for name in ("k0.txt", "k0.cls"):
+            tar.add(__file__, arcname=name)
+    proc = run_cli(["demo", "--data", str(shard), "--quiet"], tmp_path)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1] == HINT and len(lines) == 2, proc.stderr
+    assert re.match(r"mmproxy demo: error: the first sample of .*text-000\.tar has neither an "
+                    r"image \(jpg;.*\) nor an audio \(flac;wav;ogg\) field, only txt, cls", lines[0])
+    proc = run_cli(["demo", "--data", str(tmp_path / "none-{0..3}.tar")], tmp_path)
+    assert proc.returncode == 1 and "error: no shard at" in proc.stderr and "none-0.tar" in proc.stderr
+
+
+# tokenizers ----------------------------------------------------------------------------------
+
+
+def test_no_tokenizer_is_a_clear_error():
+    with pytest.raises(ValueError, match="a tokenizer is needed.*folder of a saved one"):
+        load_tokenizer(None)
+    with pytest.raises(ValueError, match="a tokenizer is needed"):
+        Tokenize(None, 16, "longest")
+    with pytest.raises(ValueError, match="expected a transformers tokenizer.*got int"):
+        Tokenize(3, 16, "longest")
+
+
+def test_a_folder_without_a_tokenizer_and_a_missing_folder(tmp_path):
+    with pytest.raises(ValueError, match=r"holds no tokenizer \(none of tokenizer\.json"):
+        load_tokenizer(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(str(tmp_path / "sub" / "tok"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(tmp_path / "tok")
+    folder = make_tokenizer(tmp_path / "tok")
+    for given in (folder, Path(folder)):
+        assert Tokenize(given, 8, "longest")({"text": ["a red circle"]})["input_ids"].shape[0] == 1
+
+
+NAME = "mmproxy-tests/no-such-tokenizer-7f3c"
+
+
+def _fails_fast(match, limit=10.0):
+    import transformers  # noqa: F401  (its import is not part of the wait)
+
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match=match) as info:
+        load_tokenizer(NAME)
+    elapsed = time.perf_counter() - start
+    assert elapsed < limit, f"took {elapsed:.1f} s"
+    assert "give the folder of a saved tokenizer" in str(info.value)
+    return str(info.value)
+
+
+def test_a_wrong_name_offline_fails_at_once(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _fails_fast(rf"tokenizer '{NAME}' is neither a local folder nor in the Hugging Face cache, "
+                "and HF_HUB_OFFLINE", limit=5)
+
+
+def test_a_wrong_name_fails_in_seconds_whether_or_not_there_is_a_network(monkeypatch):
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    _fails_fast(rf"tokenizer '{NAME}' is neither a local folder nor in the Hugging Face cache, "
+                "nor downloadable")
+
+
+def test_an_unreachable_or_silent_hub_fails_within_the_check_time(monkeypatch):
+    import mmproxy.datasets.recipes as recipes
+    from huggingface_hub import constants
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "https_proxy", "HTTPS_PROXY",
+                "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    _fails_fast(r"nor downloadable \(127\.0\.0\.1:9 cannot be reached")
+
+    def silent(*args, **kwargs):
+        time.sleep(30)
+
+    monkeypatch.setattr(recipes.socket, "create_connection", silent)
+    monkeypatch.setattr(recipes, "HUB_CHECK_SECONDS", 0.5)
+    _fails_fast(r"127\.0\.0\.1:9 did not answer within 0\.5 s", limit=4)
+
+
+def test_every_format_written_is_one_the_recipes_read_by_default():
+    from mmproxy.datasets import recipes, writer
+
+    for suffixes, exts in ((writer.IMAGE_SUFFIXES, recipes.IMAGE_EXTS),
+                           (writer.AUDIO_SUFFIXES, recipes.AUDIO_EXTS)):
+        read = set(exts.split(";"))
+        assert set(suffixes.values()) <= read  # every extension written
+        assert {s.lstrip(".") for s in suffixes} == read  # every suffix taken, and no other
