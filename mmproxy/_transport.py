@@ -4,6 +4,8 @@ The worker writes the batch (a small pickled header, then every payload, 64-byte
 anonymous ``memfd`` with one ``writev`` call, sends the file descriptor over the server's Unix
 datagram socket (``SCM_RIGHTS``) and closes its copy. The server maps the memfd and hands DALI
 numpy views into the mapping, so payloads are never pickled and never copied in the main process.
+Each array arrives as it was packed: its shape (0-d and empty dimensions included), its dtype
+(byte order included) and its values; a non-contiguous array arrives as its C-order copy.
 
 Payloads that already live in a mapped file (the members of a local shard, see
 :func:`register_file_mapping`) are not copied at all: the worker sends the shard's descriptor
@@ -131,7 +133,7 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[str | None],
                 if a.dtype.str != dtype:
                     raise TransportError(
                         f"all samples of one input must share a dtype: {dtype} vs {a.dtype.str}")
-                a = np.ascontiguousarray(a)
+                a = np.asarray(a, order="C")  # not ascontiguousarray: that makes 0-d 1-d
                 shapes.append(a.shape)
                 where = _files.find(a.__array_interface__["data"][0], a.nbytes) if a.nbytes else None
                 if where is not None and (where[0] in files or len(files) < _MAX_FILES):

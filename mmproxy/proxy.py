@@ -43,24 +43,67 @@ def _local(uid: str) -> DALIServer | None:
     return _local_servers.get(uid) if os.getpid() == _local_pid else None
 
 
-def _as_array(value: Any, name: str, server_name: str) -> np.ndarray:
+# The element types DALI's feed_input can take; anything else is refused by the proxy call, which
+# can name the server and the input, instead of failing the pipeline or being misread by it.
+_DALI_DTYPES = frozenset(np.dtype(t) for t in (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64))
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    """The array a proxy argument stands for, before any conversion.
+
+    ``bytes``, ``bytearray`` and ``str`` (as UTF-8) are 1-D uint8; a memoryview keeps its own shape
+    and format (raw bytes, format ``'c'``, as uint8); a tensor is its CPU array.
+    """
     if isinstance(value, np.ndarray):
         return value
-    if isinstance(value, (bytes, bytearray, memoryview)):
+    if isinstance(value, (bytes, bytearray)):
         return np.frombuffer(value, dtype=np.uint8)
     if isinstance(value, str):
         return np.frombuffer(value.encode(), dtype=np.uint8)
+    if isinstance(value, memoryview):
+        array = np.asarray(value)
+        return array.view(np.uint8) if array.dtype == np.dtype("S1") else array
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _as_array(value: Any, name: str, server_name: str) -> np.ndarray:
+    """Turns one proxy argument into the array its pipeline input receives.
+
+    The pipeline gets the value exactly as given (shape, 0-d and empty dimensions included,
+    element type and values), whether its server lives in this process or the call is made in a
+    DataLoader worker, because both paths start from this array. Two conversions make it one that
+    DALI reads correctly: an array that is not C-contiguous (a strided slice, a transpose, Fortran
+    order, negative strides) is copied into C order, since ``feed_input`` refuses strided data;
+    and an array in non-native byte order (``'>f4'`` on x86 and ARM) is converted to native order
+    with the same values, since ``feed_input`` ignores the byte order and reads the bytes as native
+    ones (wrong values, no error). Anything else is passed on as it is, without a copy.
+
+    Raises:
+        ProxyArgumentError: ``value`` is another proxy call's output, cannot be made an array, or
+            has an element type DALI lacks (complex, strings, objects, dates, float128).
+    """
     if isinstance(value, DALIOutputSampleRef):
         raise ProxyArgumentError(
             f"server {server_name!r}, input {name!r}: got the output of another proxy call; "
             "DALI outputs can only be used after the loader resolves them")
     try:
-        return np.asarray(value)
+        array = _to_numpy(value)
     except Exception as err:
         raise ProxyArgumentError(f"server {server_name!r}, input {name!r}: cannot turn "
                                  f"{type(value).__name__} into an array: {err}") from err
+    native = array.dtype.newbyteorder("=")
+    if native not in _DALI_DTYPES:
+        raise ProxyArgumentError(
+            f"server {server_name!r}, input {name!r}: DALI has no element type for {array.dtype} "
+            f"(from {type(value).__name__}); pass bool, int8-64, uint8-64 or float16/32/64 "
+            "values, or bytes")
+    if array.dtype.isnative and array.flags.c_contiguous:
+        return array
+    return np.asarray(array, dtype=native, order="C")
 
 
 class DALIProxy:

@@ -5,14 +5,20 @@ inputs. Collating a list of them (``default_collate`` finds the hook this module
 the batch a server runs: the calls actually present, in batch order. The hook ships those inputs
 to the server and returns a :class:`DALIOutputBatchRef`, which names the server, the run and the
 output, and which the loader (or ``server.produce_data``) swaps for the real data.
+
+A sample reference never leaves the process that made it: one found uncollated where a batch is
+handed over (pickled by a DataLoader worker, or iterated by a collation that does not know it,
+such as webdataset's default ``collation_fn``) raises :class:`~mmproxy.errors.CollateError`
+naming the collation to use (:func:`uncollated_error`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from mmproxy.errors import CollateError
@@ -50,7 +56,12 @@ class _Call:
 
 
 class DALIOutputSampleRef:
-    """A future sample: output ``output_idx`` of one proxy call. Collate it; don't open it."""
+    """A future sample: output ``output_idx`` of one proxy call. Collate it; don't open it.
+
+    It is never pickled, iterated or unpacked: each raises :class:`~mmproxy.errors.CollateError`
+    naming the collation to use (in a DataLoader worker, pickling defers the error to the main
+    process, where the batch is unpickled).
+    """
 
     __slots__ = ("_call", "output_idx")
 
@@ -65,6 +76,44 @@ class DALIOutputSampleRef:
     def __repr__(self) -> str:
         return (f"DALIOutputSampleRef(server={self.server_name!r}, call={self._call.id!r}, "
                 f"output={self.output_idx})")
+
+    def __iter__(self) -> NoReturn:
+        # Without this, webdataset's default collation_fn fails on bare references with "object
+        # is not iterable", and unpacking a single-output call with "cannot unpack".
+        raise CollateError(
+            f"{self!r} is one output of one sample and cannot be iterated or unpacked (the "
+            f"pipeline of server {self.server_name!r} has {self._call.proxy.num_outputs} "
+            f"output(s)); to batch samples, {_HOW_TO_COLLATE}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        error = uncollated_error(self)
+        if get_worker_info() is None:
+            raise error
+        # In a DataLoader worker the batch is pickled by the result queue's feeder thread, where
+        # an error is only printed and the batch is lost (the main loop would wait for it
+        # forever); so the error travels instead and is raised where the batch is unpickled.
+        return (_raise_collate_error, (str(error),))
+
+    def __copy__(self) -> DALIOutputSampleRef:
+        return self  # immutable; copying must not go through __reduce__
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DALIOutputSampleRef:
+        return self
+
+
+_HOW_TO_COLLATE = ("collate them with torch's default_collate or mmproxy.Collate(); with "
+                   "webdataset, use .batched(n, collation_fn=mmproxy.Collate()) (its default "
+                   "collation_fn leaves the references in lists)")
+
+
+def uncollated_error(ref: DALIOutputSampleRef) -> CollateError:
+    """The error for a sample reference that reached the hand-over of a batch uncollated."""
+    return CollateError(f"a batch holds an uncollated DALI sample reference, {ref!r}: proxy "
+                        f"outputs must be collated where the batch is made; {_HOW_TO_COLLATE}")
+
+
+def _raise_collate_error(message: str) -> NoReturn:
+    raise CollateError(message)
 
 
 class DALIOutputBatchRef:

@@ -108,3 +108,77 @@ class BytesDataset(torch.utils.data.Dataset):
 
         with mmproxy.sample_key(f"sample-{i:03d}"):
             return self.proxy(np.frombuffer(self.items[i], np.uint8)), i
+
+
+# -- exact inputs (tests/test_exact_inputs.py) -----------------------------------------------------
+
+
+def grid(i, shape, dtype):
+    """Small values exact in every dtype (negative for signed ones), different for every i."""
+    dtype = np.dtype(dtype)
+    v = (np.arange(int(np.prod(shape))) * 3 + i) % 11 - 5
+    if dtype.kind == "f":
+        v = v * 0.75
+    elif dtype.kind == "u":
+        v = v + 5
+    elif dtype.kind == "b":
+        v = v > 0
+    return v.reshape(shape).astype(dtype)
+
+
+def read_only(a):
+    a.flags.writeable = False
+    return a
+
+
+# What sample i passes to the proxy, by case; built in the worker (pickling a view for spawn would
+# hand the worker a contiguous copy instead).
+EXACT_CASES = {
+    "0-d": lambda i: np.array(i * 0.5, np.float32),
+    "shape (0,)": lambda i: np.zeros((0,), np.float32),
+    "shape (3, 0)": lambda i: np.zeros((3, 0), np.int16),
+    "shape (2, 3, 4)": lambda i: grid(i, (2, 3, 4), np.float32),
+    **{f"dtype {d}": (lambda i, d=d: grid(i, (2, 3), d))
+       for d in ("uint8", "int16", "float16", "float32", "float64", "int64", "bool")},
+    "big-endian >f4": lambda i: grid(i, (2, 3), ">f4"),
+    "big-endian >i2": lambda i: grid(i, (5,), ">i2"),
+    "big-endian >f8 0-d": lambda i: np.array(i * 0.25, ">f8"),
+    "strided a[::2]": lambda i: grid(i, (6, 5), np.float32)[::2],
+    "transposed": lambda i: grid(i, (3, 5), np.int16).T,
+    "Fortran order": lambda i: np.asfortranarray(grid(i, (3, 4, 2), np.float64)),
+    "negative strides": lambda i: grid(i, (4, 6), np.float32)[::-1, ::-2],
+    "big-endian transposed": lambda i: grid(i, (2, 3), ">i8").T,
+    "read-only": lambda i: read_only(grid(i, (2, 3), np.uint8)),
+    "memoryview of float32 (2, 3)": lambda i: memoryview(grid(i, (2, 3), np.float32)),
+    "strided memoryview of bytes": lambda i: memoryview(bytes(range(i, i + 12)))[::3],
+    "bytes": lambda i: bytes(range(i, i + 5)),
+    "empty bytes": lambda i: b"",
+    "bytearray": lambda i: bytearray(range(i, i + 5)),
+    "str": lambda i: f"\u00e9-{i:02d}",
+    "0-d tensor": lambda i: torch.tensor(float(i)),
+    "transposed tensor": lambda i: torch.from_numpy(grid(i, (3, 2), np.float32)).T,
+}
+
+
+class ExactInputs(torch.utils.data.Dataset):
+    """Sample i: the proxy's outputs for the inputs of ``cases`` (one per pipeline input), and i."""
+
+    def __init__(self, proxy, cases, n=16):
+        self.proxy, self.cases, self.n = proxy, list(cases), n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.proxy(*[EXACT_CASES[c](i) for c in self.cases]), i
+
+
+class ImageAndLabel:
+    """A webdataset map stage: the sample's PNG through the proxy, with its label (or alone)."""
+
+    def __init__(self, proxy, bare=False):
+        self.proxy, self.bare = proxy, bare
+
+    def __call__(self, sample):
+        image = self.proxy(sample["png"])
+        return image if self.bare else (image, int(sample["cls"]))

@@ -9,6 +9,7 @@ import tarfile
 
 import numpy as np
 import pytest
+from datasets_for_tests import grid, read_only
 from mmproxy.datasets._tar import members
 from mmproxy.datasets.shards import read_local_tar
 
@@ -88,3 +89,35 @@ def test_a_worker_keeps_a_bounded_number_of_shards_registered(tmp_path):
         assert bytes(_transport.unpack([fd]).inputs[0][0]) == FILES[0][1][:4]
     finally:
         os.close(fd)
+
+
+def _across(arrays):
+    """The arrays as the server receives them (one input, one array per sample)."""
+    fd, files = _transport.pack("run", None, [None] * len(arrays), [arrays])
+    try:
+        return _transport.unpack([fd, *files]).inputs[0]
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("dtype", ["u1", "i2", "f2", "f4", "f8", "i8", "?", ">f4", ">i8", ">f2"])
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0), (2, 3, 4)], ids=["0-d", "(0,)", "(3,0)", "(2,3,4)"])
+def test_arrays_cross_with_their_shape_dtype_and_byte_order(shape, dtype):
+    sent = [grid(i, shape, dtype) for i in range(2)]
+    got = _across(sent)
+    for a, b in zip(sent, got):
+        assert (b.shape, b.dtype.str) == (a.shape, a.dtype.str)
+        np.testing.assert_array_equal(b, a)
+
+
+@pytest.mark.parametrize("view", [
+    lambda a: a[::2], lambda a: a.T, np.asfortranarray, lambda a: a[::-1, ::-3],
+    lambda a: a[1:2, ::4], lambda a: a[2, 3, ...], lambda a: a[:, :0], read_only],
+    ids=["strided", "transposed", "Fortran", "negative strides", "strided unit dim", "0-d view",
+         "empty view", "read-only"])
+def test_views_cross_as_their_values_in_c_order(view):
+    base = np.arange(60, dtype=">f4").reshape(6, 10)
+    sent = view(base)
+    (got,) = _across([sent])
+    assert (got.shape, got.dtype.str) == (sent.shape, ">f4") and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, sent)
