@@ -1,9 +1,14 @@
 """Checks: cheap header checks that keep corrupt or dangerous bytes away from the servers.
 
 They look at a few bytes: the format's signature, a PNG's or JPEG's declared size (an image that
-claims to be 100,000 x 100,000 pixels would make the decoder allocate tens of gigabytes), and
-whether a WAV file holds any audio frames. They cannot see corruption inside compressed data;
-the decoder reports that (see docs/reliability.md).
+claims to be 100,000 x 100,000 pixels would make the decoder allocate tens of gigabytes), whether a
+WAV file has a sound ``fmt `` chunk and any audio frames, and whether a JPEG or PNG was cut short
+(the most common damage in web-scale corpora: an interrupted download). A JPEG without an
+end-of-image marker after its first scan, or a PNG without its ``IEND`` chunk, fails DALI's
+decoders every time, so catching it here saves the server a failed run; a good file pays for a
+look at its last two bytes. Trailing bytes after the end marker are allowed (decoders ignore them).
+They cannot see other corruption inside compressed data; the server finds those samples when the
+pipeline fails on them (see docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -55,6 +60,63 @@ def image_size(ext: str, data: Data) -> tuple[int, int] | None:
     return None
 
 
+def _jpeg_scan(data: Data) -> int | None:
+    """Offset of a JPEG's first start-of-scan marker; -1 when the file ends before it; None when
+    the header walk cannot reach it (a marker it does not understand)."""
+    i = 2
+    while i < 1 << 22:
+        if i + 4 > len(data):
+            return -1
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:
+            i += 1
+            continue
+        if marker == 0xDA:
+            return i
+        (length,) = struct.unpack(">H", data[i + 2:i + 4])
+        i += 2 + length
+    return None
+
+
+def _truncated(ext: str, data: Data) -> str | None:
+    """Why a JPEG or PNG looks cut short (its end marker is missing), or None."""
+    if ext in ("jpg", "jpeg"):
+        if data[-2:] == b"\xff\xd9":
+            return None
+        scan = _jpeg_scan(data)
+        if scan == -1:
+            return "is truncated (it ends inside its header)"
+        if scan is not None and bytes(data[scan:]).rfind(b"\xff\xd9") < 0:
+            return "is truncated (no end-of-image marker after its image data)"
+    elif ext == "png":
+        if data[-8:-4] == b"IEND" or bytes(data).rfind(b"IEND") >= 0:
+            return None
+        return "is truncated (no IEND chunk)"
+    return None
+
+
+def _wav_format(data: Data) -> str | None:
+    """What is wrong with a WAV file's ``fmt `` chunk, or None when it is sound."""
+    i = 12
+    while i + 8 <= len(data) and i < 1 << 16:
+        chunk, size = bytes(data[i:i + 4]), struct.unpack("<I", data[i + 4:i + 8])[0]
+        if chunk == b"fmt ":
+            if size < 16 or i + 24 > len(data):
+                return f"has a malformed 'fmt ' chunk ({size} bytes)"
+            channels, rate = struct.unpack("<HI", data[i + 10:i + 16])
+            bits = struct.unpack("<H", data[i + 22:i + 24])[0]
+            if not (0 < channels <= 256 and 0 < rate <= 10_000_000 and 0 < bits <= 64):
+                return (f"has a malformed 'fmt ' chunk ({channels} channels, {rate} Hz, "
+                        f"{bits} bits per sample)")
+            return None
+        if chunk == b"data":
+            break
+        i += 8 + size + (size & 1)
+    return "has no 'fmt ' chunk before its audio data"
+
+
 def _wav_frames(data: Data) -> int | None:
     """Bytes in a WAV file's data chunk, or None if the chunk is not found in the header."""
     i = 12
@@ -81,6 +143,10 @@ def check_header(ext: str, data: Data, max_pixels: int = MAX_PIXELS) -> str | No
             return f"declares an empty image ({width}x{height})"
         if width * height > max_pixels:
             return f"declares {width}x{height} pixels, more than max_pixels={max_pixels}"
-    if ext == "wav" and _wav_frames(data) == 0:
-        return "holds no audio frames"
-    return None
+    if ext == "wav":
+        problem = _wav_format(data)
+        if problem:
+            return problem
+        if _wav_frames(data) == 0:
+            return "holds no audio frames"
+    return _truncated(ext, data)

@@ -6,16 +6,26 @@ Stages, each a small generator over the previous one, all running in DataLoader 
       -> samples (grouped by key) -> shuffle buffer (raw bytes) -> fields: header check, then
          proxy or function -> batches (composite collate) -> batch transform
 
-A bad sample (missing, empty or corrupt field, or a field function that raises) never reaches a
-server: with ``on_error="raise"`` it raises :class:`~mmproxy.errors.SampleError` naming the shard
-and the key; with ``on_error="skip"`` it is dropped and reported in the next batch's
-``"__skipped__"`` list as ``(shard, key, reason)``.
+Bad samples: a sample with a missing, empty or corrupt field (header checks), or a field function
+that raises, never reaches a server; a sample that passes the checks but that a server's pipeline
+cannot process (damage inside the compressed data) is found by the server (see
+:class:`~mmproxy.DALIServer`). With ``on_error="raise"`` either raises, naming the shard and the
+key (:class:`~mmproxy.errors.SampleError`, :class:`~mmproxy.errors.PipelineError`); a shard that
+cannot be opened raises :class:`~mmproxy.errors.ShardError`. With ``on_error="skip"`` the sample
+(or shard) is left out and reported as a :class:`~mmproxy.skips.SkippedSample` ``(shard, key,
+reason)`` in the next batch's ``"__skipped__"`` list, and in the loader's
+:attr:`~mmproxy.DataLoader.skipped` report. A batch that lost samples in a server is smaller:
+the loader removes those samples' rows from every field (every server's outputs, tokens, labels,
+keys), so the fields stay aligned. Records that no batch can carry (after a worker's last batch,
+or while nothing can be batched) travel on their own, so none is lost. An epoch that reads
+nothing, or skips more than ``max_skipped``, raises in the main loop (:mod:`mmproxy.skips`).
 """
 
 from __future__ import annotations
 
 import random
 import tarfile
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -27,6 +37,7 @@ from mmproxy import _context
 from mmproxy.collate import Collate
 from mmproxy.errors import SampleError, ShardError
 from mmproxy.proxy import DALIProxy
+from mmproxy.skips import SkippedSample
 
 from .checks import MAX_PIXELS, check_header
 from .shards import (
@@ -50,7 +61,7 @@ SKIPPED = "__skipped__"
 class _Skip(Exception):
     def __init__(self, url: str, key: str, reason: str) -> None:
         super().__init__(reason)
-        self.record = (url, key, reason)
+        self.record = SkippedSample(url, key, reason)
 
 
 class MultiModalDataset(torch.utils.data.IterableDataset):
@@ -71,6 +82,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         epoch_length: Batches per rank per epoch. With it every rank yields the same number of
             batches (ranks that run out of their own shards start them again).
         on_error: "raise" or "skip" (see the module docstring).
+        max_skipped: In skip mode, the largest fraction of samples an epoch may skip before the
+            loader raises :class:`~mmproxy.errors.SkipLimitError` (default 0.1: web corpora lose
+            0.01-1% to damage; more means a wrong path, extension or field function). ``None``
+            never raises for the fraction; an epoch that delivers nothing always raises.
         partial: Yield the last, smaller batch of each worker.
         collate: The collate for a list of sample dicts; :class:`~mmproxy.Collate` by default.
         batch_transform: Applied to each collated batch in the worker (e.g. tokenization).
@@ -87,7 +102,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
     def __init__(self, urls: str | Sequence[str], fields: Mapping[str, FieldSpec], *,
                  batch_size: int, shuffle_shards: bool = True, shuffle_buffer: int = 0,
                  seed: int = 0, resampled: bool = False, epoch_length: int | None = None,
-                 on_error: OnError = "raise", partial: bool = True,
+                 on_error: OnError = "raise", max_skipped: float | None = 0.1, partial: bool = True,
                  collate: Callable[[list[Any]], Any] | None = None,
                  batch_transform: Callable[[Any], Any] | None = None,
                  keep_keys: bool = True, max_pixels: int = MAX_PIXELS,
@@ -97,6 +112,8 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if max_skipped is not None and not 0 <= max_skipped <= 1:
+            raise ValueError(f"max_skipped is a fraction of the samples (0-1), got {max_skipped}")
         if resampled and epoch_length is None:
             raise ValueError("resampled=True needs epoch_length (batches per rank per epoch)")
         self.urls = expand(urls)
@@ -110,6 +127,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         self.resampled = resampled
         self.epoch_length = epoch_length
         self.on_error = on_error
+        self.max_skipped = max_skipped
         self.partial = partial
         self.collate = collate or Collate()
         self.batch_transform = batch_transform
@@ -134,6 +152,26 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
 
         return DataLoader(servers, self, batch_size=None, num_workers=num_workers, **kwargs)
 
+    def check_loader(self, loader: Any) -> None:
+        """Called by :class:`mmproxy.DataLoader` when it is made: mistakes that would otherwise
+        show up only later (a torch batch size on batches, ranks or workers left without shards
+        when every rank must yield ``epoch_length`` batches) raise now, before any batch."""
+        if loader.batch_size is not None:
+            raise ValueError(
+                f"MultiModalDataset makes its own batches (batch_size={self.batch_size}); give the "
+                f"loader batch_size=None (it got batch_size={loader.batch_size}), or use "
+                "dataset.loader(servers, ...)")
+        if self.resampled:
+            return
+        rank, world, _, _ = worker_info()
+        mine = rank_shards(self.urls, shuffle=False, seed=self.seed, epoch=0)  # raises if none
+        workers = max(1, loader.num_workers)
+        if self.epoch_length is not None and len(mine) < workers:
+            raise ShardError(
+                f"rank {rank} of {world} has {len(mine)} shards for {workers} workers, and with "
+                f"epoch_length every worker needs shards of its own; use at most {len(mine)} "
+                "workers, more (smaller) shards, or resampled=True")
+
     # -- stages ---------------------------------------------------------------------------------
 
     def _quota(self) -> int | None:
@@ -153,11 +191,12 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             random.Random(f"{self.seed}:{epoch}:{rank}:{worker}:{again}").shuffle(shards)
         yield from shards
 
-    def _passes(self, epoch: int, skipped: list[tuple[str, str, str]]) -> Iterator[dict[str, Any]]:
+    def _passes(self, epoch: int, skipped: list[SkippedSample]) -> Iterator[dict[str, Any] | None]:
         """Samples of this worker's shards, shuffled; passes repeat only to fill epoch_length.
 
         Each pass is shuffled on its own, so the shuffle buffer's read-ahead never mixes a
-        sample's repeat into the pass that holds the sample.
+        sample's repeat into the pass that holds the sample. ``None`` marks a shard that added a
+        record to ``skipped`` (so that records flow even when no sample does).
         """
         rank, _, worker, _ = worker_info()
         again = 0
@@ -169,22 +208,24 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                                                min(100, self.shuffle_buffer), rng=rng)
             count = 0
             for sample in samples:
-                count += 1
+                count += sample is not None
                 yield sample
             if self.epoch_length is None or self.resampled:
                 return
             if count == 0:
-                raise ShardError(f"worker {worker} on rank {rank}: its shards hold no samples")
+                reasons = Counter(r.reason for r in skipped).most_common(3)
+                raise ShardError(f"worker {worker} on rank {rank}: its shards hold no samples, so "
+                                 f"it cannot make its share of epoch_length (reasons: {reasons})")
             again += 1
 
-    def _samples(self, shards: Iterator[str], skipped: list[tuple[str, str, str]]
-                 ) -> Iterator[dict[str, Any]]:
+    def _samples(self, shards: Iterator[str], skipped: list[SkippedSample]
+                 ) -> Iterator[dict[str, Any] | None]:
         """Samples of the shards: local ones mapped (zero copy), others through webdataset."""
 
         def failed(url: str, exn: BaseException) -> None:
-            reason = exn.args[0] if exn.args else exn
+            reason = _describe(exn)
             if self.on_error == "skip":
-                skipped.append((url, "", f"unreadable shard: {reason}"))
+                skipped.append(SkippedSample(url, "", f"unreadable shard: {reason}"))
             else:
                 raise ShardError(f"shard {url}: cannot be read: {reason}") from exn
 
@@ -193,35 +234,48 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             return True
 
         for url in shards:
+            count, records = 0, len(skipped)
             if is_local(url):
                 try:
-                    yield from read_local_tar(url)
+                    for sample in read_local_tar(url):
+                        count += 1
+                        yield sample
                 except (OSError, tarfile.TarError, ValueError) as exn:
                     failed(url, exn)
+                    yield None
+                    continue
             else:
-                yield from wds.tariterators.tarfile_samples([{"url": url}], handler=handler)
+                for sample in wds.tariterators.tarfile_samples([{"url": url}], handler=handler):
+                    count += 1
+                    yield sample
+            if count == 0 and self.on_error == "skip":
+                if len(skipped) == records:
+                    skipped.append(SkippedSample(url, "", "empty shard: it holds no files"))
+                yield None
 
     def _process(self, sample: dict[str, Any]) -> dict[str, Any]:
         key = sample.get("__key__", "?")
         url = sample.get("__url__", "?")
         out: dict[str, Any] = {"__key__": key, "__url__": url} if self.keep_keys else {}
-        with _context.sample_key(f"{url}:{key}"):
+        with _context.sample_key(key, shard=url, skip=self.on_error == "skip"):
             for name, (exts, fn, is_proxy) in self.fields.items():
                 ext = next((e for e in exts if e in sample), None)
                 if ext is None:
                     present = sorted(k for k in sample if not k.startswith("__"))
-                    raise _Skip(url, key, f"missing field {'/'.join(exts)!r} (has {present})")
+                    raise _Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has "
+                                          f"{present})")
                 data = sample[ext]
                 if is_proxy:
                     problem = check_header(ext, data, self.max_pixels)
                 else:
                     problem = None if data else "is empty"
                 if problem:
-                    raise _Skip(url, key, f"field {ext!r} {problem}")
+                    raise _Skip(url, key, f"bad header: field {ext!r} {problem}")
                 try:
                     out[name] = fn(np.frombuffer(data, np.uint8)) if is_proxy else fn(bytes(data))
                 except Exception as err:  # a user function failed on this sample
-                    raise _Skip(url, key, f"field {ext!r}: {type(err).__name__}: {err}") from err
+                    raise _Skip(url, key, f"field function failed: field {ext!r}: "
+                                          f"{type(err).__name__}: {err}") from err
         return out
 
     def __iter__(self) -> Iterator[Any]:
@@ -247,36 +301,61 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             self._ahead = (epoch + 1, first, upcoming)
 
     def _batches(self, epoch: int) -> Iterator[Any]:
-        skipped: list[tuple[str, str, str]] = []
-        samples = self._passes(epoch, skipped)
+        pending: list[SkippedSample] = []  # skip records not yet sent with a batch
+        samples = self._passes(epoch, pending)
         quota = self._quota()
         made = 0
         batch: list[dict[str, Any]] = []
         for raw in samples:
             if quota is not None and made >= quota:
-                return
+                break
+            if raw is None:  # a shard was skipped
+                if len(pending) >= self.batch_size:
+                    yield {SKIPPED: _take(pending)}
+                continue
             try:
                 batch.append(self._process(raw))
             except _Skip as skip:
                 if self.on_error == "raise":
                     url, key, reason = skip.record
                     raise SampleError(f"shard {url}, sample {key!r}: {reason}") from skip.__cause__
-                skipped.append(skip.record)
+                pending.append(skip.record)
             if len(batch) == self.batch_size:
-                yield self._collate(batch, skipped)
+                yield from self._collate(batch, pending)
                 made += 1
                 batch = []
-                skipped.clear()
+            elif len(pending) >= self.batch_size:
+                yield {SKIPPED: _take(pending)}  # nothing to batch yet: the records go alone
         if batch and self.partial and (quota is None or made < quota):
-            yield self._collate(batch, skipped)
+            yield from self._collate(batch, pending)
+        if pending:
+            yield {SKIPPED: _take(pending)}
 
-    def _collate(self, samples: list[dict[str, Any]], skipped: list[tuple[str, str, str]]) -> Any:
+    def _collate(self, samples: list[dict[str, Any]], skipped: list[SkippedSample]) -> Iterator[Any]:
         batch = self.collate(samples)
         if self.batch_transform is not None:
             batch = self.batch_transform(batch)
         if isinstance(batch, dict):
-            batch[SKIPPED] = list(skipped)  # a copy: the list is reused for the next batch
-        return batch
+            batch[SKIPPED] = _take(skipped)
+            yield batch
+        else:
+            yield batch
+            if skipped:
+                yield {SKIPPED: _take(skipped)}
+
+
+def _take(records: list[SkippedSample]) -> list[SkippedSample]:
+    """The records so far (a copy), emptying the list that collects them."""
+    taken = list(records)
+    records.clear()
+    return taken
+
+
+def _describe(exn: BaseException) -> str:
+    """An error in words: an OSError's message (not its errno), else the error's own text."""
+    if isinstance(exn, OSError) and exn.strerror:
+        return exn.strerror + (f" ({exn.filename})" if exn.filename else "")
+    return f"{type(exn).__name__}: {exn}" if str(exn) else type(exn).__name__
 
 
 def _parse_field(name: str, spec: FieldSpec) -> tuple[tuple[str, ...], Callable[[Any], Any], bool]:

@@ -2,7 +2,7 @@
 
 Built on ``webdataset``: brace expansion (``expand_urls``), tar reading with ``pipe:`` and local
 files (``tarfile_samples``), and node / worker splitting (``split_by_node``, ``split_by_worker``).
-What is added: an error when a rank or worker would get no shards, an epoch that every worker of
+What is added: an error when a rank would get no shards, an epoch that every worker of
 every rank agrees on (so a shard shuffle is the same everywhere and splits stay disjoint),
 resampling with a fixed number of batches per rank, and a zero-copy reader for local shards:
 webdataset's streaming tar reader copies each member through 10 KB reads (about 600 MB/s per
@@ -68,14 +68,10 @@ def rank_shards(urls: list[str], *, shuffle: bool, seed: int, epoch: int) -> lis
 
 
 def worker_shards(shards: list[str]) -> list[str]:
-    """This worker's part of the rank's shards; raises when it would get none."""
-    mine = list(wds.shardlists.split_by_worker(shards))
-    if not mine:
-        rank, _, worker, workers = worker_info()
-        raise ShardError(f"worker {worker} of {workers} on rank {rank} gets no shards: the rank "
-                         f"has {len(shards)} shards for {workers} workers; use fewer workers, "
-                         "more shards, or resampled=True")
-    return mine
+    """This worker's part of the rank's shards; empty for a worker beyond the number of shards
+    (it stays idle; :meth:`MultiModalDataset.check_loader` refuses that when every worker must
+    yield ``epoch_length`` batches)."""
+    return list(wds.shardlists.split_by_worker(shards))
 
 
 def resampled(urls: list[str], rng: random.Random) -> Iterator[str]:

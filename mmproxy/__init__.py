@@ -20,6 +20,7 @@ __all__ = [
     "DALIProxy",
     "DALIServer",
     "DataLoader",
+    "EmptyEpochError",
     "MmproxyError",
     "PaddedBatch",
     "PipelineError",
@@ -30,6 +31,9 @@ __all__ = [
     "ServerState",
     "ServerStateError",
     "ShardError",
+    "SkipLimitError",
+    "SkipReport",
+    "SkippedSample",
     "TransportError",
     "WaitTimeoutError",
     "WorkerDiedError",
@@ -45,6 +49,7 @@ _WHERE = {
     "DALIProxy": "mmproxy.proxy",
     "DALIServer": "mmproxy.server",
     "DataLoader": "mmproxy.loader",
+    "EmptyEpochError": "mmproxy.errors",
     "MmproxyError": "mmproxy.errors",
     "PaddedBatch": "mmproxy.refs",
     "PipelineError": "mmproxy.errors",
@@ -55,6 +60,9 @@ _WHERE = {
     "ServerState": "mmproxy.server",
     "ServerStateError": "mmproxy.errors",
     "ShardError": "mmproxy.errors",
+    "SkipLimitError": "mmproxy.errors",
+    "SkipReport": "mmproxy.skips",
+    "SkippedSample": "mmproxy.skips",
     "TransportError": "mmproxy.errors",
     "WaitTimeoutError": "mmproxy.errors",
     "WorkerDiedError": "mmproxy.errors",
@@ -67,6 +75,7 @@ if TYPE_CHECKING:
     from mmproxy.errors import (
         BatchSizeError,
         CollateError,
+        EmptyEpochError,
         MmproxyError,
         PipelineError,
         ProxyArgumentError,
@@ -75,6 +84,7 @@ if TYPE_CHECKING:
         ServerFailedError,
         ServerStateError,
         ShardError,
+        SkipLimitError,
         TransportError,
         WaitTimeoutError,
         WorkerDiedError,
@@ -83,6 +93,7 @@ if TYPE_CHECKING:
     from mmproxy.proxy import DALIProxy
     from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, PaddedBatch
     from mmproxy.server import DALIServer, ServerState
+    from mmproxy.skips import SkippedSample, SkipReport
 
 
 def __getattr__(name: str) -> Any:

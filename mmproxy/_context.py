@@ -12,7 +12,7 @@ import os
 import secrets
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 _lock = threading.Lock()
 _pid: int | None = None
@@ -75,16 +75,38 @@ def next_epoch() -> Iterator[None]:
         _ahead = 0
 
 
-def current_key() -> str | None:
-    """The sample key the dataset layer is processing in this thread, if it said so."""
+class SampleId(NamedTuple):
+    """Which sample a proxy call belongs to, and what to do when the pipeline cannot process it.
+
+    ``skip``: the sample may be dropped from its batch and reported (a dataset in skip mode);
+    otherwise a pipeline failure on it raises, naming it.
+    """
+
+    key: str
+    shard: str | None = None
+    skip: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.shard}:{self.key}" if self.shard else self.key
+
+
+def current_key() -> SampleId | None:
+    """The sample the dataset layer is processing in this thread, if it said so."""
     return getattr(_sample_key, "value", None)
 
 
 @contextlib.contextmanager
-def sample_key(key: str | None) -> Iterator[None]:
-    """Names the sample being processed, so that proxy calls inside carry its key."""
+def sample_key(key: str | None, *, shard: str | None = None, skip: bool = False) -> Iterator[None]:
+    """Names the sample being processed, so that proxy calls inside carry its key.
+
+    Args:
+        key: The sample's key (shown in every message about it).
+        shard: Where it came from (a shard path or URL), if known.
+        skip: Whether a pipeline failure on this sample drops it from its batch (reported in the
+            loader's skip report and the batch's ``"__skipped__"``) instead of raising.
+    """
     previous = getattr(_sample_key, "value", None)
-    _sample_key.value = key
+    _sample_key.value = None if key is None else SampleId(str(key), shard, skip)
     try:
         yield
     finally:

@@ -1,22 +1,39 @@
 """Resolving: swap every server's batch references inside a batch for the servers' outputs.
 
 One walk finds the references; deterministic servers are told the order of their runs first;
-a second walk replaces each reference, waiting for its run. GPU outputs are made safe for the
-consumer's stream before they are handed over.
+every run is waited for; then, when a server dropped samples it could not process (skip mode),
+their rows are removed from every field of the batch (see :func:`drop_rows`) so that the fields
+stay aligned; a last walk replaces each reference. GPU outputs are made safe for the consumer's
+stream before they are handed over.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import copy
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
 from mmproxy import _convert, _walk
-from mmproxy.errors import ServerStateError
-from mmproxy.refs import DALIOutputBatchRef
+from mmproxy.errors import PipelineError, ServerStateError
+from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, uncollated_error
+from mmproxy.skips import SkippedSample
 
 if TYPE_CHECKING:
     from mmproxy.server import DALIServer, _Run
+
+SKIPPED = "__skipped__"
+_PLAIN = (str, bytes, int, float, bool, type(None))
+
+
+class Resolved(NamedTuple):
+    """A resolved batch, how many samples it holds (None: no references to count by), and the
+    samples that servers dropped from it."""
+
+    batch: Any
+    size: int | None
+    dropped: list[SkippedSample]
 
 
 def claim(refs: list[DALIOutputBatchRef], servers: dict[str, DALIServer]) -> None:
@@ -35,9 +52,17 @@ def resolve(obj: Any, servers: dict[str, DALIServer], *, strict: bool = False) -
 
     With ``strict``, a reference to a server not in ``servers`` raises; otherwise it is kept.
     """
-    refs = _walk.collect(obj, DALIOutputBatchRef)
+    return resolve_batch(obj, servers, strict=strict).batch
+
+
+def resolve_batch(obj: Any, servers: dict[str, DALIServer], *, strict: bool = False) -> Resolved:
+    """:func:`resolve`, also saying how many samples the batch holds and which were dropped."""
+    found = _walk.collect(obj, (DALIOutputBatchRef, DALIOutputSampleRef))
+    refs = [r for r in found if isinstance(r, DALIOutputBatchRef)]
+    if strict and len(refs) < len(found):  # e.g. webdataset's .batched() with its default collation
+        raise uncollated_error(next(r for r in found if isinstance(r, DALIOutputSampleRef)))
     if not refs:
-        return obj
+        return Resolved(obj, None, [])
     if strict:
         for ref in refs:
             if ref.server_uid not in servers:
@@ -47,26 +72,104 @@ def resolve(obj: Any, servers: dict[str, DALIServer], *, strict: bool = False) -
     claim(refs, servers)
     runs: dict[tuple[str, str], _Run] = {}
     current = None
+    for ref in refs:
+        server = servers.get(ref.server_uid)
+        key = (ref.server_uid, ref.run_id)
+        if server is None or key in runs:
+            continue
+        run = runs[key] = server._wait(ref)
+        if run.event is not None:
+            current = current or torch.cuda.current_stream(server._device)
+            current.wait_event(run.event)
+            for out in run.outputs:
+                for t in _convert.tensors_of(out):
+                    if t.is_cuda:  # a GPU pipeline may also have CPU outputs
+                        t.record_stream(current)
+
+    size, drop, dropped = _dropped_rows(refs, runs)
+    if drop:
+        obj = drop_rows(obj, size, drop, dropped)
+    keep = None if not drop else [p for p in range(size) if p not in drop]
 
     def produce(ref: DALIOutputBatchRef) -> Any:
-        nonlocal current
-        server = servers.get(ref.server_uid)
-        if server is None:
-            return ref
-        key = (ref.server_uid, ref.run_id)
-        run = runs.get(key)
+        run = runs.get((ref.server_uid, ref.run_id))
         if run is None:
-            run = runs[key] = server._wait(ref)
-            if run.event is not None:
-                current = current or torch.cuda.current_stream(server._device)
-                current.wait_event(run.event)
-                for out in run.outputs:
-                    for t in _convert.tensors_of(out):
-                        if t.is_cuda:  # a GPU pipeline may also have CPU outputs
-                            t.record_stream(current)
-        return _convert.select(run.outputs[ref.output_idx], ref.rows)
+            return ref
+        output = run.outputs[ref.output_idx]
+        if keep is None and run.kept is None:
+            return _convert.select(output, ref.rows)
+        rows = ref.rows if ref.rows is not None else range(len(run.keys))
+        at = {sample: row for row, sample in enumerate(run.kept)} if run.kept is not None else None
+        wanted = [rows[p] for p in (keep if keep is not None else range(len(rows)))]
+        return _convert.select(output, tuple(at[s] if at is not None else s for s in wanted))
 
     out = _walk.replace(obj, DALIOutputBatchRef, produce)
     for (uid, _), run in runs.items():
         servers[uid]._release(run)
-    return out
+    return Resolved(out, size - len(drop), dropped)
+
+
+def _dropped_rows(refs: list[DALIOutputBatchRef], runs: dict[tuple[str, str], _Run]
+                  ) -> tuple[int, set[int], list[SkippedSample]]:
+    """(batch size, positions dropped by any server, a record per dropped sample)."""
+    sizes = set()
+    drop: set[int] = set()
+    dropped: list[SkippedSample] = []
+    noted: set[tuple[str, str, int]] = set()
+    for ref in refs:
+        run = runs.get((ref.server_uid, ref.run_id))
+        if run is None:
+            continue
+        rows = ref.rows if ref.rows is not None else range(len(run.keys))
+        sizes.add(len(rows))
+        for position, sample in enumerate(rows):
+            reason = run.dropped.get(sample)
+            if reason is None:
+                continue
+            drop.add(position)
+            if (ref.server_uid, run.id, sample) not in noted:
+                noted.add((ref.server_uid, run.id, sample))
+                key = run.keys[sample]
+                shard, name = (key.shard or "", key.key) if key is not None else ("", f"#{sample}")
+                dropped.append(SkippedSample(shard, name, reason))
+    size = max(sizes)
+    if drop and len(sizes) > 1:
+        raise PipelineError(f"a server dropped samples it could not process, but the batch's fields "
+                            f"hold different numbers of samples ({sorted(sizes)}), so the rows of "
+                            f"the dropped samples cannot be found in every field: {dropped[:3]}")
+    return size, drop, dropped
+
+
+def drop_rows(batch: Any, size: int, drop: set[int], dropped: list[SkippedSample]) -> Any:
+    """Removes batch positions ``drop`` from every field that holds one row per sample.
+
+    Such fields are tensors and arrays with ``size`` rows, and lists of ``size`` plain values
+    (keys, captions); references are left to the resolver. A dict's ``"__skipped__"`` list gets
+    the ``dropped`` records instead.
+    """
+    keep = [p for p in range(size) if p not in drop]
+    return _drop(batch, size, keep, torch.tensor(keep, dtype=torch.int64), dropped)
+
+
+def _drop(x: Any, size: int, keep: list[int], index: torch.Tensor, dropped: list[SkippedSample]) -> Any:
+    # A module-level function, not a recursive closure (a closure cycle would keep the batch's
+    # tensors alive until the cyclic collector runs; see mmproxy._walk).
+    if isinstance(x, DALIOutputBatchRef):
+        return x
+    if isinstance(x, torch.Tensor):
+        return x[index.to(x.device)] if x.dim() and x.shape[0] == size else x
+    if isinstance(x, np.ndarray):
+        return x[keep] if x.ndim and x.shape[0] == size else x
+    if isinstance(x, list):
+        if len(x) == size and all(isinstance(v, _PLAIN) for v in x):
+            return [x[p] for p in keep]
+        return [_drop(v, size, keep, index, dropped) for v in x]
+    if isinstance(x, tuple):
+        items = [_drop(v, size, keep, index, dropped) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    if isinstance(x, dict):
+        out = copy.copy(x)
+        for k, v in x.items():
+            out[k] = list(v) + dropped if k == SKIPPED else _drop(v, size, keep, index, dropped)
+        return out
+    return x

@@ -51,7 +51,7 @@ class Request:
 
     run_id: str
     tag: tuple[str, int] | None
-    keys: list[str | None]
+    keys: list[Any]  # SampleId or None per sample
     inputs: list[list[np.ndarray]]  # per pipeline input, one array per sample (views of the
     # memfd's or a shard's mapping: they keep the mapping alive until the run is done)
 
@@ -113,7 +113,7 @@ def register_file_mapping(mapping: mmap.mmap, fd: int) -> None:
     _files.add(mapping, fd)
 
 
-def pack(run_id: str, tag: tuple[str, int] | None, keys: list[str | None],
+def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
          inputs: list[list[np.ndarray]]) -> tuple[int, list[int]]:
     """Writes a run's inputs into a new memfd.
 

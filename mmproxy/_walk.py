@@ -1,4 +1,10 @@
-"""Walking nested structures: find or replace references inside any nesting, cycles included."""
+"""Walking nested structures: find or replace references inside any nesting, cycles included.
+
+The walk is an object, not a recursive closure: a nested function that calls itself holds itself
+through its closure cell, a reference cycle that would keep everything the walk touched (a batch's
+CUDA tensors among them) alive until the cyclic garbage collector runs, possibly in a forked child
+where freeing CUDA memory aborts the process. See docs/reliability.md, "Forks".
+"""
 
 from __future__ import annotations
 
@@ -15,77 +21,64 @@ _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.T
            types.BuiltinFunctionType, types.MethodType)
 
 
-def replace(obj: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+class _Replace:
+    def __init__(self, kind: type | tuple[type, ...], fn: Callable[[Any], Any]) -> None:
+        self.kind, self.fn = kind, fn
+        self.memo: dict[int, Any] = {}
+
+    def visit(self, x: Any) -> Any:
+        if isinstance(x, self.kind):
+            return self.fn(x)
+        if isinstance(x, _LEAVES):
+            return x
+        key = id(x)
+        if key in self.memo:
+            return self.memo[key]
+        if isinstance(x, tuple):
+            self.memo[key] = x  # a cycle through a tuple passes through a mutable container first
+            items = [self.visit(v) for v in x]
+            if all(a is b for a, b in zip(items, x)):
+                return x
+            new = type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+            self.memo[key] = new
+            return new
+        if isinstance(x, list):
+            return self._rebuild(x, key, enumerate(x), new_list := copy.copy(x), new_list.__setitem__)
+        if isinstance(x, dict):
+            return self._rebuild(x, key, list(x.items()), new_dict := copy.copy(x), new_dict.__setitem__)
+        attrs = getattr(x, "__dict__", None)
+        if attrs is None:
+            return x
+        new_obj = copy.copy(x)
+        return self._rebuild(x, key, list(attrs.items()), new_obj,
+                             lambda k, v: setattr(new_obj, k, v))
+
+    def _rebuild(self, x: Any, key: int, items: Any, new: Any, put: Callable[[Any, Any], None]) -> Any:
+        """Visits ``items`` of ``x`` into its copy ``new``; returns ``x`` itself if none changed."""
+        self.memo[key] = new
+        changed = False
+        for k, v in items:
+            nv = self.visit(v)
+            if nv is not v:
+                put(k, nv)
+                changed = True
+        if not changed:
+            self.memo[key] = x
+            return x
+        return new
+
+
+def replace(obj: Any, kind: type | tuple[type, ...], fn: Callable[[Any], Any]) -> Any:
     """Returns ``obj`` with every instance of ``kind`` replaced by ``fn(instance)``.
 
     Lists, tuples, named tuples, dicts (and subclasses), and objects with a ``__dict__`` are
     visited; containers are rebuilt only where something inside changed; shared and cyclic
     structure is kept (each object is visited once).
     """
-    memo: dict[int, Any] = {}
-
-    def visit(x: Any) -> Any:
-        if isinstance(x, kind):
-            return fn(x)
-        if isinstance(x, _LEAVES):
-            return x
-        key = id(x)
-        if key in memo:
-            return memo[key]
-        if isinstance(x, tuple):
-            memo[key] = x  # a cycle through a tuple passes through a mutable container first
-            items = [visit(v) for v in x]
-            if all(a is b for a, b in zip(items, x)):
-                return x
-            new = type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-            memo[key] = new
-            return new
-        if isinstance(x, list):
-            new_list = copy.copy(x)
-            memo[key] = new_list
-            changed = False
-            for i, v in enumerate(x):
-                nv = visit(v)
-                if nv is not v:
-                    new_list[i] = nv
-                    changed = True
-            if not changed:
-                memo[key] = x
-                return x
-            return new_list
-        if isinstance(x, dict):
-            new_dict = copy.copy(x)
-            memo[key] = new_dict
-            changed = False
-            for k, v in x.items():
-                nv = visit(v)
-                if nv is not v:
-                    new_dict[k] = nv
-                    changed = True
-            if not changed:
-                memo[key] = x
-                return x
-            return new_dict
-        attrs = getattr(x, "__dict__", None)
-        if attrs is None:
-            return x
-        new_obj = copy.copy(x)
-        memo[key] = new_obj
-        changed = False
-        for k, v in list(attrs.items()):
-            nv = visit(v)
-            if nv is not v:
-                setattr(new_obj, k, nv)
-                changed = True
-        if not changed:
-            memo[key] = x
-            return x
-        return new_obj
-
-    return visit(obj)
+    return _Replace(kind, fn).visit(obj)
 
 
-def collect(obj: Any, kind: type) -> list[Any]:
+def collect(obj: Any, kind: type | tuple[type, ...]) -> list[Any]:
     """Every instance of ``kind`` inside ``obj``, in traversal order."""
     found: list[Any] = []
 

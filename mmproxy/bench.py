@@ -30,16 +30,39 @@ IMAGE_MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
 IMAGE_STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 
-def _write_shard(job: tuple[str, str, int, int]) -> str:
+def damage_jpeg(data: bytes, kind: str) -> bytes:
+    """A JPEG damaged as web corpora damage them: ``truncate`` cuts it to a third (an interrupted
+    download; the header check catches it), ``corrupt`` overwrites its first Huffman table (it
+    passes every header check and fails the decoder, so the server must find it)."""
+    if kind == "truncate":
+        return data[:len(data) // 3]
+    if kind != "corrupt":
+        raise ValueError(f"damage kind must be 'truncate' or 'corrupt', got {kind!r}")
+    out = bytearray(data)
+    at = out.find(b"\xff\xc4")
+    length = int.from_bytes(out[at + 2:at + 4], "big")
+    out[at + 5:at + 4 + length] = b"\xff" * (length - 1)
+    return bytes(out)
+
+
+def _damaged(i: int, damage: float) -> bool:
+    """Whether sample ``i`` is damaged: a fraction ``damage`` of the samples, evenly spread."""
+    return damage > 0 and math.floor((i + 1) * damage) > math.floor(i * damage)
+
+
+def _write_shard(job: tuple[str, str, int, int, float, str]) -> str:
     from mmproxy.testing import WORDS, audio_bytes, image_bytes, synth_image, synth_speech, write_tar
 
-    path, kind, lo, hi = job
+    path, kind, lo, hi, damage, damage_kind = job
     if os.path.exists(path):
         return path
     rows = []
     for i in range(lo, hi):
         if kind == "image":  # ~45 KB JPEGs, like the reference workload
-            rows.append({"__key__": f"{i:07d}", "jpg": image_bytes(synth_image(i, 375, 500)),
+            jpeg = image_bytes(synth_image(i, 375, 500))
+            if _damaged(i, damage):
+                jpeg = damage_jpeg(jpeg, damage_kind)
+            rows.append({"__key__": f"{i:07d}", "jpg": jpeg,
                          "txt": f"{WORDS[i % len(WORDS)]} number {i}", "cls": str(i % 10)})
         else:  # 44.1 kHz WAV, 2-10 s
             secs = 2 + (i * 7919 % 800) / 100
@@ -51,16 +74,19 @@ def _write_shard(job: tuple[str, str, int, int]) -> str:
     return path
 
 
-def _shards(folder: Path, kind: str, count: int, workers: int = 1) -> list[str]:
+def _shards(folder: Path, kind: str, count: int, workers: int = 1, damage: float = 0.0,
+            damage_kind: str = "truncate") -> list[str]:
     """Writes (once) ``count`` synthetic samples as shards of 64, in parallel processes; smaller
-    shards when 64 would leave a worker without one."""
+    shards when 64 would leave a worker without one. With ``damage``, that fraction of the
+    images is damaged (see :func:`damage_jpeg`), spread evenly over the shards."""
     from concurrent.futures import ProcessPoolExecutor
 
     per_shard = min(64, max(1, count // max(1, workers)))
-    folder = folder / (f"{kind}-{count}" if per_shard == 64 else f"{kind}-{count}-by{per_shard}")
+    name = f"{kind}-{count}" if per_shard == 64 else f"{kind}-{count}-by{per_shard}"
+    folder = folder / (name + (f"-{damage_kind}{damage:g}" if damage else ""))
     folder.mkdir(parents=True, exist_ok=True)
-    jobs = [(str(folder / f"{kind}-{s:04d}.tar"), kind, s * per_shard, min(count, (s + 1) * per_shard))
-            for s in range(math.ceil(count / per_shard))]
+    jobs = [(str(folder / f"{kind}-{s:04d}.tar"), kind, s * per_shard, min(count, (s + 1) * per_shard),
+             damage, damage_kind) for s in range(math.ceil(count / per_shard))]
     if all(os.path.exists(j[0]) for j in jobs):
         return [j[0] for j in jobs]
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
@@ -317,6 +343,9 @@ def _system(name: str, kind: str, paths: list[str], a: Any, gpu: bool, dev: int 
     import mmproxy
     from mmproxy.datasets import MultiModalDataset, Tokenize
 
+    if name == "mmproxy-damaged":
+        paths = _shards(Path(a.data_dir or _default_dir()), "image", a.samples, a.workers,
+                        a.damage, a.damage_kind)
     server = mmproxy.DALIServer(pipe, name=kind)
     with server:
         if machinery:
@@ -331,7 +360,7 @@ def _system(name: str, kind: str, paths: list[str], a: Any, gpu: bool, dev: int 
                 transform = Tokenize(tokenizer, 32, "longest")
             ds = MultiModalDataset(paths, fields, batch_size=batch, shuffle_buffer=256,
                                    keep_keys=False, batch_transform=transform,
-                                   prefetch_next_epoch=a.next_epoch)
+                                   prefetch_next_epoch=a.next_epoch, on_error="skip")
             loader = ds.loader(server, num_workers=a.workers, persistent_workers=True)
             count = lambda b: first(b["image"] if "image" in b else b["audio"])  # noqa: E731
         return _time_epochs(lambda: loader, count, a.epochs, gpu, server)
@@ -377,10 +406,14 @@ def _memory(paths: list[str], a: Any, gpu: bool, dev: int | None, batch: int) ->
     return {"per_epoch": rows}
 
 
+def _default_dir() -> Path:
+    return Path.home() / ".cache" / "mmproxy" / "bench"
+
+
 def run(a: Any) -> int:
     gpu = a.device == "gpu" or (a.device == "auto" and torch.cuda.is_available())
     dev = torch.cuda.current_device() if gpu else None
-    folder = Path(a.data_dir or Path.home() / ".cache" / "mmproxy" / "bench")
+    folder = Path(a.data_dir or _default_dir())
     workloads = (["image", "audio", "image-text", "machinery"] if a.workload == "all"
                  else [w.strip() for w in a.workload.split(",")])
     unknown = set(workloads) - {"image", "audio", "image-text", "machinery"}
@@ -411,6 +444,8 @@ def run(a: Any) -> int:
             chosen = [s for s in chosen if s != "torch-tensor"]
         if kind == "image-text":
             chosen = [s for s in chosen if s in ("mmproxy", "dali-reader")]
+        if kind == "image" and a.damage and "mmproxy" in chosen:
+            chosen.insert(chosen.index("mmproxy") + 1, "mmproxy-damaged")
         res: dict[str, Any] = {}
         for name in chosen:
             gc.collect()  # destroy the last system's pipelines here, not in forked workers
@@ -423,6 +458,12 @@ def run(a: Any) -> int:
         for name, r in res.items():
             if base and "samples_per_s" in r:
                 r["mmproxy_ratio"] = round(base / r["samples_per_s"], 3)
+        damaged = res.get("mmproxy-damaged", {})
+        if base and "samples_per_s" in damaged:  # samples per second over the samples delivered
+            damaged["damaged_vs_clean"] = round(damaged["samples_per_s"] / base, 3)
+            damaged["sustained_damaged_vs_clean"] = (
+                round(damaged["sustained_samples_per_s"] / res["mmproxy"]["sustained_samples_per_s"], 3)
+                if damaged.get("sustained_samples_per_s") else None)
         out["results"][kind] = {"batch_size": batch, "samples": a.samples // 4 if audio else a.samples,
                                 "systems": res}
     if a.memory_epochs:

@@ -12,6 +12,7 @@ import traceback
 __all__ = [
     "BatchSizeError",
     "CollateError",
+    "EmptyEpochError",
     "MmproxyError",
     "PipelineError",
     "ProxyArgumentError",
@@ -21,6 +22,7 @@ __all__ = [
     "ServerFailedError",
     "ServerStateError",
     "ShardError",
+    "SkipLimitError",
     "TransportError",
     "WaitTimeoutError",
     "WorkerDiedError",
@@ -77,6 +79,14 @@ class SampleError(MmproxyError, ValueError):
 
 class ShardError(MmproxyError, ValueError):
     """A shard list is empty or cannot be split among ranks and workers."""
+
+
+class EmptyEpochError(MmproxyError, RuntimeError):
+    """An epoch delivered no sample: every shard or sample was unreadable or skipped."""
+
+
+class SkipLimitError(MmproxyError, RuntimeError):
+    """More samples were skipped than the dataset's ``max_skipped`` fraction allows."""
 
 
 class RemoteTraceback(Exception):

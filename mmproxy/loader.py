@@ -4,11 +4,17 @@ It takes one server, a sequence of servers, or a name-to-server mapping. It star
 iteration, tags every run with (loader, epoch) so that a new epoch drops the runs of an abandoned
 one, and in deterministic mode claims the next batch's runs one batch ahead so that the servers
 work while the training step runs.
+
+It also keeps the epoch's :class:`~mmproxy.skips.SkipReport` (:attr:`DataLoader.skipped`): the
+``"__skipped__"`` records of every batch, the samples servers dropped, and the records that
+workers send on their own (a dict holding only ``"__skipped__"``: samples skipped after a worker's
+last batch, or while no batch could be made). With a dataset that declares ``max_skipped`` (like
+:class:`~mmproxy.datasets.MultiModalDataset`), an epoch that reads nothing or skips too much
+raises (see :mod:`mmproxy.skips`).
 """
 
 from __future__ import annotations
 
-import gc
 import inspect
 import multiprocessing
 import os
@@ -19,10 +25,11 @@ from typing import Any
 import torch.utils.data
 
 from mmproxy import _context, _walk
-from mmproxy._resolve import claim, resolve
+from mmproxy._resolve import SKIPPED, claim, resolve_batch
 from mmproxy.errors import WorkerDiedError
 from mmproxy.refs import DALIOutputBatchRef
 from mmproxy.server import DALIServer
+from mmproxy.skips import SkipReport
 
 __all__ = ["DataLoader"]
 
@@ -79,10 +86,19 @@ class DataLoader(torch.utils.data.DataLoader):
                                                   arguments.get("worker_init_fn"),
                                                   bool(arguments.get("persistent_workers")))
         super().__init__(**arguments)
+        self._report = SkipReport()
+        check = getattr(self.dataset, "check_loader", None)
+        if check is not None:
+            check(self)  # e.g. a dataset that batches itself refuses batch_size, before any batch
 
     @property
     def servers(self) -> list[DALIServer]:
         return list(self._servers.values())
+
+    @property
+    def skipped(self) -> SkipReport:
+        """What the current (or last) epoch delivered and skipped, and why."""
+        return self._report
 
     def ensure_server_listening(self) -> None:
         """Starts every server that is not running (DALI's name for it)."""
@@ -91,11 +107,8 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         self.ensure_server_listening()
-        if self.num_workers > 0 and (self._iterator is None or not self.persistent_workers):
-            # Collect garbage here, before workers fork: a DALI pipeline left in a garbage cycle
-            # must be destroyed by this process, never by a forked child (that aborts it).
-            gc.collect()
         self._epoch.value += 1
+        self._report = SkipReport(self._epoch.value)
         for server in self._servers.values():
             server._begin_epoch(self._loader_id, self._epoch.value)
         return _LoaderIter(self, super().__iter__())
@@ -109,6 +122,9 @@ class _LoaderIter:
         self._in_main = loader.num_workers == 0
         self._ahead = any(s.deterministic for s in self._servers.values())
         self._next: list[Any] = []  # the batch fetched one step ahead (deterministic mode)
+        self._report = loader._report
+        self._checked = hasattr(loader.dataset, "max_skipped")
+        self._max_skipped = getattr(loader.dataset, "max_skipped", None)
         _live_iterators.add(self)
 
     def __iter__(self) -> _LoaderIter:
@@ -119,6 +135,8 @@ class _LoaderIter:
 
     def close(self) -> None:
         """Shuts this iterator's workers down now, instead of when it is garbage-collected."""
+        if self._loader._iterator is self._it:
+            self._loader._iterator = None  # persistent workers: the next epoch starts new ones
         shutdown = getattr(self._it, "_shutdown_workers", None)
         if shutdown is None:
             return
@@ -131,6 +149,16 @@ class _LoaderIter:
                 raise
 
     def _fetch(self) -> Any:
+        """The next batch from torch's iterator; records sent on their own are taken on the way."""
+        while True:
+            batch = self._fetch_any()
+            if isinstance(batch, dict) and batch.keys() == {SKIPPED}:
+                self._report.add(0, batch[SKIPPED])
+                self._check()
+                continue
+            return batch
+
+    def _fetch_any(self) -> Any:
         if self._in_main:
             _context.set_loader_tag((self._loader._loader_id, self._loader._epoch))
         try:
@@ -145,12 +173,46 @@ class _LoaderIter:
             if self._in_main:
                 _context.set_loader_tag(None)
 
+    def _check(self) -> None:
+        if self._checked:
+            self._report.check(self._max_skipped)
+
     def _claim(self, batch: Any) -> None:
         claim(_walk.collect(batch, DALIOutputBatchRef), self._servers)
 
+    def _resolve(self, batch: Any) -> Any | None:
+        """The batch with data, or None when every sample in it was dropped."""
+        batch, size, dropped = resolve_batch(batch, self._servers, strict=True)
+        records = batch.get(SKIPPED, dropped) if isinstance(batch, dict) else dropped
+        self._report.add(_count(batch) if size is None else size, records)
+        self._check()
+        return None if size == 0 else batch
+
     def __next__(self) -> Any:
+        try:
+            while True:
+                try:
+                    raw = self._step()
+                except StopIteration:
+                    raw = _END
+                if raw is _END:  # outside the except: an error here is not "during StopIteration"
+                    if self._checked:
+                        self._report.check(self._max_skipped, final=True)
+                    raise StopIteration
+                batch = self._resolve(raw)
+                if batch is not None:
+                    return batch
+        except StopIteration:
+            raise
+        except BaseException:
+            # An error ends the epoch: the workers go now, not when the iterator is collected
+            # (the traceback keeps it alive, and torch's shutdown joins with 5 s timeouts).
+            self.close()
+            raise
+
+    def _step(self) -> Any:
         if not self._ahead:
-            return resolve(self._fetch(), self._servers, strict=True)
+            return self._fetch()
         if not self._next:
             batch = self._fetch()
             self._claim(batch)
@@ -163,7 +225,24 @@ class _LoaderIter:
         else:
             self._claim(upcoming)
             self._next.append(upcoming)
-        return resolve(batch, self._servers, strict=True)
+        return batch
+
+
+_END = object()
+
+
+def _count(batch: Any) -> int:
+    """Samples in a batch without server references: the rows of its first tensor or list."""
+    if isinstance(batch, dict):
+        values = [v for k, v in batch.items() if k != SKIPPED]
+    else:
+        values = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim():
+            return int(value.shape[0])
+        if isinstance(value, list):
+            return len(value)
+    return 0
 
 
 # A forked worker of a later loader inherits the iterators of earlier ones; if it garbage-collected

@@ -24,6 +24,7 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 from mmproxy.errors import CollateError
 
 if TYPE_CHECKING:
+    from mmproxy._context import SampleId
     from mmproxy.proxy import DALIProxy
 
 __all__ = ["DALIOutputBatchRef", "DALIOutputSampleRef", "PaddedBatch"]
@@ -48,7 +49,7 @@ class _Call:
     __slots__ = ("id", "inputs", "key", "proxy")
 
     def __init__(self, proxy: DALIProxy, call_id: str, inputs: tuple[np.ndarray, ...],
-                 key: str | None) -> None:
+                 key: SampleId | None) -> None:
         self.proxy = proxy
         self.id = call_id
         self.inputs = inputs

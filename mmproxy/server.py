@@ -28,24 +28,28 @@ Every transition happens under ``self._cond``.
 
 from __future__ import annotations
 
+import copy
 import enum
 import itertools
 import os
+import re
 import shutil
 import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from mmproxy import _convert, _transport
+from mmproxy import _context, _convert, _transport
 from mmproxy import proxy as _proxy
 from mmproxy._resolve import resolve
 from mmproxy.errors import (
     BatchSizeError,
     PipelineError,
+    RunDroppedError,
     ServerFailedError,
     ServerStateError,
     WaitTimeoutError,
@@ -85,13 +89,24 @@ class RunState(enum.Enum):
 
 
 class _Run:
-    __slots__ = ("error", "event", "id", "outputs", "request", "state", "tag")
+    """One batch of one server.
+
+    ``keys`` names its samples (:class:`~mmproxy._context.SampleId` or None); ``kept`` lists the
+    samples (indices into ``keys``) whose rows the outputs hold, in order, after samples the
+    pipeline could not process were dropped; ``dropped`` maps those to the pipeline's message.
+    """
+
+    __slots__ = ("dropped", "error", "event", "id", "keys", "kept", "outputs", "request", "state",
+                 "tag")
 
     def __init__(self, run_id: str) -> None:
         self.id = run_id
         self.state = RunState.PENDING
         self.request: _transport.Request | None = None
         self.tag: tuple[str, int] | None = None
+        self.keys: list[Any] = []
+        self.kept: list[int] | None = None  # None: every sample
+        self.dropped: dict[int, str] = {}
         self.outputs: tuple[Any, ...] = ()
         self.event: Any = None
         self.error: BaseException | None = None
@@ -113,7 +128,9 @@ class DALIServer:
 
     Args:
         pipeline: A DALI pipeline whose inputs are ``fn.external_source`` nodes without a
-            ``source``; their names become the proxy's arguments, in declaration order.
+            ``source``; their names become the proxy's arguments, in declaration order. Or a
+            function that builds one (called once now, and again whenever a pipeline must be
+            rebuilt after an error; see "Bad samples" below).
         deterministic: Run batches in the order the main loop consumes them, not in the order
             workers collate them, so a seeded pipeline gives the same outputs run after run.
         name: Used in every message; defaults to ``server<N>``.
@@ -125,6 +142,17 @@ class DALIServer:
             when the main loop asks for it, so the wait is bounded by the pipeline's own time;
             the default (300 s) only turns a bug into an error instead of a hang. ``None``
             waits as long as the server is alive.
+
+    Bad samples: when a run fails, the server finds the sample(s) that caused it (the sample a
+    decoder names, confirmed by running it alone, else by bisecting the batch), runs the rest of
+    the batch, and stays healthy. Samples named with ``skip`` (a dataset in skip mode, see
+    :func:`mmproxy.sample_key`) are dropped from the batch: the loader removes their rows from
+    every field of the batch, so the batch is smaller and stays aligned, and reports them. Other
+    samples fail their batch with a :class:`~mmproxy.errors.PipelineError` naming the sample.
+    DALI's dynamic executor (the default) keeps working after an error; a pipeline of the classic
+    executors does not, so the server rebuilds it (with ``pipeline`` when it is a function, else
+    from the same graph). A seeded pipeline's random stream after a bad sample differs from a run
+    without it (the retries draw from it; a rebuilt pipeline starts it again).
 
     Example::
 
@@ -139,8 +167,12 @@ class DALIServer:
                  timeout: float | None = 300.0) -> None:
         from nvidia.dali.pipeline import Pipeline
 
+        self._factory: Callable[[], Any] | None = None
+        if not isinstance(pipeline, Pipeline) and callable(pipeline):
+            self._factory, pipeline = pipeline, pipeline()
         if not isinstance(pipeline, Pipeline):
-            raise TypeError(f"expected an NVIDIA DALI pipeline, got {type(pipeline).__name__}")
+            raise TypeError(f"expected an NVIDIA DALI pipeline or a function that builds one, got "
+                            f"{type(pipeline).__name__}")
         self.name = name or f"server{next(_names)}"
         self.uid = os.urandom(8).hex()
         self.deterministic = bool(deterministic)
@@ -166,12 +198,14 @@ class DALIServer:
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._stream: Any = None  # the runner's CUDA stream while it runs
         self._listener: _transport.Listener | None = None
         self._runs: dict[str, _Run] = {}
         self._arrived: OrderedDict[str, _Run] = OrderedDict()
         self._claims: deque[str] = deque()
         self._epochs: dict[str, int] = {}
         self._done: OrderedDict[str, _Run] = OrderedDict()
+        self._dropped: OrderedDict[str, str] = OrderedDict()  # run id -> why it was dropped
         self.wait_seconds = 0.0  # main-loop time spent waiting on this server
         self.starved_seconds = 0.0  # time the pipeline sat idle waiting for inputs from workers
         self.samples = 0  # samples produced
@@ -244,6 +278,8 @@ class DALIServer:
             shutil.rmtree(self._sockdir, ignore_errors=True)
             for run in self._runs.values():
                 run.request = None
+                if run.state is not RunState.FAILED:
+                    self._note_dropped(run.id, "the server was stopped before it ran")
             self._runs.clear()
             self._arrived.clear()
             self._claims.clear()
@@ -274,6 +310,7 @@ class DALIServer:
                 raise ServerStateError(f"server {self.name!r} is {self._state.value}; "
                                        "start it (or enter its `with` block) before using it")
             if self._is_stale(request.tag):
+                self._note_dropped(request.run_id, self._stale_reason(request.tag))
                 return
             run = self._runs.get(request.run_id)
             if run is None:
@@ -282,6 +319,7 @@ class DALIServer:
                 return  # a duplicate
             run.request = request
             run.tag = request.tag
+            run.keys = list(request.keys)
             self._arrived[run.id] = run
             self._cond.notify_all()
 
@@ -292,6 +330,7 @@ class DALIServer:
             stale = [r for r in self._runs.values() if self._is_stale(r.tag)]
             for run in stale:
                 del self._runs[run.id]
+                self._note_dropped(run.id, self._stale_reason(run.tag))
                 self._arrived.pop(run.id, None)
                 if run.state is not RunState.SCHEDULED:
                     run.request = None
@@ -321,16 +360,23 @@ class DALIServer:
                     if run is not None and run.state is RunState.READY:
                         return run
                     if run is not None and run.state is RunState.FAILED:
-                        raise run.error  # type: ignore[misc]
+                        self._runs.pop(run.id, None)
+                        self._done[run.id] = run
+                        raise _fresh(run.error)
                     if self._state is ServerState.FAILED:
                         raise self._failed_error()
                     if self._state is not ServerState.RUNNING:
                         raise ServerStateError(
                             f"server {self.name!r} is {self._state.value}; run {ref.run_id} "
                             "cannot be produced (start the server before iterating)")
+                    if run is None and ref.run_id in self._dropped:
+                        raise RunDroppedError(f"server {self.name!r}: run {ref.run_id} was dropped: "
+                                              f"{self._dropped[ref.run_id]}")
                     if run is None:
                         run = self._runs[ref.run_id] = _Run(ref.run_id)
                     if deadline is not None and time.perf_counter() > deadline:
+                        if run.request is None and run.state is RunState.PENDING:
+                            self._runs.pop(run.id, None)  # the placeholder made for this wait
                         raise WaitTimeoutError(
                             f"server {self.name!r}: run {ref.run_id} not ready after "
                             f"{self.timeout} s (state {run.state.value})")
@@ -400,63 +446,225 @@ class DALIServer:
         return None
 
     def _run_loop(self) -> None:
-        pipe = self._pipe
-        queue_depth = pipe.prefetch_queue_depth
+        queue_depth = self._pipe.prefetch_queue_depth
         depth = queue_depth if isinstance(queue_depth, int) else min(queue_depth.values())
-        copy = not pipe.exec_dynamic
-        stream = None
         if self._device is not None:
             torch.cuda.set_device(self._device)
-            stream = torch.cuda.Stream(self._device)
+            self._stream = torch.cuda.Stream(self._device)
         inflight: deque[_Run] = deque()
-        run: _Run | None = None
         try:
             while True:
                 while len(inflight) < depth and not self._stop.is_set():
                     run = self._next(block=not inflight)
                     if run is None:
                         break
-                    req = run.request
-                    assert req is not None
-                    for name, arrays in zip(self._input_names, req.inputs):
-                        pipe.feed_input(name, arrays)
-                    pipe._run_once()
+                    assert run.request is not None
+                    try:
+                        self._feed(run.request.inputs)
+                    except Exception as err:  # noqa: BLE001 - inputs the pipeline refuses
+                        self._refused(run, err, inflight)
+                        continue
                     inflight.append(run)
                 if not inflight:
                     if self._stop.is_set():
                         return
                     continue
-                run = inflight[0]
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        outs = pipe.outputs(cuda_stream=stream)
-                        data = tuple(_convert.to_torch(o, copy=False, want_pad=i in self._pad,
-                                                       stream=stream)
-                                     for i, o in enumerate(outs))
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                else:
-                    outs = pipe.outputs()
-                    data = tuple(_convert.to_torch(o, copy=copy, want_pad=i in self._pad)
-                                 for i, o in enumerate(outs))
-                    event = None
-                inflight.popleft()
-                with self._cond:
-                    run.outputs, run.event, run.request = data, event, None
-                    run.state = RunState.READY
-                    self.samples += _convert.batch_len(data[0])
-                    self._cond.notify_all()
-                run = None
+                run = inflight.popleft()
+                try:
+                    outputs = self._outputs()
+                except Exception as err:  # noqa: BLE001 - a bad sample, or the pipeline itself
+                    later = list(inflight)
+                    inflight.clear()
+                    self._recover(run, err, later)
+                    continue
+                self._finish(run, outputs)
         except BaseException as err:  # noqa: BLE001 - every error must reach the main loop
-            failed = inflight[0] if inflight else run
-            keys = [k for k in (failed.request.keys if failed and failed.request else []) if k]
-            where = f" on run {failed.id}" if failed else ""
-            if keys:
-                shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-                where += f" (samples {shown})"
             self._fail(with_remote_cause(
-                PipelineError(f"server {self.name!r}: the pipeline failed{where}: {_summary(err)}"),
-                err))
+                PipelineError(f"server {self.name!r}: the pipeline failed: {_summary(err)}"), err))
+        finally:
+            self._stream = None
+
+    # -- running, and recovering from a failed run ------------------------------------------------
+
+    def _feed(self, inputs: list[list[Any]], rows: list[int] | None = None) -> None:
+        for name, arrays in zip(self._input_names, inputs):
+            self._pipe.feed_input(name, arrays if rows is None else [arrays[i] for i in rows])
+        self._pipe._run_once()
+
+    def _outputs(self) -> tuple[tuple[Any, ...], Any]:
+        """The next run's outputs as torch (and the CUDA event that marks them ready)."""
+        pipe, stream = self._pipe, self._stream
+        if stream is None:
+            outs = pipe.outputs()
+            copy = not pipe.exec_dynamic
+            return tuple(_convert.to_torch(o, copy=copy, want_pad=i in self._pad)
+                         for i, o in enumerate(outs)), None
+        with torch.cuda.stream(stream):
+            outs = pipe.outputs(cuda_stream=stream)
+            data = tuple(_convert.to_torch(o, copy=False, want_pad=i in self._pad, stream=stream)
+                         for i, o in enumerate(outs))
+            event = torch.cuda.Event()
+            event.record(stream)
+        return data, event
+
+    def _finish(self, run: _Run, outputs: tuple[tuple[Any, ...], Any]) -> None:
+        with self._cond:
+            run.outputs, run.event = outputs
+            run.request = None
+            run.state = RunState.READY
+            self.samples += _convert.batch_len(run.outputs[0])
+            self._cond.notify_all()
+
+    def _fail_run(self, run: _Run, error: BaseException) -> None:
+        with self._cond:
+            run.state, run.error, run.request = RunState.FAILED, error, None
+            self._cond.notify_all()
+
+    def _recover(self, run: _Run, error: BaseException, later: list[_Run]) -> None:
+        """``run`` failed; ``later`` runs were queued behind it. Finishes all of them.
+
+        The dynamic executor keeps the queued runs and stays usable; the classic executors
+        invalidate the pipeline (and the synchronous one may report an error against the run
+        before the one that caused it), so the pipeline is rebuilt and every run is run again.
+        """
+        failed: list[tuple[_Run, BaseException | None]]
+        if self._pipe.exec_dynamic:
+            failed = [(run, error)]
+            for other in later:
+                try:
+                    self._finish(other, self._outputs())
+                except Exception as err:  # noqa: BLE001
+                    failed.append((other, err))
+        else:
+            self._rebuild()
+            failed = [(r, None) for r in (run, *later)]
+        for bad_run, first_error in failed:
+            self._isolate(bad_run, first_error)
+
+    def _refused(self, run: _Run, error: BaseException, inflight: deque[_Run]) -> None:
+        """The pipeline refused ``run``'s inputs: the runs before it are finished, the pipeline is
+        rebuilt (it may hold part of the refused inputs) and the run fails with DALI's message."""
+        while inflight:
+            earlier = inflight.popleft()
+            try:
+                self._finish(earlier, self._outputs())
+            except Exception as err:  # noqa: BLE001
+                self._recover(earlier, err, list(inflight))
+                inflight.clear()
+        self._rebuild()
+        self._fail_run(run, with_remote_cause(PipelineError(
+            f"server {self.name!r}: the pipeline refused the inputs of run {run.id} "
+            f"({self._describe(run, list(range(len(run.keys))))}): {_summary(error)}"), error))
+
+    def _attempt(self, run: _Run, rows: list[int]) -> tuple[Any, BaseException | None]:
+        """Runs the samples ``rows`` of ``run`` alone: (outputs, None) or (None, the error)."""
+        assert run.request is not None
+        try:
+            self._feed(run.request.inputs, rows)
+            return self._outputs(), None
+        except Exception as err:  # noqa: BLE001
+            if not self._pipe.exec_dynamic:
+                self._rebuild()
+            return None, err
+
+    def _isolate(self, run: _Run, error: BaseException | None) -> None:
+        """Finds the samples of ``run`` the pipeline cannot process and runs the others."""
+        assert run.request is not None
+        everything = list(range(len(run.keys) or len(run.request.inputs[0])))
+        if error is None:
+            outputs, error = self._attempt(run, everything)
+            if error is None:
+                self._finish(run, outputs)
+                return
+        skip = all(isinstance(k, _context.SampleId) and k.skip for k in run.keys)
+        bad: dict[int, BaseException] = {}
+        self._find_bad(run, everything, error, bad, first_only=not skip)
+        if not bad:  # the batch fails, but none of its parts does: not a sample's fault
+            self._fail_run(run, with_remote_cause(PipelineError(
+                f"server {self.name!r}: the pipeline failed on run {run.id} "
+                f"({self._describe(run, everything)}), though every part of the batch runs alone: "
+                f"{_summary(error)}"), error))
+            return
+        if not skip:
+            i, err = next(iter(bad.items()))
+            self._fail_run(run, with_remote_cause(PipelineError(
+                f"server {self.name!r}: the pipeline cannot process sample {self._name(run, i)} "
+                f"(sample {i} of run {run.id}): {_summary(err)}"), err))
+            return
+        kept = [i for i in everything if i not in bad]
+        outputs = None
+        if kept:
+            outputs, err2 = self._attempt(run, kept)
+            if err2 is not None:
+                self._fail_run(run, with_remote_cause(PipelineError(
+                    f"server {self.name!r}: run {run.id} failed again without its bad samples: "
+                    f"{_summary(err2)}"), err2))
+                return
+        else:  # nothing left: the loader drops the whole batch and reports its samples
+            outputs = (tuple([] for _ in range(self._num_outputs)), None)
+        run.kept = kept
+        run.dropped = {i: f"pipeline failed in server {self.name!r}: {_summary(e)}"
+                       for i, e in sorted(bad.items())}
+        self._finish(run, outputs)
+
+    def _find_bad(self, run: _Run, rows: list[int], error: BaseException,
+                  bad: dict[int, BaseException], first_only: bool) -> None:
+        """``rows`` of ``run`` fail together with ``error``; adds the samples at fault to ``bad``.
+
+        A sample that the error names (DALI's decoders say ``sample #i``) is tried
+        alone first; otherwise, or when it runs fine alone, the rows are bisected.
+        """
+        while len(rows) > 1:
+            hint = _named_sample(error, len(rows))
+            if hint is not None:
+                _, alone = self._attempt(run, [rows[hint]])
+                if alone is not None:
+                    bad[rows[hint]] = alone
+                    if first_only:
+                        return
+                    rows = rows[:hint] + rows[hint + 1:]
+                    _, rest = self._attempt(run, rows)
+                    if rest is None:
+                        return
+                    error = rest
+                    continue
+            half = len(rows) // 2
+            for part in (rows[:half], rows[half:]):
+                _, err = self._attempt(run, part)
+                if err is not None:
+                    self._find_bad(run, part, err, bad, first_only)
+                    if first_only and bad:
+                        return
+            return
+        if rows:
+            bad[rows[0]] = error
+
+    def _rebuild(self) -> None:
+        """A fresh pipeline after an error the executor does not survive."""
+        if self._factory is not None:
+            pipe = self._factory()
+            if _input_names(pipe) != self._input_names:
+                raise ServerStateError(f"server {self.name!r}: the pipeline function built a pipeline "
+                                       f"with inputs {_input_names(pipe)}, not {self._input_names}")
+            pipe.build()
+            self._pipe._shutdown()
+            self._pipe = pipe
+            return
+        # DALI keeps the Python graph (its operators' specs): a new backend is built from it.
+        pipe = self._pipe
+        pipe._shutdown()
+        pipe._built = False
+        pipe._backend_prepared = False
+        pipe.build()
+
+    def _name(self, run: _Run, i: int) -> str:
+        key = run.keys[i] if i < len(run.keys) else None
+        return str(key) if key is not None else f"#{i}"
+
+    def _describe(self, run: _Run, rows: list[int]) -> str:
+        names = [self._name(run, i) for i in rows[:8]]
+        more = f" and {len(rows) - 8} more" if len(rows) > 8 else ""
+        return "samples " + ", ".join(names) + more
 
     def _fail(self, error: BaseException) -> None:
         with self._cond:
@@ -471,6 +679,16 @@ class DALIServer:
             self._cond.notify_all()
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _note_dropped(self, run_id: str, why: str) -> None:
+        self._dropped[run_id] = why
+        while len(self._dropped) > 4096:
+            self._dropped.popitem(last=False)
+
+    def _stale_reason(self, tag: tuple[str, int] | None) -> str:
+        loader, epoch = tag or ("?", -1)
+        return (f"it belongs to epoch {epoch} of loader {loader}, which has started epoch "
+                f"{self._epochs.get(loader)} (a batch kept from an abandoned epoch)")
 
     def _is_stale(self, tag: tuple[str, int] | None) -> bool:
         return tag is not None and tag[1] < self._epochs.get(tag[0], tag[1])
@@ -498,6 +716,18 @@ class DALIServer:
             pass
 
 
+_NAMED = re.compile(r"sample #(\d+)")
+
+
+def _named_sample(err: BaseException, n: int) -> int | None:
+    """The batch index a DALI error names (``Failed to decode sample #6``)."""
+    match = _NAMED.search(str(err))
+    if match is None:
+        return None
+    i = int(match.group(1))
+    return i if i < n else None
+
+
 def _summary(err: BaseException) -> str:
     """The informative line of a DALI error (the one after 'encountered:'), else the first one."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
@@ -508,13 +738,23 @@ def _summary(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
+def _fresh(error: BaseException | None) -> BaseException:
+    """A copy of a stored error to raise: raising the stored one would give it a traceback whose
+    frames hold the server, a reference cycle through the server's own run table."""
+    assert error is not None
+    new = copy.copy(error)
+    new.__cause__ = error.__cause__
+    return new
+
+
 def _after_fork_in_child() -> None:
     # Whatever a worker inherits from the main process must be inert there:
-    # - it must never destroy a pipeline (a CUDA call in a forked child aborts it), so the child
-    #   keeps a reference to each for the rest of its life;
+    # - it must never destroy a server's pipeline or CUDA outputs (a CUDA call in a forked child
+    #   aborts it), so the child keeps every server it inherited (those still registered, even
+    #   one that only a garbage cycle holds) for the rest of its life;
     # - it must not hold the servers' sockets open (see Listener.forget).
     for server in list(_proxy._local_servers.values()):
-        _inherited.append(server._pipe)
+        _inherited.append(server)
         if server._listener is not None:
             server._listener.forget()
 

@@ -189,7 +189,7 @@ def test_bad_samples_raise_with_shard_and_key(bad_shards, image_server):
 
 def test_bad_samples_skipped_counted_and_the_batch_still_made(bad_shards, image_server):
     ds = MultiModalDataset(bad_shards, {"image": ("jpg", image_server.proxy), "label": ("cls", int)},
-                           batch_size=4, on_error="skip")
+                           batch_size=4, on_error="skip", max_skipped=0.5)
     labels, skipped = [], []
     for batch in ds.loader(image_server, num_workers=1):
         labels += batch["label"].tolist()
@@ -260,7 +260,7 @@ def test_truncated_shard_is_named_or_skipped(tmp_path, image_server):
     with pytest.raises(mmproxy.ShardError, match=r"cut-000\.tar: cannot be read"):
         list(ds.loader(image_server, num_workers=0))
     ds = MultiModalDataset([str(cut), str(good)], fields, batch_size=4, shuffle_shards=False,
-                           on_error="skip")
+                           on_error="skip", max_skipped=0.5)
     batches = list(ds.loader(image_server, num_workers=0))
     from_good = sorted(k for b in batches for u, k in zip(b["__url__"], b["__key__"]) if u == str(good))
     assert from_good == [f"s{i:04d}" for i in range(4)]  # the good shard whole, after the cut one

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import stat
 import time
 from pathlib import Path
@@ -57,20 +56,17 @@ def test_fuzzed_media_are_skipped_or_named_never_crash(tmp_path, ext):
     with mmproxy.DALIServer(pipe, name=f"fuzz-{ext}", pad=[] if image else [0]) as server:
         ds = MultiModalDataset(_fuzz_shard(tmp_path, ext, payloads),
                                {"x": (ext, server.proxy), "label": ("cls", int)}, batch_size=4,
-                               on_error="skip", shuffle_shards=False)
+                               on_error="skip", shuffle_shards=False, max_skipped=1.0)
         start = time.perf_counter()
         labels, skipped = [], []
-        try:
-            for batch in ds.loader(server, num_workers=1):
-                labels += batch["label"].tolist()
-                skipped += batch["__skipped__"]
-        except mmproxy.PipelineError as err:
-            # a corruption the header check cannot see reached the decoder: named, not hidden
-            assert re.search(r"fuzz-" + ext + r"\.tar:k\d{3}", str(err)), err
-        else:
-            # everything either came back or was skipped with its key, exactly once
-            assert sorted(labels + [int(k[1:]) for _, k, _ in skipped]) == list(range(len(payloads)))
-            assert {"k002", "k004", "k005"} <= {k for _, k, _ in skipped}  # header, empty, wrong
+        for batch in ds.loader(server, num_workers=1):
+            labels += batch["label"].tolist()
+            skipped += batch["__skipped__"]
+        # everything either came back or was skipped with its key, exactly once; a corruption the
+        # header check cannot see is found by the server, which runs the rest of the batch
+        assert sorted(labels + [int(k[1:]) for _, k, _ in skipped]) == list(range(len(payloads)))
+        assert {"k002", "k004", "k005"} <= {k for _, k, _ in skipped}  # header, empty, wrong
+        assert server.state is mmproxy.ServerState.RUNNING
         assert time.perf_counter() - start < 60
 
 

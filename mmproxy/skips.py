@@ -1,0 +1,109 @@
+"""Skip report: the samples a loader dropped in one epoch, why, and when that is too many.
+
+A sample is skipped where it fails: in a worker (an unreadable shard, a missing or corrupt field,
+a field function that raises) or in a server (the pipeline cannot process it; the server finds
+the sample and runs the rest of its batch). Each skip is a :class:`SkippedSample` record; every
+batch of a :class:`~mmproxy.datasets.MultiModalDataset` carries its records in ``"__skipped__"``,
+and the loader adds them all up in :attr:`mmproxy.DataLoader.skipped`.
+
+The loader turns a run that reads (almost) nothing into an error instead of an empty success:
+
+- nothing delivered yet and ``EMPTY_AFTER`` samples skipped: :class:`EmptyEpochError` at once;
+- an epoch that ends without delivering a sample: :class:`EmptyEpochError`;
+- more than ``max_skipped`` (a fraction of the samples seen) skipped, checked every
+  ``CHECK_EVERY`` samples and at the end of each epoch: :class:`SkipLimitError`.
+
+Each error gives the counts and the first record of each kind of failure.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import NamedTuple
+
+from mmproxy.errors import EmptyEpochError, SkipLimitError
+
+__all__ = ["CHECK_EVERY", "EMPTY_AFTER", "SkipReport", "SkippedSample", "kind_of"]
+
+EMPTY_AFTER = 50  # skipped samples with none delivered before an epoch is called empty
+CHECK_EVERY = 1000  # samples seen between two checks of the skipped fraction
+_KEEP = 10_000  # records kept per epoch (the counts stay exact)
+_KINDS = ("unreadable shard", "empty shard", "missing field", "bad header", "field function failed",
+          "pipeline failed")
+
+
+class SkippedSample(NamedTuple):
+    """One skipped sample (or unreadable shard, then ``key`` is empty)."""
+
+    shard: str
+    key: str
+    reason: str
+
+
+def kind_of(reason: str) -> str:
+    """The kind of failure a reason describes (its leading words), e.g. ``"missing field"``."""
+    return next((k for k in _KINDS if reason.startswith(k)), "other")
+
+
+class SkipReport:
+    """What one epoch delivered and skipped.
+
+    Attributes:
+        delivered: Samples handed to the training loop.
+        skipped: Samples (and unreadable shards) skipped.
+        records: The first 10,000 :class:`SkippedSample` records, in arrival order.
+        by_kind: Skips per kind of failure (see :func:`kind_of`).
+    """
+
+    def __init__(self, epoch: int = 0) -> None:
+        self.epoch = epoch
+        self.delivered = 0
+        self.skipped = 0
+        self.records: list[SkippedSample] = []
+        self.by_kind: Counter[str] = Counter()
+        self._first: dict[str, SkippedSample] = {}
+        self._checked_at = 0
+
+    def add(self, delivered: int, records: list[SkippedSample] | list[tuple[str, str, str]]) -> None:
+        self.delivered += delivered
+        for record in records:
+            record = SkippedSample(*record)
+            self.skipped += 1
+            kind = kind_of(record.reason)
+            self.by_kind[kind] += 1
+            self._first.setdefault(kind, record)
+            if len(self.records) < _KEEP:
+                self.records.append(record)
+
+    @property
+    def seen(self) -> int:
+        return self.delivered + self.skipped
+
+    def summary(self) -> str:
+        """Counts and the first record of each kind, one kind per line."""
+        lines = [f"epoch {self.epoch}: {self.delivered} samples delivered, {self.skipped} skipped"]
+        for kind, count in self.by_kind.most_common():
+            first = self._first[kind]
+            where = f"{first.shard}, sample {first.key!r}" if first.key else first.shard
+            lines.append(f"  {count} x {kind}; first: {where}: {first.reason}")
+        return "\n".join(lines)
+
+    def check(self, max_skipped: float | None, *, final: bool = False) -> None:
+        """Raises when the epoch so far (or, with ``final``, the whole epoch) read too little."""
+        if self.delivered == 0 and (final or self.skipped >= EMPTY_AFTER):
+            hint = ("check the shard paths, the field extensions and the field functions"
+                    if self.skipped else "check that the shard pattern matches files with samples")
+            raise EmptyEpochError(f"no sample could be used ({hint}):\n{self.summary()}")
+        if max_skipped is None or not self.skipped:
+            return
+        if not final and self.seen - self._checked_at < CHECK_EVERY:
+            return
+        self._checked_at = self.seen
+        if self.skipped > max_skipped * self.seen:
+            raise SkipLimitError(
+                f"{self.skipped} of {self.seen} samples skipped ({self.skipped / self.seen:.1%}), "
+                f"more than max_skipped={max_skipped:.1%} (raise max_skipped to accept it):\n"
+                f"{self.summary()}")
+
+    def __repr__(self) -> str:
+        return f"SkipReport(epoch={self.epoch}, delivered={self.delivered}, skipped={self.skipped})"

@@ -1,0 +1,396 @@
+"""Real-world data and user mistakes: damaged files never end a run, a run that reads nothing
+never looks like success, skip records are never lost, and the engine's error paths are prompt.
+
+Every damaged file is made here, of the kinds web-scale corpora hold: truncated JPEGs and PNGs,
+garbage after a valid header, a broken Huffman table, a WAV with a broken ``fmt `` chunk, an OGG
+cut in half, an image whose header declares a huge size.
+"""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from conftest import cpu, double_pipe
+from faults import huge_png
+from mmproxy.datasets import MultiModalDataset
+from mmproxy.pipelines import audio_pipeline, image_eval_pipeline
+from nvidia.dali import fn, pipeline_def, types
+
+import mmproxy
+from mmproxy.bench import damage_jpeg
+from mmproxy.testing import audio_bytes, image_bytes, synth_speech, write_tar
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _color(i):
+    return (i * 37) % 200 + 20
+
+
+def _jpeg(i, fmt="JPEG"):
+    return image_bytes(np.full((40, 56, 3), _color(i), np.uint8), fmt)
+
+
+def _wav(i):
+    return audio_bytes(synth_speech(i, 0.1 + 0.01 * i), 16000, "WAV")
+
+
+def _damaged_images(i):
+    """Damage that a header check catches, and damage only the decoder sees."""
+    rng = np.random.default_rng(i)
+    good = _jpeg(i)
+    return {
+        "truncated-jpg": ("jpg", good[: len(good) // 3]),
+        "truncated-png": ("png", _jpeg(i, "PNG")[:-40]),
+        "garbage-after-header": ("jpg", good[:20] + rng.bytes(400)),
+        "broken-huffman-table": ("jpg", damage_jpeg(good, "corrupt")),
+        "huge-declared-size": ("png", huge_png()),
+    }
+
+
+def _damaged_audio(i):
+    good, ogg = _wav(i), audio_bytes(synth_speech(i, 0.5), 16000, "OGG")
+    broken_fmt = bytearray(good)
+    broken_fmt[20:36] = b"\xff" * 16
+    return {"wav-broken-fmt": ("wav", bytes(broken_fmt)), "ogg-cut-in-half": ("ogg", ogg[: len(ogg) // 2]),
+            "wav-garbage-after-riff": ("wav", good[:12] + np.random.default_rng(i).bytes(300))}
+
+
+@pytest.fixture(scope="module")
+def damaged_shards(tmp_path_factory):
+    """Two shards of 16 samples (image, audio, label); samples 3-7 have damaged images and
+    samples 10-12 damaged audio; the others are clean."""
+    root = tmp_path_factory.mktemp("damaged")
+    images = list(_damaged_images(0).values())
+    audio = list(_damaged_audio(0).values())
+    samples = []
+    for i in range(32):
+        ext, img = images[i - 3] if 3 <= i < 8 else ("jpg", _jpeg(i))
+        aext, sound = audio[i - 10] if 10 <= i < 13 else ("wav", _wav(i))
+        samples.append({"__key__": f"s{i:03d}", ext: img, aext: sound, "cls": str(i)})
+    write_tar(root / "d-000.tar", samples[:16])
+    write_tar(root / "d-001.tar", samples[16:])
+    return str(root / "d-{000..001}.tar")
+
+
+BAD = {3, 4, 5, 6, 7, 10, 11, 12}
+
+
+def _servers():
+    image = mmproxy.DALIServer(image_eval_pipeline(batch_size=8, size=16, dtype="uint8", layout="HWC",
+                                                   device="cpu", num_threads=1), name="image")
+    audio = mmproxy.DALIServer(audio_pipeline(batch_size=8, device="cpu", num_threads=1),
+                               name="audio", pad=[0])
+    return image, audio
+
+
+def _dataset(urls, image, audio, **kw):
+    return MultiModalDataset(urls, {"image": ("jpg;png", image.proxy), "audio": ("wav;ogg", audio.proxy),
+                                    "label": ("cls", int)}, batch_size=8, **kw)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_damaged_files_are_skipped_and_the_batches_stay_aligned(damaged_shards, workers):
+    image, audio = _servers()
+    with image, audio:
+        ds = _dataset(damaged_shards, image, audio, on_error="skip", max_skipped=0.5)
+        loader = ds.loader([image, audio], num_workers=workers)
+        labels, records = [], []
+        for batch in loader:
+            n = len(batch["label"])
+            assert batch["image"].shape[0] == batch["audio"][0].data.shape[0] == n == len(batch["__key__"])
+            for img, label, key in zip(batch["image"], batch["label"].tolist(), batch["__key__"]):
+                assert key == f"s{label:03d}"  # every field of a row is the same sample
+                assert abs(img.float().mean().item() - _color(label)) < 4
+            for length, label in zip(batch["audio"][0].lengths.tolist(), batch["label"].tolist()):
+                assert abs(length - round((0.1 + 0.01 * label) * 16000)) <= 2
+            labels += batch["label"].tolist()
+            records += batch["__skipped__"]
+        assert sorted(labels) == sorted(set(range(32)) - BAD)  # every good sample exactly once
+        assert sorted(int(r.key[1:]) for r in records) == sorted(BAD)
+        assert all(r.shard.endswith("d-000.tar") for r in records)
+        by_key = {r.key: r.reason for r in records}
+        assert "truncated" in by_key["s003"] and "truncated" in by_key["s004"]
+        assert by_key["s005"].startswith("pipeline failed in server 'image'")  # found by the server
+        assert by_key["s006"].startswith("pipeline failed in server 'image'")
+        assert "100000x100000" in by_key["s007"]
+        assert by_key["s010"].startswith("bad header") and "fmt" in by_key["s010"]
+        assert by_key["s011"].startswith("pipeline failed in server 'audio'")
+        assert loader.skipped.skipped == 8 and loader.skipped.delivered == 24
+        assert image.state is audio.state is mmproxy.ServerState.RUNNING
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_raise_mode_names_the_bad_sample_itself(damaged_shards, workers, tmp_path):
+    image, audio = _servers()
+    with image, audio:
+        ds = _dataset(damaged_shards, image, audio, shuffle_shards=False)
+        with pytest.raises(mmproxy.SampleError, match=r"d-000\.tar, sample 's003'.*truncated"):
+            list(ds.loader([image, audio], num_workers=workers))
+        # a decode failure the header checks cannot see names its own sample, not the batch's
+        write_tar(tmp_path / "h-000.tar", [{"__key__": f"h{i:02d}", "jpg": damage_jpeg(_jpeg(i), "corrupt")
+                                            if i == 5 else _jpeg(i)} for i in range(8)])
+        only_decoder = MultiModalDataset(str(tmp_path / "h-000.tar"), {"image": ("jpg", image.proxy)},
+                                         batch_size=8)
+        with pytest.raises(mmproxy.PipelineError,
+                           match=r"'image'.*cannot process sample .*h-000\.tar:h05 "):
+            list(only_decoder.loader(image, num_workers=workers))
+        assert image.state is mmproxy.ServerState.RUNNING
+
+
+def _custom_decode(executor):
+    kw = {"exec_dynamic": True} if executor == "dynamic" else (
+        {"exec_dynamic": False} if executor == "async" else
+        {"exec_dynamic": False, "exec_pipelined": False, "exec_async": False})
+
+    @pipeline_def(**kw)
+    def pipe():
+        x = fn.external_source(name="x", no_copy=True, dtype=types.UINT8)
+        img = fn.decoders.image(x, output_type=types.RGB)
+        return fn.resize(img, size=[8, 8]), img.shape(dtype=types.INT64)  # two outputs
+
+    return pipe(batch_size=8, num_threads=1, device_id=None)
+
+
+@pytest.mark.parametrize("executor", ["dynamic", "async", "sync"])
+def test_a_users_own_pipeline_with_every_executor_keeps_going(executor, tmp_path):
+    """Samples the decoder cannot read are found in a user's own two-output pipeline; the
+    classic executors need their pipeline rebuilt after an error, the dynamic one does not."""
+    bad = {2, 9, 10}
+    items = [damage_jpeg(_jpeg(i), "corrupt") if i in bad else _jpeg(i) for i in range(16)]
+    write_tar(tmp_path / "u-000.tar", [{"__key__": f"u{i:02d}", "jpg": b, "cls": str(i)}
+                                       for i, b in enumerate(items)])
+    server = mmproxy.DALIServer(lambda: _custom_decode(executor), name=f"own-{executor}")
+    with server:
+        ds = MultiModalDataset(str(tmp_path / "u-000.tar"),
+                               {"small": ("jpg", server.proxy), "label": ("cls", int)},
+                               batch_size=8, on_error="skip", max_skipped=0.5)
+        start = time.perf_counter()
+        labels = []
+        for batch in ds.loader(server, num_workers=0):
+            small, shapes = batch["small"]
+            assert small.shape[0] == shapes.shape[0] == len(batch["label"])  # both outputs aligned
+            assert shapes[:, :2].tolist() == [[40, 56]] * len(batch["label"])
+            labels += batch["label"].tolist()
+        assert sorted(labels) == sorted(set(range(16)) - bad)
+        assert time.perf_counter() - start < 60
+
+
+# -- a run that reads nothing fails loudly, quickly, in words -----------------------------------
+
+@pytest.fixture(scope="module")
+def good_shard(tmp_path_factory):
+    root = tmp_path_factory.mktemp("good")
+    write_tar(root / "g-000.tar", [{"__key__": f"g{i:02d}", "jpg": _jpeg(i), "cls": str(i)}
+                                   for i in range(12)])
+    return root
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    pipe = image_eval_pipeline(batch_size=8, size=16, dtype="uint8", device="cpu", num_threads=1)
+    with mmproxy.DALIServer(pipe, name="image") as server:
+        yield server
+
+
+def _mistakes(root, proxy):
+    """What a new user types: (urls, fields) pairs that read nothing."""
+    good = str(root / "g-000.tar")
+    return {
+        "missing path": ([str(root / "no-such.tar")], {"x": ("jpg", proxy)}),
+        "brace matching no file": (str(root / "g-{005..006}.tar"), {"x": ("jpg", proxy)}),
+        "a directory": ([str(root)], {"x": ("jpg", proxy)}),
+        "extension never present": ([good], {"x": ("jpeg", proxy)}),
+        "field function always raises": ([good], {"x": ("jpg", proxy), "y": ("cls", bytes.fromhex)}),
+    }
+
+
+@pytest.mark.parametrize("mistake", ["missing path", "brace matching no file", "a directory",
+                                     "extension never present", "field function always raises"])
+@pytest.mark.parametrize("mode", ["plain", "resampled", "epoch_length"])
+def test_a_run_that_reads_nothing_fails_within_seconds(good_shard, image_server, mistake, mode):
+    urls, fields = _mistakes(good_shard, image_server.proxy)[mistake]
+    extra = {"plain": {}, "resampled": {"resampled": True, "epoch_length": 5},
+             "epoch_length": {"epoch_length": 5}}[mode]
+    ds = MultiModalDataset(urls, fields, batch_size=4, on_error="skip", **extra)
+    start = time.perf_counter()
+    with pytest.raises((mmproxy.EmptyEpochError, mmproxy.ShardError)) as info:
+        for _ in ds.loader(image_server, num_workers=1 if mode == "epoch_length" else 2):
+            pass
+    assert time.perf_counter() - start < 30
+    text = str(info.value)
+    if isinstance(info.value, mmproxy.EmptyEpochError):
+        assert "no sample could be used" in text and "skipped" in text
+        kind = {"missing path": "unreadable shard", "brace matching no file": "unreadable shard",
+                "a directory": "unreadable shard", "extension never present": "missing field",
+                "field function always raises": "field function failed"}[mistake]
+        assert kind in text
+    if "path" in mistake or "brace" in mistake:
+        assert "No such file or directory" in text
+    if mistake == "a directory":
+        assert "Is a directory" in text
+
+
+def test_raise_mode_names_an_unreadable_shard_in_words(good_shard, image_server):
+    ds = MultiModalDataset([str(good_shard / "nope.tar")], {"x": ("jpg", image_server.proxy)},
+                           batch_size=4)
+    with pytest.raises(mmproxy.ShardError, match=r"nope\.tar: cannot be read: No such file or directory"):
+        list(ds.loader(image_server, num_workers=0))
+
+
+def test_too_many_skipped_is_an_error_with_counts_and_reasons(tmp_path, image_server):
+    samples = [{"__key__": f"t{i:02d}", "jpg": _jpeg(i)[:50] if i % 3 == 0 else _jpeg(i)}
+               for i in range(30)]
+    write_tar(tmp_path / "t-000.tar", samples)
+    urls = str(tmp_path / "t-000.tar")
+    ds = MultiModalDataset(urls, {"x": ("jpg", image_server.proxy)}, batch_size=4, on_error="skip")
+    with pytest.raises(mmproxy.SkipLimitError, match=r"10 of 30 samples skipped \(33\.3%\), more than "
+                       r"max_skipped=10\.0%(.|\n)*10 x bad header; first: .*t-000\.tar, sample 't00'"):
+        list(ds.loader(image_server, num_workers=0))
+    ds = MultiModalDataset(urls, {"x": ("jpg", image_server.proxy)}, batch_size=4, on_error="skip",
+                           max_skipped=0.5)
+    loader = ds.loader(image_server, num_workers=0)
+    assert sum(len(b["__key__"]) for b in loader) == 20
+    assert loader.skipped.skipped == 10 and loader.skipped.by_kind == {"bad header": 10}
+
+
+# -- skip records are never lost ------------------------------------------------------------------
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("setting", [{"batch_size": 7}, {"batch_size": 4, "partial": False}])
+def test_skip_records_at_the_end_of_a_shard_are_reported(tmp_path, image_server, workers, setting):
+    for s in range(2):  # the last three samples of each shard are bad
+        write_tar(tmp_path / f"e-{s:03d}.tar",
+                  [{"__key__": f"e{s}{i:02d}", "jpg": b"not a jpeg" if i >= 9 else _jpeg(i)}
+                   for i in range(12)])
+    ds = MultiModalDataset(str(tmp_path / "e-{000..001}.tar"), {"x": ("jpg", image_server.proxy)},
+                           on_error="skip", max_skipped=0.5, **setting)
+    loader = ds.loader(image_server, num_workers=workers)
+    in_batches = [r.key for b in loader for r in b["__skipped__"]]
+    expected = sorted(f"e{s}{i:02d}" for s in range(2) for i in (9, 10, 11))
+    assert sorted(r.key for r in loader.skipped.records) == expected
+    assert set(in_batches) <= set(expected)  # those not in a batch came on their own
+
+
+# -- fewer shards than workers ---------------------------------------------------------------------
+
+def test_one_shard_with_the_default_two_workers(good_shard, image_server):
+    ds = MultiModalDataset(str(good_shard / "g-000.tar"), {"x": ("jpg", image_server.proxy)},
+                           batch_size=5)
+    keys = [k for b in ds.loader(image_server) for k in b["__key__"]]
+    assert sorted(keys) == [f"g{i:02d}" for i in range(12)]
+
+
+def test_fewer_shards_than_workers_with_epoch_length_fails_before_any_batch(good_shard, image_server):
+    ds = MultiModalDataset(str(good_shard / "g-000.tar"), {"x": ("jpg", image_server.proxy)},
+                           batch_size=4, epoch_length=3)
+    with pytest.raises(mmproxy.ShardError, match="1 shards for 2 workers.*at most 1"):
+        ds.loader(image_server, num_workers=2)
+
+
+def test_a_torch_batch_size_on_a_batching_dataset_says_what_to_do(good_shard, image_server):
+    ds = MultiModalDataset(str(good_shard / "g-000.tar"), {"x": ("jpg", image_server.proxy)},
+                           batch_size=4)
+    with pytest.raises(ValueError, match="makes its own batches.*batch_size=None"):
+        mmproxy.DataLoader(image_server, ds, batch_size=2)
+
+
+# -- engine error paths (issue: nothing mmproxy leaves behind breaks the program) ----------------
+
+def _boom(x):
+    raise ValueError("user function failed")
+
+
+@pipeline_def(exec_pipelined=False, exec_async=False)
+def _sync_raising():
+    x = fn.external_source(name="x", no_copy=True, dtype=types.FLOAT)
+    return fn.python_function(x, function=_boom)
+
+
+@pipeline_def
+def _raising():
+    x = fn.external_source(name="x", no_copy=True, dtype=types.FLOAT)
+    return fn.python_function(x, function=_boom)
+
+
+class _Floats(torch.utils.data.Dataset):
+    def __init__(self, proxy):
+        self.proxy = proxy
+
+    def __len__(self):
+        return 400
+
+    def __getitem__(self, i):
+        return self.proxy(np.full((3,), i, np.float32)), i
+
+
+@pytest.mark.parametrize("pipe", [_sync_raising, _raising], ids=["classic-sync", "default"])
+def test_a_pipeline_error_arrives_at_once_and_the_workers_go(pipe):
+    server = mmproxy.DALIServer(pipe(batch_size=4, num_threads=1, device_id=None), name="raising")
+    with server:
+        gc.collect()  # earlier tests' iterators
+        before = len(psutil.Process().children())
+        start = time.perf_counter()
+        with pytest.raises(mmproxy.PipelineError, match="user function failed"):
+            for _ in mmproxy.DataLoader(server, _Floats(server.proxy), batch_size=4, num_workers=2):
+                pass
+        assert time.perf_counter() - start < 10  # not the server's 300 s wait timeout
+        deadline = time.perf_counter() + 2
+        while len(psutil.Process().children()) > before and time.perf_counter() < deadline:
+            time.sleep(0.02)
+        assert len(psutil.Process().children()) <= before  # the workers are gone within ~1 s
+
+
+def test_a_reference_to_a_dropped_run_raises_at_once():
+    with mmproxy.DALIServer(cpu(double_pipe), name="double") as server:
+        loader = mmproxy.DataLoader(server, _Floats(server.proxy), batch_size=4, num_workers=0)
+        old = iter(loader)
+        kept = old._step()  # a batch of epoch 1, not yet resolved
+        iter(loader)  # epoch 2 starts: the runs of epoch 1 are dropped
+        start = time.perf_counter()
+        with pytest.raises(mmproxy.RunDroppedError, match=r"'double': run .* dropped: .*epoch 1 of "
+                           r"loader .*started epoch 2"):
+            server.produce_data(kept)
+        assert time.perf_counter() - start < 1
+        assert all(r.state is not mmproxy.server.RunState.PENDING for r in server._runs.values())
+
+
+def test_nothing_mmproxy_made_is_left_for_the_cyclic_collector():
+    """The root of "a plain fork DataLoader dies after mmproxy": objects in garbage cycles are
+    freed by whichever process collects them, a forked child included. No tensor, DALI or
+    mmproxy object may be among them (on a GPU they hold CUDA memory, events and pipelines).
+    A fresh interpreter, so that other tests' leftovers do not count."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fork_leftovers.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu"], capture_output=True,
+                          text=True, timeout=150)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert "tensors, CUDA, DALI or mmproxy objects: 0" in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("check", [[], ["--then-fork"]], ids=["no-leftovers", "plain-fork-loader-after"])
+def test_a_plain_fork_dataloader_runs_after_an_mmproxy_gpu_loader(check):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fork_leftovers.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "gpu", *check],
+                          capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert ("ok" if check else "objects: 0") in done.stdout
+
+
+def test_webdataset_batched_with_its_default_collation_fails_at_once_in_process(good_shard, image_server):
+    import webdataset as wds
+
+    def call(sample):
+        return image_server.proxy(np.frombuffer(sample["jpg"], np.uint8)), int(sample["cls"])
+
+    pipeline = wds.WebDataset(str(good_shard / "g-000.tar"), shardshuffle=False).map(call).batched(4)
+    with pytest.raises(mmproxy.CollateError, match=r"collation_fn=mmproxy.Collate\(\)"):
+        list(mmproxy.DataLoader(image_server, pipeline, batch_size=None, num_workers=0))
