@@ -61,8 +61,8 @@ def image_size(ext: str, data: Data) -> tuple[int, int] | None:
 
 
 def _jpeg_scan(data: Data) -> int | None:
-    """Offset of a JPEG's first start-of-scan marker; -1 when the file ends before it; None when
-    the header walk cannot reach it (a marker it does not understand)."""
+    """Offset of a JPEG's first start-of-scan marker; -1 when the file ends before it; -2 when a
+    Huffman table is malformed; None when the header walk cannot reach it (an unknown byte)."""
     i = 2
     while i < 1 << 22:
         if i + 4 > len(data):
@@ -76,18 +76,40 @@ def _jpeg_scan(data: Data) -> int | None:
         if marker == 0xDA:
             return i
         (length,) = struct.unpack(">H", data[i + 2:i + 4])
+        if i + 2 + length > len(data):
+            return -1
+        if marker == 0xC4 and not _huffman_tables_ok(data[i + 4:i + 2 + length]):
+            return -2
         i += 2 + length
     return None
 
 
+def _huffman_tables_ok(segment: Data) -> bool:
+    """Whether a DHT segment holds well-formed tables: class 0/1, id 0-3, at most 256 codes each.
+    (DALI's GPU decoder has crashed the process on JPEGs whose tables were overwritten.)"""
+    at = 0
+    while at < len(segment):
+        if at + 17 > len(segment):
+            return False
+        kind = segment[at]
+        counts = sum(segment[at + 1:at + 17])
+        if kind >> 4 > 1 or kind & 0x0F > 3 or counts > 256:
+            return False
+        at += 17 + counts
+    return at == len(segment)
+
+
 def _truncated(ext: str, data: Data) -> str | None:
-    """Why a JPEG or PNG looks cut short (its end marker is missing), or None."""
+    """Why a JPEG or PNG looks cut short (its end marker is missing) or, for a JPEG, why its
+    header is malformed; None when neither."""
     if ext in ("jpg", "jpeg"):
-        if data[-2:] == b"\xff\xd9":
-            return None
         scan = _jpeg_scan(data)
         if scan == -1:
             return "is truncated (it ends inside its header)"
+        if scan == -2:
+            return "has a malformed Huffman table"
+        if data[-2:] == b"\xff\xd9":
+            return None
         if scan is not None and bytes(data[scan:]).rfind(b"\xff\xd9") < 0:
             return "is truncated (no end-of-image marker after its image data)"
     elif ext == "png":

@@ -32,8 +32,8 @@ IMAGE_STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 
 def damage_jpeg(data: bytes, kind: str) -> bytes:
     """A JPEG damaged as web corpora damage them: ``truncate`` cuts it to a third (an interrupted
-    download; the header check catches it), ``corrupt`` overwrites its first Huffman table (it
-    passes every header check and fails the decoder, so the server must find it)."""
+    download), ``corrupt`` overwrites its first Huffman table. The header checks catch both in
+    the workers (see mmproxy.datasets.checks)."""
     if kind == "truncate":
         return data[:len(data) // 3]
     if kind != "corrupt":

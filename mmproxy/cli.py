@@ -268,8 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run mmproxy on a copy of the image shards with this fraction of "
                        "the JPEGs damaged (e.g. 0.01), skip mode; reports damaged / clean")
     bench.add_argument("--damage-kind", choices=["truncate", "corrupt"], default="truncate",
-                       help="truncate: cut to a third (caught by the header check); corrupt: a "
-                       "broken Huffman table (passes the checks, fails the decoder)")
+                       help="truncate: cut to a third; corrupt: a broken Huffman table (both "
+                       "caught by the header checks in the workers)")
     bench.add_argument("--data-dir", default=None, help="where to write the benchmark shards")
     bench.add_argument("--json", default="bench.json", help="where to write the results")
     bench.add_argument("--plot", default=None, help="write a PNG bar chart here")
