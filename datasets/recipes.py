@@ -65,7 +65,7 @@ def _hub_unreachable(timeout: float | None = None) -> str | None:
         except OSError as err:
             outcome.append(f"{host}:{port} cannot be reached: {_first_line(err)}")
 
-    probe = threading.Thread(target=connect, name="mmproxy-hub-check", daemon=True)
+    probe = threading.Thread(target=connect, name="tokenizer-hub-check", daemon=True)
     probe.start()
     probe.join(timeout)  # name resolution has no timeout of its own: the daemon thread may stay
     return outcome[0] if outcome else f"{host}:{port} did not answer within {timeout:g} s"
