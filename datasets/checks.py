@@ -7,8 +7,11 @@ WAV file has a sound ``fmt `` chunk and any audio frames, and whether a JPEG or 
 end-of-image marker after its first scan, or a PNG without its ``IEND`` chunk, fails DALI's
 decoders every time, so catching it here saves the server a failed run; a good file pays for a
 look at its last two bytes. Trailing bytes after the end marker are allowed (decoders ignore them).
-They cannot see other corruption inside compressed data; the server finds those samples when the
-pipeline fails on them (see docs/reliability.md).
+The JPEG header walk also refuses a malformed Huffman table and data where a marker belongs:
+DALI 2.4's image decoders (CPU and GPU) can crash the whole process on such files when a batch
+of 64 or more holds one (``benchmarks/dali_decoder_crash.py`` shows it without mmproxy), so
+they must never reach a pipeline. They cannot see other corruption inside compressed data; the
+server finds those samples when the pipeline fails on them (see docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def _wav(b: Data) -> bool:
     return len(b) >= 12 and b[:4] in (b"RIFF", b"RIFX") and b[8:12] == b"WAVE"
 
 
+_TIFF = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # little / big endian, classic / BigTIFF
 SIGNATURES: dict[str, Callable[[Data], bool]] = {
     "jpg": lambda b: b[:3] == b"\xff\xd8\xff",
     "jpeg": lambda b: b[:3] == b"\xff\xd8\xff",
@@ -34,6 +38,9 @@ SIGNATURES: dict[str, Callable[[Data], bool]] = {
     "flac": lambda b: b[:4] == b"fLaC",
     "ogg": lambda b: b[:4] == b"OggS",
     "webp": lambda b: b[:4] == b"RIFF" and b[8:12] == b"WEBP",
+    "bmp": lambda b: b[:2] == b"BM",
+    "tif": lambda b: b[:4] in _TIFF,
+    "tiff": lambda b: b[:4] in _TIFF,
 }
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 
@@ -62,13 +69,14 @@ def image_size(ext: str, data: Data) -> tuple[int, int] | None:
 
 def _jpeg_scan(data: Data) -> int | None:
     """Offset of a JPEG's first start-of-scan marker; -1 when the file ends before it; -2 when a
-    Huffman table is malformed; None when the header walk cannot reach it (an unknown byte)."""
+    Huffman table is malformed; -3 when a byte other than a marker stands where the next marker
+    belongs; None when the headers are too long to walk cheaply."""
     i = 2
     while i < 1 << 22:
         if i + 4 > len(data):
             return -1
         if data[i] != 0xFF:
-            return None
+            return -3
         marker = data[i + 1]
         if marker == 0xFF:
             i += 1
@@ -85,8 +93,7 @@ def _jpeg_scan(data: Data) -> int | None:
 
 
 def _huffman_tables_ok(segment: Data) -> bool:
-    """Whether a DHT segment holds well-formed tables: class 0/1, id 0-3, at most 256 codes each.
-    (DALI's GPU decoder has crashed the process on JPEGs whose tables were overwritten.)"""
+    """Whether a DHT segment holds well-formed tables: class 0/1, id 0-3, at most 256 codes each."""
     at = 0
     while at < len(segment):
         if at + 17 > len(segment):
@@ -108,6 +115,8 @@ def _truncated(ext: str, data: Data) -> str | None:
             return "is truncated (it ends inside its header)"
         if scan == -2:
             return "has a malformed Huffman table"
+        if scan == -3:
+            return "has a malformed header (data where a marker belongs, before the image data)"
         if data[-2:] == b"\xff\xd9":
             return None
         if scan is not None and bytes(data[scan:]).rfind(b"\xff\xd9") < 0:

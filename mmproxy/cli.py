@@ -267,9 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--damage", type=float, default=0.0,
                        help="also run mmproxy on a copy of the image shards with this fraction of "
                        "the JPEGs damaged (e.g. 0.01), skip mode; reports damaged / clean")
-    bench.add_argument("--damage-kind", choices=["truncate", "corrupt"], default="truncate",
+    bench.add_argument("--damage-kind", choices=["truncate", "corrupt", "garbage"],
+                       default="truncate",
                        help="truncate: cut to a third; corrupt: a broken Huffman table (both "
-                       "caught by the header checks in the workers)")
+                       "caught by the header checks in the workers); garbage: random bytes after "
+                       "the first 20 (only the decoder sees it: the server finds the samples)")
     bench.add_argument("--data-dir", default=None, help="where to write the benchmark shards")
     bench.add_argument("--json", default="bench.json", help="where to write the results")
     bench.add_argument("--plot", default=None, help="write a PNG bar chart here")

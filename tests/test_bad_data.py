@@ -43,9 +43,13 @@ def _wav(i):
     return audio_bytes(synth_speech(i, 0.1 + 0.01 * i), 16000, "WAV")
 
 
-def _garbage_after_header(i):
-    """Passes every header check; only the decoder can tell."""
-    return _jpeg(i)[:20] + np.random.default_rng(i).bytes(400)
+def _undecodable(i):
+    """A JPEG whose frame header declares 7 colour components: it passes every header check and
+    only the decoder can tell."""
+    data = bytearray(_jpeg(i))
+    sof = data.find(b"\xff\xc0")
+    data[sof + 9] = 7
+    return bytes(data)
 
 
 def _damaged_images(i):
@@ -54,7 +58,7 @@ def _damaged_images(i):
     return {
         "truncated-jpg": ("jpg", good[: len(good) // 3]),
         "truncated-png": ("png", _jpeg(i, "PNG")[:-40]),
-        "garbage-after-header": ("jpg", _garbage_after_header(i)),
+        "undecodable": ("jpg", _undecodable(i)),
         "broken-huffman-table": ("jpg", damage_jpeg(good, "corrupt")),
         "huge-declared-size": ("png", huge_png()),
     }
@@ -86,6 +90,32 @@ def damaged_shards(tmp_path_factory):
 
 
 BAD = {3, 4, 5, 6, 7, 10, 11, 12}
+
+
+def test_header_checks_catch_the_damage_that_crashes_dali_and_pass_good_files():
+    """benchmarks/dali_decoder_crash.py: DALI 2.4's decoders can kill the process on some of
+    these in a batch of 64; the workers' header checks must stop every one of them."""
+    import io
+
+    from mmproxy.datasets.checks import check_header
+    from PIL import Image
+
+    jpeg, png = _jpeg(1), _jpeg(1, "PNG")
+    damaged = {"truncated": ("jpg", jpeg[: len(jpeg) // 3]), "no end marker": ("jpg", jpeg[:-2]),
+               "huffman table": ("jpg", damage_jpeg(jpeg, "corrupt")),
+               "garbage after header": ("jpg", damage_jpeg(jpeg, "garbage")),
+               "not an image": ("jpg", b"hello world " * 100), "truncated png": ("png", png[:-30]),
+               **{k: v for k, v in _damaged_audio(1).items() if k.startswith("wav")}}
+    for name, (ext, data) in damaged.items():
+        assert check_header(ext, memoryview(data)), name
+    good = [("jpg", jpeg), ("png", png), ("wav", _wav(1)), ("jpg", jpeg + b"\0" * 64)]
+    for mode, kw in [("L", {}), ("RGB", {"progressive": True, "optimize": True}),
+                     ("RGB", {"exif": b"Exif\0\0" + b"x" * 5000, "quality": 20})]:
+        buf = io.BytesIO()
+        Image.fromarray(np.full((30, 40, 3), 90, np.uint8)).convert(mode).save(buf, "JPEG", **kw)
+        good.append(("jpg", buf.getvalue()))
+    for ext, data in good:
+        assert check_header(ext, memoryview(data)) is None
 
 
 def _servers():
@@ -140,7 +170,7 @@ def test_raise_mode_names_the_bad_sample_itself(damaged_shards, workers, tmp_pat
         with pytest.raises(mmproxy.SampleError, match=r"d-000\.tar, sample 's003'.*truncated"):
             list(ds.loader([image, audio], num_workers=workers))
         # a decode failure the header checks cannot see names its own sample, not the batch's
-        write_tar(tmp_path / "h-000.tar", [{"__key__": f"h{i:02d}", "jpg": _garbage_after_header(i)
+        write_tar(tmp_path / "h-000.tar", [{"__key__": f"h{i:02d}", "jpg": _undecodable(i)
                                             if i == 5 else _jpeg(i)} for i in range(8)])
         only_decoder = MultiModalDataset(str(tmp_path / "h-000.tar"), {"image": ("jpg", image.proxy)},
                                          batch_size=8)
@@ -169,7 +199,7 @@ def test_a_users_own_pipeline_with_every_executor_keeps_going(executor, tmp_path
     """Samples the decoder cannot read are found in a user's own two-output pipeline; the
     classic executors need their pipeline rebuilt after an error, the dynamic one does not."""
     bad = {2, 9, 10}
-    items = [_garbage_after_header(i) if i in bad else _jpeg(i) for i in range(16)]
+    items = [_undecodable(i) if i in bad else _jpeg(i) for i in range(16)]
     write_tar(tmp_path / "u-000.tar", [{"__key__": f"u{i:02d}", "jpg": b, "cls": str(i)}
                                        for i, b in enumerate(items)])
     server = mmproxy.DALIServer(lambda: _custom_decode(executor), name=f"own-{executor}")

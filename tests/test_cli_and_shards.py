@@ -361,6 +361,7 @@ def test_an_unreachable_or_silent_hub_fails_within_the_check_time(monkeypatch):
 
     def silent(*args, **kwargs):
         time.sleep(30)
+        raise TimeoutError("a server that never answers")
 
     monkeypatch.setattr(recipes.socket, "create_connection", silent)
     monkeypatch.setattr(recipes, "HUB_CHECK_SECONDS", 0.5)
