@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 def dali_stages(paths: list[str], batches: int, resize: CpuResize) -> dict[str, int]:
-    from mmproxy.pipelines.image import _resize
+    from mmproxy.pipelines import resize
     from nvidia.dali import fn, pipeline_def, types
 
     from mmproxy.bench import IMAGE_MEAN, IMAGE_STD
@@ -37,7 +37,7 @@ def dali_stages(paths: list[str], batches: int, resize: CpuResize) -> dict[str, 
                                                   random_area=[0.08, 1.0],
                                                   random_aspect_ratio=[3 / 4, 4 / 3])
             if stage >= 2:
-                x = _resize(x, 224, gpu=False, cpu_resize=resize)
+                x = resize(x, 224, gpu=False, cpu_resize=resize)
             if stage >= 3:
                 x = fn.crop_mirror_normalize(x, dtype=types.FLOAT, output_layout="CHW",
                                              mean=IMAGE_MEAN, std=IMAGE_STD,

@@ -181,7 +181,7 @@ def _error_line(err: BaseException) -> str:
 def _image_ops(jpegs: Any, gpu: bool, cpu_resize: CpuResize) -> Any:
     from nvidia.dali import fn, types
 
-    from mmproxy.pipelines.image import _resize
+    from mmproxy.pipelines.image import resize as _resize
 
     images = fn.decoders.image_random_crop(jpegs, device="mixed" if gpu else "cpu",
                                            output_type=types.RGB, random_area=[0.08, 1.0],

@@ -1,17 +1,26 @@
 """mmproxy.pipelines: ready DALI pipelines for the heavy modalities (images, audio).
 
-Each has named ``fn.external_source`` inputs, picks GPU operators when CUDA is available and CPU
-operators (``device_id=None``) otherwise (``device="auto"|"gpu"|"cpu"``), and can be replaced by
-any pipeline of your own wherever one is accepted.
+Each pipeline is a graph function (``image_train_graph``, ``image_eval_graph``, ``audio_graph``:
+DALI nodes in, DALI nodes out) behind a named ``fn.external_source`` (``external_pipeline``), so a
+pipeline fed by a proxy and one fed by a DALI reader share one definition. Each picks GPU
+operators when CUDA is available and CPU operators (``device_id=None``) otherwise
+(``device="auto"|"gpu"|"cpu"``, decided by ``resolve_device``), and can be replaced by any
+pipeline of your own wherever one is accepted.
 """
 
-from mmproxy.pipelines.audio import audio_pipeline
+from mmproxy.pipelines._device import Device, resolve_device
+from mmproxy.pipelines.audio import audio_graph, audio_pipeline
+from mmproxy.pipelines.external import external_pipeline
 from mmproxy.pipelines.image import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    image_eval_graph,
     image_eval_pipeline,
+    image_train_graph,
     image_train_pipeline,
+    resize,
 )
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "audio_pipeline", "image_eval_pipeline",
-           "image_train_pipeline"]
+__all__ = ["Device", "IMAGENET_MEAN", "IMAGENET_STD", "audio_graph", "audio_pipeline",
+           "external_pipeline", "image_eval_graph", "image_eval_pipeline", "image_train_graph",
+           "image_train_pipeline", "resize", "resolve_device"]

@@ -1,5 +1,9 @@
 """Audio pipeline: encoded audio in, resampled waveform (or log-mel spectrogram) and length out.
 
+The pipeline is a graph function (:func:`audio_graph`: DALI nodes in, DALI nodes out) behind a
+named ``fn.external_source``; the same graph serves behind a DALI reader in a ``pipeline_def`` of
+your own.
+
 Inputs:
     ``audio``: the encoded bytes of one file per sample (uint8, 1-D): WAV, FLAC, OGG/Vorbis,
     anything DALI's audio decoder reads.
@@ -17,11 +21,47 @@ trimming and spectrogram run on the GPU. Resampling uses DALI's windowed-sinc re
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from mmproxy.pipelines._device import Device, resolve_device
+from mmproxy.pipelines.external import external_pipeline
 
-__all__ = ["audio_pipeline"]
+__all__ = ["audio_graph", "audio_pipeline"]
+
+
+def audio_graph(encoded: Any, *, gpu: bool, sample_rate: int = 16000, mono: bool = True,
+                duration: float | None = None, pad_to_longest: bool = False,
+                n_mels: int | None = None, n_fft: int = 400, win_length: int | None = None,
+                hop_length: int = 160, log_mel: bool = True) -> tuple[Any, Any]:
+    """The audio graph: encoded clips (a DALI node) to (audio, length) nodes. Call it inside a
+    ``pipeline_def``; arguments as in :func:`audio_pipeline`, with ``gpu`` from
+    :func:`~mmproxy.pipelines.resolve_device`."""
+    import numpy as np
+    from nvidia.dali import fn, types
+
+    audio, rate = fn.decoders.audio(encoded, dtype=types.FLOAT, downmix=mono)
+    if gpu:
+        audio = audio.gpu()
+    audio = fn.audio_resample(audio, in_rate=rate, out_rate=float(sample_rate), dtype=types.FLOAT)
+    if duration is not None:
+        audio = fn.slice(audio, start=[0], shape=[round(duration * sample_rate)], axes=[0],
+                         out_of_bounds_policy="pad", fill_values=0.0)
+    samples = audio.shape(dtype=types.INT64)[0]
+    if pad_to_longest:
+        audio = fn.pad(audio, axes=[0], fill_value=0.0)
+    if n_mels is None:
+        return audio, samples
+    window = win_length or n_fft
+    hann = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(window) / window)).astype(np.float32)
+    spec = fn.spectrogram(audio, nfft=n_fft, window_length=window, window_step=hop_length,
+                          window_fn=hann.tolist(), center_windows=True, reflect_padding=True,
+                          power=2, layout="ft")
+    mel = fn.mel_filter_bank(spec, sample_rate=float(sample_rate), nfilter=n_mels, freq_low=0.0,
+                             freq_high=sample_rate / 2, normalize=False, mel_formula="htk")
+    if log_mel:
+        mel = fn.to_decibels(mel, multiplier=10.0, reference=1.0, cutoff_db=-100.0)
+    return mel, samples // hop_length + 1  # frames of the unpadded clip (centered windows)
 
 
 def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = True,
@@ -50,38 +90,10 @@ def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = Tr
         prefetch_queue_depth: Runs the server keeps in flight.
         input_name: Name of the ``external_source`` (the proxy's argument).
     """
-    import numpy as np
-    from nvidia.dali import fn, pipeline_def, types
-
     gpu, dev_id = resolve_device(device, device_id)
-    window = win_length or n_fft
-    hann = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(window) / window)).astype(np.float32)
-
-    @pipeline_def
-    def pipe() -> Any:
-        data = fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8)
-        audio, rate = fn.decoders.audio(data, dtype=types.FLOAT, downmix=mono)
-        if gpu:
-            audio = audio.gpu()
-        audio = fn.audio_resample(audio, in_rate=rate, out_rate=float(sample_rate),
-                                  dtype=types.FLOAT)
-        if duration is not None:
-            audio = fn.slice(audio, start=[0], shape=[round(duration * sample_rate)], axes=[0],
-                             out_of_bounds_policy="pad", fill_values=0.0)
-        samples = audio.shape(dtype=types.INT64)[0]
-        if pad_to_longest:
-            audio = fn.pad(audio, axes=[0], fill_value=0.0)
-        if n_mels is None:
-            return audio, samples
-        spec = fn.spectrogram(audio, nfft=n_fft, window_length=window, window_step=hop_length,
-                              window_fn=hann.tolist(), center_windows=True, reflect_padding=True,
-                              power=2, layout="ft")
-        mel = fn.mel_filter_bank(spec, sample_rate=float(sample_rate), nfilter=n_mels,
-                                 freq_low=0.0, freq_high=sample_rate / 2, normalize=False,
-                                 mel_formula="htk")
-        if log_mel:
-            mel = fn.to_decibels(mel, multiplier=10.0, reference=1.0, cutoff_db=-100.0)
-        return mel, samples // hop_length + 1  # frames of the unpadded clip (centered windows)
-
-    return pipe(batch_size=batch_size, num_threads=num_threads, device_id=dev_id,
-                prefetch_queue_depth=prefetch_queue_depth)
+    graph = partial(audio_graph, gpu=gpu, sample_rate=sample_rate, mono=mono, duration=duration,
+                    pad_to_longest=pad_to_longest, n_mels=n_mels, n_fft=n_fft,
+                    win_length=win_length, hop_length=hop_length, log_mel=log_mel)
+    return external_pipeline(graph, input_name=input_name, batch_size=batch_size,
+                             num_threads=num_threads, device_id=dev_id,
+                             prefetch_queue_depth=prefetch_queue_depth)

@@ -1,5 +1,9 @@
 """Image pipelines: encoded bytes in, normalized crops out.
 
+Each pipeline is a graph function (:func:`image_train_graph`, :func:`image_eval_graph`: DALI nodes
+in, DALI nodes out) behind a named ``fn.external_source``; the same graph serves behind a DALI
+reader (``fn.readers.webdataset``, ``fn.readers.file``) inside a ``pipeline_def`` of your own.
+
 Inputs:
     ``images``: the encoded bytes of one image per sample (uint8, 1-D): JPEG, PNG, BMP, TIFF,
     WebP, JPEG 2000, anything DALI's decoder reads. Grayscale and RGBA files are converted to RGB.
@@ -22,11 +26,14 @@ torchvision inside the DALI pipeline (``fn.python_function``, antialiased biline
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Literal
 
 from mmproxy.pipelines._device import Device, resolve_device
+from mmproxy.pipelines.external import external_pipeline
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "image_eval_pipeline", "image_train_pipeline"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "image_eval_graph", "image_eval_pipeline",
+           "image_train_graph", "image_train_pipeline", "resize"]
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -50,9 +57,11 @@ class _TorchvisionResize:
         return F.resize(chw, self.size, antialias=True).permute(1, 2, 0).contiguous().numpy()
 
 
-def _resize(images: Any, size: int, *, gpu: bool, cpu_resize: CpuResize,
-            shorter: bool = False) -> Any:
-    """Antialiased bilinear resize to ``size x size`` (or the shorter side to ``size``)."""
+def resize(images: Any, size: int, *, gpu: bool, cpu_resize: CpuResize = "torchvision",
+           shorter: bool = False) -> Any:
+    """Antialiased bilinear resize of decoded HWC images (DALI nodes) to ``size x size``, or of
+    their shorter side to ``size``: DALI's ``fn.resize`` on a GPU or with ``cpu_resize="dali"``,
+    else torchvision inside the pipeline."""
     from nvidia.dali import fn, types
 
     if cpu_resize not in ("torchvision", "dali"):
@@ -76,6 +85,40 @@ def _normalize(images: Any, *, size: int, layout: Layout, dtype: DType, mean: Se
         kwargs["mirror"] = mirror
     return fn.crop_mirror_normalize(images, dtype=dali_type, output_layout=layout,
                                     mean=list(mean), std=list(std), **kwargs)
+
+
+def image_train_graph(encoded: Any, *, gpu: bool, size: int = 224,
+                      scale: tuple[float, float] = (0.08, 1.0),
+                      ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_probability: float = 0.5,
+                      mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                      layout: Layout = "CHW", dtype: DType = "float32",
+                      cpu_resize: CpuResize = "torchvision") -> Any:
+    """The training graph: encoded images (a DALI node) to random-resized, flipped, normalized
+    crops. Call it inside a ``pipeline_def``; arguments as in :func:`image_train_pipeline`, with
+    ``gpu`` from :func:`~mmproxy.pipelines.resolve_device`."""
+    from nvidia.dali import fn, types
+
+    images = fn.decoders.image_random_crop(
+        encoded, device="mixed" if gpu else "cpu", output_type=types.RGB,
+        random_area=list(scale), random_aspect_ratio=list(ratio))
+    images = resize(images, size, gpu=gpu, cpu_resize=cpu_resize)
+    flip = fn.random.coin_flip(probability=flip_probability)
+    return _normalize(images, size=size, layout=layout, dtype=dtype, mean=mean, std=std,
+                      mirror=flip)
+
+
+def image_eval_graph(encoded: Any, *, gpu: bool, size: int = 224, resize_size: int | None = None,
+                     mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                     layout: Layout = "CHW", dtype: DType = "float32",
+                     cpu_resize: CpuResize = "torchvision") -> Any:
+    """The evaluation graph: encoded images (a DALI node) to center crops of the resized image,
+    normalized. Call it inside a ``pipeline_def``; arguments as in :func:`image_eval_pipeline`."""
+    from nvidia.dali import fn, types
+
+    images = fn.decoders.image(encoded, device="mixed" if gpu else "cpu", output_type=types.RGB)
+    images = resize(images, resize_size or round(size * 256 / 224), gpu=gpu,
+                    cpu_resize=cpu_resize, shorter=True)
+    return _normalize(images, size=size, layout=layout, dtype=dtype, mean=mean, std=std, crop=True)
 
 
 def image_train_pipeline(*, batch_size: int, size: int = 224,
@@ -107,23 +150,13 @@ def image_train_pipeline(*, batch_size: int, size: int = 224,
         cpu_resize: On CPU, resize with "torchvision" (inside the DALI pipeline; about 2x the
             pipeline's throughput) or with DALI's own "dali" ``fn.resize``. Ignored on a GPU.
     """
-    from nvidia.dali import fn, pipeline_def, types
-
     gpu, dev_id = resolve_device(device, device_id)
-
-    @pipeline_def
-    def pipe() -> Any:
-        jpegs = fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8)
-        images = fn.decoders.image_random_crop(
-            jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB,
-            random_area=list(scale), random_aspect_ratio=list(ratio))
-        images = _resize(images, size, gpu=gpu, cpu_resize=cpu_resize)
-        flip = fn.random.coin_flip(probability=flip_probability)
-        return _normalize(images, size=size, layout=layout, dtype=dtype, mean=mean, std=std,
-                          mirror=flip)
-
-    return pipe(batch_size=batch_size, num_threads=num_threads, device_id=dev_id, seed=seed,
-                prefetch_queue_depth=prefetch_queue_depth)
+    graph = partial(image_train_graph, gpu=gpu, size=size, scale=scale, ratio=ratio,
+                    flip_probability=flip_probability, mean=mean, std=std, layout=layout,
+                    dtype=dtype, cpu_resize=cpu_resize)
+    return external_pipeline(graph, input_name=input_name, batch_size=batch_size,
+                             num_threads=num_threads, device_id=dev_id, seed=seed,
+                             prefetch_queue_depth=prefetch_queue_depth)
 
 
 def image_eval_pipeline(*, batch_size: int, size: int = 224, resize_size: int | None = None,
@@ -136,18 +169,9 @@ def image_eval_pipeline(*, batch_size: int, size: int = 224, resize_size: int | 
     center crop ``size``, normalize. Deterministic. Other arguments as in
     :func:`image_train_pipeline`.
     """
-    from nvidia.dali import fn, pipeline_def, types
-
     gpu, dev_id = resolve_device(device, device_id)
-    shorter = resize_size or round(size * 256 / 224)
-
-    @pipeline_def
-    def pipe() -> Any:
-        jpegs = fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8)
-        images = fn.decoders.image(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)
-        images = _resize(images, shorter, gpu=gpu, cpu_resize=cpu_resize, shorter=True)
-        return _normalize(images, size=size, layout=layout, dtype=dtype, mean=mean, std=std,
-                          crop=True)
-
-    return pipe(batch_size=batch_size, num_threads=num_threads, device_id=dev_id,
-                prefetch_queue_depth=prefetch_queue_depth)
+    graph = partial(image_eval_graph, gpu=gpu, size=size, resize_size=resize_size, mean=mean,
+                    std=std, layout=layout, dtype=dtype, cpu_resize=cpu_resize)
+    return external_pipeline(graph, input_name=input_name, batch_size=batch_size,
+                             num_threads=num_threads, device_id=dev_id,
+                             prefetch_queue_depth=prefetch_queue_depth)

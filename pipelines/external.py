@@ -1,0 +1,34 @@
+"""External input: a graph function behind one named ``fn.external_source``, the pipeline shape a
+:class:`~mmproxy.DALIServer` takes (the input's name is the proxy's argument)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["external_pipeline"]
+
+
+def external_pipeline(graph: Callable[[Any], Any], *, input_name: str, batch_size: int,
+                      num_threads: int = 4, device_id: int | None = None,
+                      prefetch_queue_depth: int = 2, seed: int | None = None) -> Any:
+    """Builds a pipeline whose outputs are ``graph(data)``, ``data`` being the bytes the proxy is
+    given (``fn.external_source(name=input_name)``, uint8, one 1-D array per sample).
+
+    Args:
+        graph: DALI nodes in, DALI nodes out, e.g. ``partial(image_train_graph, gpu=False)``.
+        input_name: Name of the ``external_source`` (the proxy's argument).
+        batch_size: The largest batch the server will be asked to run.
+        num_threads: DALI CPU threads.
+        device_id: The GPU (from :func:`~mmproxy.pipelines.resolve_device`); None for CPU only.
+        prefetch_queue_depth: Runs the server keeps in flight.
+        seed: DALI's random seed (None: random).
+    """
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def
+    def pipe() -> Any:
+        return graph(fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8))
+
+    return pipe(batch_size=batch_size, num_threads=num_threads, device_id=device_id, seed=seed,
+                prefetch_queue_depth=prefetch_queue_depth)
