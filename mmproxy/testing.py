@@ -1,12 +1,15 @@
-"""Testing: small synthetic media and shards, for tests, the demo and benchmarks.
+"""Testing: synthetic data for tests, the demo, the examples and the benchmarks.
 
-Images have structure (gradients, shapes), audio has speech-like harmonics; nothing is downloaded.
+The one place for it: media (images with gradients and shapes, speech-like audio, damaged JPEGs),
+captions, shards, an ImageFolder tree, a tiny tokenizer trained on the captions, and the cache
+folder they are kept in. Nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import shutil
 import tarfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -14,12 +17,24 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["audio_bytes", "image_bytes", "make_tokenizer", "synth_image", "synth_speech",
-           "write_tar"]
+__all__ = ["WORDS", "audio_bytes", "cache_dir", "caption", "damage_jpeg", "demo_shards",
+           "demo_tokenizer", "image_bytes", "image_folder", "make_tokenizer", "synth_image",
+           "synth_speech", "write_tar"]
 
 WORDS = ("a red circle on a blue field", "green stripes over a yellow sky",
          "a small square in the corner", "waves of orange and purple light",
          "two dots beside a long line", "a bright ring around a dark center")
+
+
+def cache_dir() -> Path:
+    """mmproxy's cache folder: ``$XDG_CACHE_HOME/mmproxy``, else ``~/.cache/mmproxy``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mmproxy"
+
+
+def caption(i: int) -> str:
+    """The caption of synthetic sample ``i``: one of :data:`WORDS` (label ``i % len(WORDS)``)."""
+    return f"{WORDS[i % len(WORDS)]}, take {i}"
 
 
 def synth_image(seed: int, height: int = 96, width: int = 128) -> np.ndarray:
@@ -47,6 +62,25 @@ def image_bytes(array: np.ndarray, fmt: str = "JPEG", mode: str | None = None,
     buf = io.BytesIO()
     img.save(buf, fmt, **({"quality": quality} if fmt == "JPEG" else {}))
     return buf.getvalue()
+
+
+def damage_jpeg(data: bytes, kind: str) -> bytes:
+    """A JPEG damaged as web corpora damage them: ``truncate`` cuts it to a third (an interrupted
+    download), ``corrupt`` overwrites its first Huffman table: the header checks catch both in the
+    workers (see mmproxy.datasets.checks). ``garbage`` keeps the first 20 bytes (the file's
+    signature and the start of its JFIF header) and replaces the rest with random bytes: it
+    passes the checks and fails the decoder, so the server must find it."""
+    if kind == "truncate":
+        return data[:len(data) // 3]
+    if kind == "garbage":
+        return data[:20] + np.random.default_rng(len(data)).bytes(len(data) - 20)
+    if kind != "corrupt":
+        raise ValueError(f"damage kind must be 'truncate', 'corrupt' or 'garbage', got {kind!r}")
+    out = bytearray(data)
+    at = out.find(b"\xff\xc4")
+    length = int.from_bytes(out[at + 2:at + 4], "big")
+    out[at + 5:at + 4 + length] = b"\xff" * (length - 1)
+    return bytes(out)
 
 
 def synth_speech(seed: int, seconds: float, rate: int = 16000, channels: int = 1) -> np.ndarray:
@@ -83,9 +117,11 @@ def audio_bytes(signal: np.ndarray, rate: int, fmt: str = "WAV") -> bytes:
 
 
 def write_tar(path: str | os.PathLike[str], samples: Iterable[dict[str, Any]]) -> int:
-    """Writes WebDataset samples (``{"__key__": ..., "jpg": bytes, "cls": 3, ...}``) to a tar."""
+    """Writes WebDataset samples (``{"__key__": ..., "jpg": bytes, "cls": 3, ...}``) to a tar,
+    atomically: a reader (or another process writing the same shard) never sees half of it."""
     count = 0
-    with tarfile.open(path, "w") as tar:
+    part = f"{os.fspath(path)}.part-{os.getpid()}"
+    with tarfile.open(part, "w") as tar:
         for sample in samples:
             key = sample["__key__"]
             for ext, value in sample.items():
@@ -97,7 +133,43 @@ def write_tar(path: str | os.PathLike[str], samples: Iterable[dict[str, Any]]) -
                 info.mode = 0o644
                 tar.addfile(info, io.BytesIO(data))
             count += 1
+    os.replace(part, path)
     return count
+
+
+def demo_shards(samples: int = 128, per_shard: int = 16,
+                folder: str | os.PathLike[str] | None = None) -> str:
+    """Writes (once) the demo's multi-modal shards: per sample a JPEG, its :func:`caption`, FLAC
+    speech and a label (``cls``); keys ``demo000000`` on. Returns their brace pattern.
+
+    Args:
+        samples: How many samples.
+        per_shard: Samples per shard.
+        folder: Where; default ``cache_dir()/demo/shards-SAMPLES-PER_SHARD``.
+    """
+    where = Path(folder or cache_dir() / "demo" / f"shards-{samples}-{per_shard}")
+    where.mkdir(parents=True, exist_ok=True)
+    shards = (samples + per_shard - 1) // per_shard
+    for s in range(shards):
+        path = where / f"demo-{s:04d}.tar"
+        if not path.exists():
+            write_tar(path, map(_demo_sample, range(s * per_shard, min(samples, (s + 1) * per_shard))))
+    return str(where / f"demo-{{0000..{shards - 1:04d}}}.tar")
+
+
+def _demo_sample(i: int) -> dict[str, Any]:
+    speech = synth_speech(i, 1.0 + (i % 5) * 0.4, 22050)
+    return {"__key__": f"demo{i:06d}", "jpg": image_bytes(synth_image(i, 240, 320)),
+            "txt": caption(i), "flac": audio_bytes(speech, 22050, "FLAC"), "cls": str(i % len(WORDS))}
+
+
+def image_folder(root: str | os.PathLike[str], per_class: int = 8) -> str:
+    """Writes an ImageFolder tree of synthetic JPEGs, two classes (``circles``, ``stripes``)."""
+    for c, name in enumerate(("circles", "stripes")):
+        (Path(root) / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            (Path(root) / name / f"{i}.jpg").write_bytes(image_bytes(synth_image(100 * c + i)))
+    return str(root)
 
 
 def make_tokenizer(folder: str | os.PathLike[str], texts: Sequence[str] = WORDS,
@@ -117,3 +189,18 @@ def make_tokenizer(folder: str | os.PathLike[str], texts: Sequence[str] = WORDS,
     Path(folder).mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(folder))
     return str(folder)
+
+
+def demo_tokenizer(folder: str | os.PathLike[str] | None = None) -> str:
+    """A tiny tokenizer trained on the synthetic captions, made once in ``folder`` (default
+    ``cache_dir()/demo/tokenizer``); processes making it at the same time (ranks) all get one
+    whole copy. Returns the folder, for :func:`mmproxy.datasets.load_tokenizer`."""
+    where = Path(folder or cache_dir() / "demo" / "tokenizer")
+    if not (where / "tokenizer.json").exists():
+        part = where.with_name(f"{where.name}.part-{os.getpid()}")
+        make_tokenizer(part, [caption(i) for i in range(10 * len(WORDS))])
+        try:
+            part.rename(where)  # atomic; refused if another process's copy is already there
+        except OSError:
+            shutil.rmtree(part, ignore_errors=True)
+    return str(where)
