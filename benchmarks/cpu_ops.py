@@ -22,30 +22,26 @@ if TYPE_CHECKING:
     from mmproxy.pipelines.image import CpuResize
 
 
-def dali_stages(paths: list[str], batches: int, resize: CpuResize) -> dict[str, int]:
-    from mmproxy.pipelines import resize
+def dali_stages(paths: list[str], batches: int, cpu_resize: CpuResize) -> dict[str, int]:
+    from mmproxy.pipelines import image_train_graph, resize
     from nvidia.dali import fn, pipeline_def, types
-
-    from mmproxy.bench import IMAGE_MEAN, IMAGE_STD
 
     def build(stage: int):  # type: ignore[no-untyped-def]
         @pipeline_def(batch_size=64, num_threads=1, device_id=None, seed=1)
         def pipe():  # type: ignore[no-untyped-def]
             x = fn.readers.webdataset(paths=paths, ext=["jpg"])
-            if stage >= 1:
+            if stage == 3:  # the whole graph, as every DALI system of the bench runs it
+                return image_train_graph(x, gpu=False, size=224, cpu_resize=cpu_resize)
+            if stage >= 1:  # its first steps
                 x = fn.decoders.image_random_crop(x, device="cpu", output_type=types.RGB,
                                                   random_area=[0.08, 1.0],
                                                   random_aspect_ratio=[3 / 4, 4 / 3])
             if stage >= 2:
-                x = resize(x, 224, gpu=False, cpu_resize=resize)
-            if stage >= 3:
-                x = fn.crop_mirror_normalize(x, dtype=types.FLOAT, output_layout="CHW",
-                                             mean=IMAGE_MEAN, std=IMAGE_STD,
-                                             mirror=fn.random.coin_flip(probability=0.5))
+                x = resize(x, 224, gpu=False, cpu_resize=cpu_resize)
             return x
         return pipe()
 
-    names = ["read", "decode + random crop (ROI)", f"resize 224 (antialias, {resize})",
+    names = ["read", "decode + random crop (ROI)", f"resize 224 (antialias, {cpu_resize})",
              "flip + normalize"]
     total, out = 0.0, {}
     for stage, name in enumerate(names):
@@ -65,10 +61,9 @@ def dali_stages(paths: list[str], batches: int, resize: CpuResize) -> dict[str, 
 def torch_stages(paths: list[str], count: int) -> dict[str, int]:
     import torch
     import webdataset as wds
+    from mmproxy.pipelines import IMAGENET_MEAN, IMAGENET_STD
     from PIL import Image
     from torchvision.transforms import v2
-
-    from mmproxy.bench import IMAGE_MEAN, IMAGE_STD
 
     torch.set_num_threads(1)
     jpegs = [s["jpg"] for s in wds.tariterators.tarfile_samples({"url": u} for u in paths)][:count]
@@ -76,7 +71,7 @@ def torch_stages(paths: list[str], count: int) -> dict[str, int]:
              ("to tensor", v2.PILToTensor()),
              ("random-resized crop 224 (antialias)", v2.RandomResizedCrop(224, antialias=True)),
              ("flip + normalize", v2.Compose([v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32),
-                                              v2.Normalize(IMAGE_MEAN, IMAGE_STD)]))]
+                                              v2.Normalize(list(IMAGENET_MEAN), list(IMAGENET_STD))]))]
     out, xs = {}, jpegs
     for name, step in steps:
         start = time.process_time()

@@ -12,7 +12,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-python3 -c "from pathlib import Path; from mmproxy.bench import _shards; _shards(Path('/tmp/bench'), 'image', 8192)"
+python3 -c "from mmproxy.apps.bench.shards import write_shards; write_shards('/tmp/bench', 'image', 8192)"
 { nvidia-smi -L; nvidia-smi topo -m; lscpu | grep -i -E "numa|socket|model name"; } > "$out/topology.txt" 2>&1
 ddp() {  # ddp NAME NPROC [torchrun args --] [train_ddp args]
   local name=$1 n=$2; shift 2

@@ -1,6 +1,7 @@
 """Command line: ``mmproxy demo``, ``mmproxy bench``, ``mmproxy make-shards``.
 
-Heavy modules load inside the commands, so ``mmproxy --help`` is quick. Errors of the user's
+This module parses and dispatches; each command's body is an app (:mod:`mmproxy.apps`). Heavy
+modules load inside the commands, so ``mmproxy --help`` is quick. Errors of the user's
 making (mmproxy's own errors, missing files, bad values) print one line, ``mmproxy COMMAND:
 error: MESSAGE``, and exit with 1; ``--debug``, anywhere on the line, adds the traceback. An
 interrupt (Ctrl-C) exits with 130.
@@ -9,183 +10,20 @@ interrupt (Ctrl-C) exits with 130.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import re
+import importlib
 import sys
-import tarfile
-import time
 import traceback
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 __all__ = ["main"]
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mmproxy"
+def _app(name: str) -> Callable[[argparse.Namespace], int]:
+    """The ``run`` of ``mmproxy.apps.NAME``, imported when the command runs."""
+    def run(args: argparse.Namespace) -> int:
+        return int(importlib.import_module(f"mmproxy.apps.{name}").run(args))
 
-
-def make_demo_shards(folder: Path, samples: int, per_shard: int = 64) -> str:
-    """Writes a small multi-modal shard set: JPEG + caption + FLAC speech + label per sample."""
-    from mmproxy.testing import WORDS, audio_bytes, image_bytes, synth_image, synth_speech, write_tar
-
-    folder.mkdir(parents=True, exist_ok=True)
-    shards = (samples + per_shard - 1) // per_shard
-    for s in range(shards):
-        path = folder / f"demo-{s:04d}.tar"
-        if path.exists():
-            continue
-        rows = []
-        for i in range(s * per_shard, min(samples, (s + 1) * per_shard)):
-            label = i % len(WORDS)
-            rows.append({"__key__": f"demo{i:06d}",
-                         "jpg": image_bytes(synth_image(i, 240, 320)),
-                         "txt": f"{WORDS[label]}, take {i}",
-                         "flac": audio_bytes(synth_speech(i, 1.0 + (i % 5) * 0.4, 22050), 22050, "FLAC"),
-                         "cls": str(label)})
-        write_tar(str(path) + ".part", rows)
-        os.replace(str(path) + ".part", path)
-    return str(folder / f"demo-{{0000..{shards - 1:04d}}}.tar")
-
-
-def _first_sample_fields(urls: str) -> tuple[list[str], list[str]]:
-    """The shards of ``urls`` and the extensions (fields) of the first shard's first sample."""
-    from braceexpand import braceexpand
-
-    shards = list(braceexpand(urls)) or [urls]
-    first = shards[0]
-    local = "://" not in first and not first.startswith("pipe:")
-    if local and not os.path.isfile(first):
-        raise FileNotFoundError(f"no shard at {first} (the first of --data {urls})")
-    exts: list[str] = []
-    try:
-        if local:
-            with tarfile.open(first) as tar:
-                key = None
-                for member in tar:  # KEY.EXT as webdataset splits it: at the name's first dot
-                    match = re.match(r"^((?:.*/|)[^./][^.]*)[.]([^/]*)$", member.name)
-                    if not member.isfile() or match is None:
-                        continue
-                    if key is not None and match[1] != key:
-                        break
-                    key = match[1]
-                    exts.append(match[2].lower())
-        else:
-            import webdataset as wds
-
-            sample: dict[str, Any] = next(iter(wds.WebDataset(first, shardshuffle=False)), {})
-            exts = [k for k in sample if not k.startswith("__")]
-    except (tarfile.TarError, OSError, ValueError) as err:
-        raise ValueError(f"cannot read the first sample of {first}: {err}") from err
-    if not exts:
-        raise ValueError(f"{first} holds no samples (no tar members named KEY.EXT)")
-    return shards, exts
-
-
-def _demo(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm import tqdm
-
-    import mmproxy
-    from mmproxy.datasets import MultiModalDataset, Tokenize, load_tokenizer
-    from mmproxy.datasets.recipes import AUDIO_EXTS, IMAGE_EXTS
-    from mmproxy.pipelines import audio_pipeline, image_train_pipeline
-    from mmproxy.testing import WORDS, make_tokenizer
-
-    cache = _cache_dir() / "demo"
-    if args.data:
-        urls = args.data
-    else:
-        print(f"mmproxy demo: writing {args.samples} synthetic samples (image, caption, audio, "
-              f"label) to {cache} (once)")
-        per_shard = max(1, min(64, args.samples // (2 * max(1, args.workers))))
-        urls = make_demo_shards(cache / f"shards-{args.samples}-{per_shard}", args.samples, per_shard)
-    shards, exts = _first_sample_fields(urls)
-    first = shards[0]
-    wanted = {"image": IMAGE_EXTS, "audio": AUDIO_EXTS, "text": "txt;caption", "label": "cls"}
-    found = {name: [e for e in spec.split(";") if e in exts] for name, spec in wanted.items()}
-    used = [name for name in wanted if found[name]]
-    if "image" not in used and "audio" not in used:
-        raise ValueError(f"the first sample of {first} has neither an image ({IMAGE_EXTS}) nor an "
-                         f"audio ({AUDIO_EXTS}) field, only {', '.join(exts)}; the demo needs one")
-    print(f"mmproxy demo: fields {', '.join(f'{n} ({found[n][0]})' for n in used)}; missing: "
-          + (", ".join(f"{n} (no {wanted[n].replace(';', '/')})" for n in wanted if n not in used)
-             or "none") + f" (from the first sample of {first})")
-    tokenizer = None
-    if "text" in used:
-        tokenizer_dir = args.tokenizer or str(cache / "tokenizer")
-        if not args.tokenizer and not Path(tokenizer_dir, "tokenizer.json").exists():
-            make_tokenizer(tokenizer_dir, [f"{w}, take {i}" for i, w in enumerate(WORDS * 10)])
-        tokenizer = load_tokenizer(tokenizer_dir)
-    device = args.device
-    gpu = device == "gpu" or (device == "auto" and torch.cuda.is_available())
-    workers = min(args.workers, len(shards))  # every worker needs a shard of its own
-    print(f"mmproxy demo: {'GPU' if gpu else 'CPU'} pipelines, {workers} worker{'' if workers == 1 else 's'}"
-          + (f" (one per shard, not {args.workers})" if workers < args.workers else "") + ", "
-          f"batch {args.batch_size}, shards {urls}")
-    servers: dict[str, Any] = {}
-    if "image" in used:
-        servers["image"] = mmproxy.DALIServer(
-            image_train_pipeline(batch_size=args.batch_size, size=args.image_size, device=device,
-                                 num_threads=args.threads), name="image")
-    if "audio" in used:
-        servers["audio"] = mmproxy.DALIServer(
-            audio_pipeline(batch_size=args.batch_size, sample_rate=16000, device=device,
-                           num_threads=args.threads), name="audio", pad=[0])
-    fields: dict[str, Any] = {name: (wanted[name], server.proxy) for name, server in servers.items()}
-    if "text" in used:
-        fields["text"] = (wanted["text"], lambda b: b.decode().strip())
-    if "label" in used:
-        fields["label"] = ("cls", int)
-    dataset = MultiModalDataset(
-        urls, fields, batch_size=args.batch_size, shuffle_buffer=64, on_error=args.on_error,
-        batch_transform=Tokenize(tokenizer, 32, "longest") if tokenizer is not None else None)
-    counts = dict.fromkeys(used, 0)
-    skipped: list[Any] = []
-    start = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        for server in servers.values():
-            stack.enter_context(server)
-        loader = dataset.loader(list(servers.values()), num_workers=workers)
-        for _ in range(args.epochs):
-            for batch in tqdm(loader, desc="batches", unit="batch", disable=args.quiet):
-                if "image" in counts:
-                    counts["image"] += len(batch["image"])
-                if "audio" in counts:
-                    counts["audio"] += batch["audio"][0].data.shape[0]
-                if "text" in counts:
-                    counts["text"] += batch["input_ids"].shape[0]
-                if "label" in counts:
-                    counts["label"] += len(batch["label"])
-                skipped += batch["__skipped__"]
-        if gpu:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        print(f"\nmmproxy demo: {elapsed:.1f} s for {args.epochs} epoch(s)")
-        for name, n in counts.items():
-            print(f"  {name:6s} {n:6d} samples  {n / elapsed:8.1f} samples/s")
-        for server in servers.values():
-            print(f"  main loop waited {server.wait_seconds:6.2f} s on server {server.name!r} "
-                  f"(which waited {server.starved_seconds:.2f} s for inputs from workers)")
-        print(f"  skipped {len(skipped)} samples" + (f", first: {skipped[:3]}" if skipped else ""))
-    return 0
-
-
-def _make_shards(args: argparse.Namespace) -> int:
-    from mmproxy.datasets import make_shards
-
-    written = make_shards(args.source, args.output, kind=args.kind, max_count=args.max_count,
-                          max_size=args.max_size, prefix=args.prefix, overwrite=args.overwrite)
-    print(written.summary())
-    return 0
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from mmproxy import bench
-
-    return bench.run(args)
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--on-error", choices=["raise", "skip"], default="skip",
                       help="what to do with a bad sample (default: skip and report)")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
-    demo.set_defaults(func=_demo)
+    demo.set_defaults(func=_app("demo"))
 
     shards = sub.add_parser("make-shards", parents=[common], help="turn a folder into WebDataset shards",
                             description="Writes images with captions (ImageFolder tree or image + "
@@ -237,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     shards.add_argument("--prefix", default="shard", help="shard names start with it (default shard)")
     shards.add_argument("--overwrite", action="store_true",
                         help="replace the shard set already in OUTPUT (otherwise refused)")
-    shards.set_defaults(func=_make_shards)
+    shards.set_defaults(func=_app("shards"))
 
     bench = sub.add_parser("bench", parents=[common],
                            help="compare mmproxy with plain PyTorch, DALI's proxy and a pure DALI "
@@ -277,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None, help="write a PNG bar chart here")
     bench.add_argument("--memory-epochs", type=int, default=0,
                        help="also run mmproxy this many epochs and record RSS and shared memory")
-    bench.set_defaults(func=_bench)
+    bench.set_defaults(func=_app("bench"))
     return parser
 
 

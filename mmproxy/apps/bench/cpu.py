@@ -1,0 +1,41 @@
+"""CPU accounting: CPU time of the DataLoader workers and of this process's threads, by group."""
+
+from __future__ import annotations
+
+__all__ = ["CPU_GROUPS", "cpu_ms_per_batch", "cpu_seconds"]
+
+CPU_GROUPS = ("workers", "main-thread", "server-threads", "dali-threads")
+
+
+def cpu_seconds() -> dict[tuple[str, int], float]:
+    """CPU time so far of each worker (child process) and of each of this process's threads,
+    keyed by (group, pid or thread id)."""
+    import threading
+
+    import psutil
+
+    me = psutil.Process()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for child in me.children(recursive=True):
+        try:
+            times = child.cpu_times()
+            out["workers", child.pid] = times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    for t in me.threads():
+        name = names.get(t.id)
+        group = ("main-thread" if name == "MainThread" else "dali-threads" if name is None
+                 else "server-threads")  # DALI's own threads are not Python threads
+        out[group, t.id] = t.user_time + t.system_time
+    return out
+
+
+def cpu_ms_per_batch(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float],
+                     batches: int) -> dict[str, float]:
+    """CPU per batch by group, between two snapshots (a process or thread that ended in between
+    is not counted; one that started counts from zero)."""
+    out = dict.fromkeys(CPU_GROUPS, 0.0)
+    for (group, ident), seconds in after.items():
+        out[group] += seconds - before.get((group, ident), 0.0)
+    return {k: round(1000 * v / batches, 2) for k, v in out.items()}

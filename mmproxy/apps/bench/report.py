@@ -1,0 +1,78 @@
+"""Report: the machine, mmproxy's ratio to each system, the printed summary and the bar chart."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+__all__ = ["add_ratios", "error_line", "machine", "plot", "print_summary"]
+
+
+def machine(gpu: bool) -> dict[str, Any]:
+    """The GPU's name (None on CPU), CPU count and the versions that matter."""
+    import nvidia.dali
+    import torch
+
+    return {"gpu": torch.cuda.get_device_name() if gpu else None, "cpus": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "dali": nvidia.dali.__version__}
+
+
+def error_line(err: BaseException) -> str:
+    """One line for a failed system; for an error raised in a DataLoader worker, its own line
+    (torch's message starts with "Caught X in DataLoader worker process N" and a traceback)."""
+    lines = [line for line in str(err).strip().splitlines() if line.strip()] or [""]
+    line = lines[-1] if "Original Traceback" in str(err) else f"{type(err).__name__}: {lines[0]}"
+    return line[:300]
+
+
+def add_ratios(results: dict[str, dict[str, Any]]) -> None:
+    """Adds ``mmproxy_ratio`` (mmproxy's rate / the system's) to each system's result, and for
+    mmproxy-damaged its rate over the samples delivered relative to clean data."""
+    base = results.get("mmproxy", {}).get("samples_per_s")
+    for result in results.values():
+        if base and "samples_per_s" in result:
+            result["mmproxy_ratio"] = round(base / result["samples_per_s"], 3)
+    damaged = results.get("mmproxy-damaged", {})
+    if base and "samples_per_s" in damaged:
+        damaged["damaged_vs_clean"] = round(damaged["samples_per_s"] / base, 3)
+        clean = results["mmproxy"]["sustained_samples_per_s"]
+        damaged["sustained_damaged_vs_clean"] = (
+            round(damaged["sustained_samples_per_s"] / clean, 3)
+            if damaged.get("sustained_samples_per_s") else None)
+
+
+def print_summary(out: dict[str, Any], workers: int) -> None:
+    """Throughput per workload and system, and mmproxy's ratio to each."""
+    gpu = out["machine"]["gpu"]
+    print(f"\nmmproxy bench ({'GPU ' + str(gpu) if gpu else 'CPU'}, {workers} workers): "
+          "throughput, and mmproxy's ratio to each system")
+    for kind, r in out["results"].items():
+        for name, s in r["systems"].items():
+            if "samples_per_s" in s:
+                print(f"  {kind:10s} {name:12s} {s['samples_per_s']:10.1f} samples/s   "
+                      f"mmproxy / this = {s.get('mmproxy_ratio', float('nan')):.2f}")
+            else:
+                print(f"  {kind:10s} {name:12s} {s['error']}")
+
+
+def plot(out: dict[str, Any], path: str) -> None:
+    """A PNG with a bar chart of samples/s per system, one panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(out["results"])
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.5), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        systems = {k: v["samples_per_s"] for k, v in out["results"][kind]["systems"].items()
+                   if "samples_per_s" in v}
+        ax.bar(list(systems), list(systems.values()),
+               color=["tab:green" if k == "mmproxy" else "tab:gray" for k in systems])
+        ax.set_title(kind)
+        ax.set_ylabel("samples/s")
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

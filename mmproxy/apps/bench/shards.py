@@ -1,0 +1,63 @@
+"""Bench shards: the synthetic image and audio shards every system reads, some JPEGs damaged.
+
+Images are ~45 KB JPEGs of 500x375 with a caption and a label, like the reference workload; audio
+clips are 44.1 kHz WAV of 2-10 s with a label. Shards are written once per folder, in parallel
+processes, and reused by later runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["is_damaged", "write_shards"]
+
+
+def is_damaged(i: int, damage: float) -> bool:
+    """Whether sample ``i`` is damaged: a fraction ``damage`` of the samples, evenly spread."""
+    return damage > 0 and math.floor((i + 1) * damage) > math.floor(i * damage)
+
+
+def write_shards(folder: str | os.PathLike[str], kind: str, count: int, workers: int = 1,
+                 damage: float = 0.0, damage_kind: str = "truncate") -> list[str]:
+    """Writes (once) ``count`` synthetic samples of ``kind`` ("image" or "audio") as shards of 64
+    under ``folder/KIND-COUNT/``, smaller shards when 64 would leave one of ``workers`` without
+    one; returns their paths. With ``damage``, that fraction of the images is damaged
+    (:func:`mmproxy.testing.damage_jpeg` of ``damage_kind``), spread evenly over the shards, in a
+    folder of its own."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    per_shard = min(64, max(1, count // max(1, workers)))
+    name = f"{kind}-{count}" if per_shard == 64 else f"{kind}-{count}-by{per_shard}"
+    where = Path(folder) / (name + (f"-{damage_kind}{damage:g}" if damage else ""))
+    where.mkdir(parents=True, exist_ok=True)
+    jobs = [(str(where / f"{kind}-{s:04d}.tar"), kind, s * per_shard, min(count, (s + 1) * per_shard),
+             damage, damage_kind) for s in range(math.ceil(count / per_shard))]
+    if all(os.path.exists(job[0]) for job in jobs):
+        return [job[0] for job in jobs]
+    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        return list(pool.map(_write_shard, jobs))
+
+
+def _write_shard(job: tuple[str, str, int, int, float, str]) -> str:
+    from mmproxy.testing import write_tar
+
+    path, kind, lo, hi, damage, damage_kind = job
+    if not os.path.exists(path):
+        write_tar(path, (_sample(kind, i, damage, damage_kind) for i in range(lo, hi)))
+    return path
+
+
+def _sample(kind: str, i: int, damage: float, damage_kind: str) -> dict[str, Any]:
+    from mmproxy.testing import audio_bytes, caption, damage_jpeg, image_bytes, synth_image, synth_speech
+
+    if kind == "image":
+        jpeg = image_bytes(synth_image(i, 375, 500))
+        if is_damaged(i, damage):
+            jpeg = damage_jpeg(jpeg, damage_kind)
+        return {"__key__": f"{i:07d}", "jpg": jpeg, "txt": caption(i), "cls": str(i % 10)}
+    seconds = 2 + (i * 7919 % 800) / 100
+    return {"__key__": f"{i:07d}", "wav": audio_bytes(synth_speech(i, seconds, 44100), 44100, "WAV"),
+            "cls": str(i % 10)}

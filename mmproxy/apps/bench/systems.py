@@ -1,0 +1,187 @@
+"""Systems: the table of what the bench compares, and how each one loads a workload.
+
+=================  ===========================================  ===============================
+system             what loads the data                          workloads
+=================  ===========================================  ===============================
+mmproxy            DALIServer + MultiModalDataset (workers      image, audio, image-text,
+                   send bytes, the server runs the pipeline)    machinery
+mmproxy-damaged    mmproxy on a copy of the image shards with   image (with ``--damage``; runs
+                   ``--damage`` of the JPEGs damaged            after mmproxy)
+torch              PIL decode + torchvision v2 (torchaudio for  image, audio
+                   audio) in the workers
+torch-tensor       torchvision.io.decode_jpeg + v2              image
+dali-proxy         DALI's own proxy                             image, audio, machinery
+dali-reader        fn.readers.webdataset, no Python             image, audio, image-text
+=================  ===========================================  ===============================
+
+Every DALI system runs the same graph (:mod:`mmproxy.apps.bench.pipes`); each returns what
+:func:`~mmproxy.apps.bench.timing.time_epochs` measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from mmproxy.apps.bench.pipes import proxied_pipeline, reader_pipeline
+from mmproxy.apps.bench.shards import write_shards
+from mmproxy.apps.bench.timing import time_epochs
+from mmproxy.apps.bench.workers import (
+    ProxyCall,
+    TinySamples,
+    TorchImage,
+    WdsSamples,
+    pad_collate,
+    torch_audio,
+)
+
+__all__ = ["SYSTEMS", "WORKLOADS", "Setup", "System", "select"]
+
+WORKLOADS = ("image", "audio", "image-text", "machinery")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One workload as every system gets it.
+
+    Args:
+        args: The ``mmproxy bench`` command line.
+        workload: One of :data:`WORKLOADS`.
+        paths: The shards.
+        folder: Where the bench's shards are written.
+        gpu: Whether the pipelines run on the GPU.
+        device_id: The GPU, or None.
+        batch: Samples per batch.
+        tokenizer: For image-text: the captions' tokenizer.
+    """
+
+    args: argparse.Namespace
+    workload: str
+    paths: list[str]
+    folder: Path
+    gpu: bool
+    device_id: int | None
+    batch: int
+    tokenizer: Any = None
+
+    @property
+    def modality(self) -> str:
+        """The heavy field: "audio" for the audio workload, else "image"."""
+        return "audio" if self.workload == "audio" else "image"
+
+    @property
+    def ext(self) -> str:
+        return "wav" if self.modality == "audio" else "jpg"
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """A row of the table: a name, the workloads it runs, and how."""
+
+    name: str
+    workloads: frozenset[str]
+    run: Callable[[Setup], dict[str, Any]]
+    needs_damage: bool = False
+
+
+def select(workload: str, names: list[str], damage: float) -> list[System]:
+    """The systems of ``names`` that run ``workload``, in order; mmproxy-damaged right after
+    mmproxy when there is ``damage``. Unknown names are a ValueError."""
+    unknown = [name for name in names if name not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    if damage and "mmproxy" in names and "mmproxy-damaged" not in names:
+        names = [*names]
+        names.insert(names.index("mmproxy") + 1, "mmproxy-damaged")
+    return [SYSTEMS[name] for name in names
+            if workload in SYSTEMS[name].workloads and (damage or not SYSTEMS[name].needs_damage)]
+
+
+def _on_device(batch: Any, gpu: bool) -> Any:
+    if not gpu:
+        return batch
+    if isinstance(batch, tuple):
+        return tuple(x.cuda(non_blocking=True) for x in batch)
+    return batch.cuda(non_blocking=True)
+
+
+def _torch(setup: Setup, decoder: str) -> dict[str, Any]:
+    import torch
+
+    image = setup.modality == "image"
+    loader = torch.utils.data.DataLoader(
+        WdsSamples(setup.paths, setup.ext, TorchImage(decoder) if image else torch_audio),
+        batch_size=setup.batch, num_workers=setup.args.workers,
+        collate_fn=None if image else pad_collate, pin_memory=setup.gpu, persistent_workers=True)
+    return time_epochs(lambda: (_on_device(b, setup.gpu) for b in loader), setup.args.epochs,
+                       setup.gpu)
+
+
+def _dali_reader(setup: Setup) -> dict[str, Any]:
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    reader = DALIGenericIterator(reader_pipeline(setup), ["data"], reader_name="reader",
+                                 auto_reset=True, last_batch_policy=LastBatchPolicy.PARTIAL)
+    return time_epochs(lambda: (b[0]["data"] for b in reader), setup.args.epochs, setup.gpu)
+
+
+def _dali_proxy(setup: Setup) -> dict[str, Any]:
+    from nvidia.dali.plugin.pytorch.experimental import proxy as dali_proxy
+
+    a = setup.args
+    with dali_proxy.DALIServer(proxied_pipeline(setup)) as server:
+        data = (TinySamples(server.proxy, a.samples) if setup.workload == "machinery"
+                else WdsSamples(setup.paths, setup.ext, ProxyCall(server.proxy)))
+        loader = dali_proxy.DataLoader(server, data, batch_size=setup.batch, num_workers=a.workers,
+                                       persistent_workers=True)
+        return time_epochs(lambda: loader, a.epochs, setup.gpu)
+
+
+def _decode(data: bytes) -> str:
+    return data.decode()
+
+
+def _mmproxy(setup: Setup) -> dict[str, Any]:
+    import mmproxy
+    from mmproxy.datasets import MultiModalDataset, Tokenize
+
+    a = setup.args
+    server = mmproxy.DALIServer(proxied_pipeline(setup), name=setup.workload)
+    with server:
+        loader: Any
+        if setup.workload == "machinery":
+            loader = mmproxy.DataLoader(server, TinySamples(server.proxy, a.samples),
+                                        batch_size=setup.batch, num_workers=a.workers,
+                                        persistent_workers=True)
+        else:
+            fields: dict[str, Any] = {setup.modality: (setup.ext, server.proxy)}
+            transform = None
+            if setup.workload == "image-text":
+                fields["text"] = ("txt", _decode)
+                transform = Tokenize(setup.tokenizer, 32, "longest")
+            dataset = MultiModalDataset(setup.paths, fields, batch_size=setup.batch,
+                                        shuffle_buffer=256, keep_keys=False,
+                                        batch_transform=transform, prefetch_next_epoch=a.next_epoch,
+                                        on_error="skip")
+            loader = dataset.loader(server, num_workers=a.workers, persistent_workers=True)
+        return time_epochs(lambda: loader, a.epochs, setup.gpu, server)
+
+
+def _mmproxy_damaged(setup: Setup) -> dict[str, Any]:
+    a = setup.args
+    paths = write_shards(setup.folder, "image", a.samples, a.workers, a.damage, a.damage_kind)
+    return _mmproxy(dataclasses.replace(setup, paths=paths))
+
+
+SYSTEMS: dict[str, System] = {system.name: system for system in (
+    System("mmproxy", frozenset(WORKLOADS), _mmproxy),
+    System("mmproxy-damaged", frozenset({"image"}), _mmproxy_damaged, needs_damage=True),
+    System("torch", frozenset({"image", "audio"}), partial(_torch, decoder="pil")),
+    System("torch-tensor", frozenset({"image"}), partial(_torch, decoder="tensor")),
+    System("dali-proxy", frozenset({"image", "audio", "machinery"}), _dali_proxy),
+    System("dali-reader", frozenset({"image", "audio", "image-text"}), _dali_reader),
+)}

@@ -1,0 +1,94 @@
+"""What the bench's systems run in DataLoader workers: raw samples of the shards, plain PyTorch's
+transforms (torchvision, torchaudio: the ``torch`` systems), and proxy calls (DALI's proxy)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmproxy.pipelines import IMAGENET_MEAN, IMAGENET_STD
+
+__all__ = ["ProxyCall", "TinySamples", "TorchImage", "WdsSamples", "pad_collate", "torch_audio"]
+
+
+class WdsSamples(torch.utils.data.IterableDataset):
+    """``fn(bytes)`` of each sample's ``ext`` field in the shards, split by worker."""
+
+    def __init__(self, paths: list[str], ext: str, fn: Callable[[bytes], Any]) -> None:
+        self.paths, self.ext, self.fn = paths, ext, fn
+
+    def __iter__(self) -> Iterator[Any]:
+        import webdataset as wds
+
+        info = torch.utils.data.get_worker_info()
+        mine = self.paths[info.id::info.num_workers] if info else self.paths
+        for sample in wds.tariterators.tarfile_samples({"url": u} for u in mine):
+            yield self.fn(sample[self.ext])
+
+
+class TinySamples(torch.utils.data.Dataset):
+    """The proxy machinery alone: ``n`` proxy calls on 16-byte samples."""
+
+    def __init__(self, proxy: Any, n: int) -> None:
+        self.proxy, self.n = proxy, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return self.proxy(np.full(16, i % 251, np.uint8))
+
+
+class ProxyCall:
+    """A proxy called on a sample's bytes (DALI's proxy takes arrays)."""
+
+    def __init__(self, proxy: Any) -> None:
+        self.proxy = proxy
+
+    def __call__(self, data: bytes) -> Any:
+        return self.proxy(np.frombuffer(data, np.uint8))
+
+
+class TorchImage:
+    """The image pipeline's ops in torchvision: ``decoder`` "pil" (ImageFolder's default loader)
+    or "tensor" (``torchvision.io.decode_jpeg``), then random-resized crop 224, flip, normalize."""
+
+    def __init__(self, decoder: str) -> None:
+        from torchvision.transforms import v2
+
+        self.decoder = decoder
+        first = [v2.PILToTensor()] if decoder == "pil" else []
+        self.t = v2.Compose([*first, v2.RandomResizedCrop(224, antialias=True),
+                             v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32),
+                             v2.Normalize(list(IMAGENET_MEAN), list(IMAGENET_STD))])
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        if self.decoder == "pil":
+            from PIL import Image
+
+            return self.t(Image.open(io.BytesIO(data)).convert("RGB"))
+        from torchvision.io import decode_jpeg
+
+        return self.t(decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8)))
+
+
+def torch_audio(data: bytes) -> torch.Tensor:
+    """The audio pipeline's ops in PyTorch: 16-bit WAV decode, resample to 16 kHz (torchaudio)."""
+    import wave
+
+    import torchaudio
+
+    with wave.open(io.BytesIO(data)) as w:
+        rate, frames = w.getframerate(), w.readframes(w.getnframes())
+    x = torch.from_numpy(np.frombuffer(frames, np.int16).astype(np.float32) / 32768)
+    return torchaudio.functional.resample(x, rate, 16000)
+
+
+def pad_collate(items: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clips of different lengths as one zero-padded batch and their lengths."""
+    lengths = torch.tensor([len(x) for x in items])
+    return torch.nn.utils.rnn.pad_sequence(items, batch_first=True), lengths

@@ -1,0 +1,154 @@
+"""Demo app: ``mmproxy demo``, multi-modal shards through an image and an audio server.
+
+Without ``--data`` it writes the synthetic demo set (:func:`mmproxy.testing.demo_shards`) first.
+The fields of the first sample choose the servers (image, audio) and what stays in PyTorch (text,
+tokenized in the workers; label); it prints samples/s per field, how long the main loop waited on
+each server, and the samples skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import tarfile
+import time
+from typing import Any
+
+__all__ = ["run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the demo; returns the exit code."""
+    from mmproxy.datasets.recipes import AUDIO_EXTS, IMAGE_EXTS
+    from mmproxy.pipelines import resolve_device
+    from mmproxy.testing import cache_dir, demo_shards
+
+    if args.data:
+        urls = args.data
+    else:
+        print(f"mmproxy demo: writing {args.samples} synthetic samples (image, caption, audio, "
+              f"label) to {cache_dir() / 'demo'} (once)")
+        urls = demo_shards(args.samples, max(1, min(64, args.samples // (2 * max(1, args.workers)))))
+    shards, exts = _first_sample_fields(urls)
+    first = shards[0]
+    wanted = {"image": IMAGE_EXTS, "audio": AUDIO_EXTS, "text": "txt;caption", "label": "cls"}
+    found = {name: [e for e in spec.split(";") if e in exts] for name, spec in wanted.items()}
+    used = [name for name in wanted if found[name]]
+    if "image" not in used and "audio" not in used:
+        raise ValueError(f"the first sample of {first} has neither an image ({IMAGE_EXTS}) nor an "
+                         f"audio ({AUDIO_EXTS}) field, only {', '.join(exts)}; the demo needs one")
+    print(f"mmproxy demo: fields {', '.join(f'{n} ({found[n][0]})' for n in used)}; missing: "
+          + (", ".join(f"{n} (no {wanted[n].replace(';', '/')})" for n in wanted if n not in used)
+             or "none") + f" (from the first sample of {first})")
+    gpu, _ = resolve_device(args.device)
+    workers = min(args.workers, len(shards))  # every worker needs a shard of its own
+    print(f"mmproxy demo: {'GPU' if gpu else 'CPU'} pipelines, {workers} worker{'' if workers == 1 else 's'}"
+          + (f" (one per shard, not {args.workers})" if workers < args.workers else "") + ", "
+          f"batch {args.batch_size}, shards {urls}")
+    servers = _servers(args, used)
+    dataset = _dataset(args, urls, {name: wanted[name] for name in used}, servers)
+    with contextlib.ExitStack() as stack:
+        for server in servers.values():
+            stack.enter_context(server)
+        _stream(args, dataset.loader(list(servers.values()), num_workers=workers), used, servers,
+                gpu)
+    return 0
+
+
+def _servers(args: argparse.Namespace, used: list[str]) -> dict[str, Any]:
+    """An image server and an audio server, for the fields the shards have."""
+    import mmproxy
+    from mmproxy.pipelines import audio_pipeline, image_train_pipeline
+
+    servers: dict[str, Any] = {}
+    if "image" in used:
+        servers["image"] = mmproxy.DALIServer(
+            image_train_pipeline(batch_size=args.batch_size, size=args.image_size,
+                                 device=args.device, num_threads=args.threads), name="image")
+    if "audio" in used:
+        servers["audio"] = mmproxy.DALIServer(
+            audio_pipeline(batch_size=args.batch_size, sample_rate=16000, device=args.device,
+                           num_threads=args.threads), name="audio", pad=[0])
+    return servers
+
+
+def _dataset(args: argparse.Namespace, urls: str, exts: dict[str, str],
+             servers: dict[str, Any]) -> Any:
+    """Heavy fields through their servers, text tokenized in the workers, labels as ints."""
+    from mmproxy.datasets import MultiModalDataset, Tokenize, load_tokenizer
+    from mmproxy.testing import demo_tokenizer
+
+    fields: dict[str, Any] = {name: (exts[name], server.proxy) for name, server in servers.items()}
+    transform = None
+    if "text" in exts:
+        fields["text"] = (exts["text"], lambda b: b.decode().strip())
+        tokenizer = load_tokenizer(args.tokenizer or demo_tokenizer())
+        transform = Tokenize(tokenizer, 32, "longest")
+    if "label" in exts:
+        fields["label"] = (exts["label"], int)
+    return MultiModalDataset(urls, fields, batch_size=args.batch_size, shuffle_buffer=64,
+                             on_error=args.on_error, batch_transform=transform)
+
+
+def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dict[str, Any],
+            gpu: bool) -> None:
+    """Runs the epochs, counting samples per field, then prints the summary."""
+    import torch
+    from tqdm import tqdm
+
+    sizes = {"image": lambda b: len(b["image"]), "audio": lambda b: b["audio"][0].data.shape[0],
+             "text": lambda b: b["input_ids"].shape[0], "label": lambda b: len(b["label"])}
+    counts = dict.fromkeys(used, 0)
+    skipped: list[Any] = []
+    start = time.perf_counter()
+    for _ in range(args.epochs):
+        for batch in tqdm(loader, desc="batches", unit="batch", disable=args.quiet):
+            for name in counts:
+                counts[name] += sizes[name](batch)
+            skipped += batch["__skipped__"]
+    if gpu:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    print(f"\nmmproxy demo: {elapsed:.1f} s for {args.epochs} epoch(s)")
+    for name, n in counts.items():
+        print(f"  {name:6s} {n:6d} samples  {n / elapsed:8.1f} samples/s")
+    for server in servers.values():
+        print(f"  main loop waited {server.wait_seconds:6.2f} s on server {server.name!r} "
+              f"(which waited {server.starved_seconds:.2f} s for inputs from workers)")
+    print(f"  skipped {len(skipped)} samples" + (f", first: {skipped[:3]}" if skipped else ""))
+
+
+def _first_sample_fields(urls: str) -> tuple[list[str], list[str]]:
+    """The shards of ``urls`` and the extensions (fields) of the first shard's first sample."""
+    from braceexpand import braceexpand
+
+    shards = list(braceexpand(urls)) or [urls]
+    first = shards[0]
+    local = "://" not in first and not first.startswith("pipe:")
+    if local and not os.path.isfile(first):
+        raise FileNotFoundError(f"no shard at {first} (the first of --data {urls})")
+    exts: list[str] = []
+    try:
+        if local:
+            with tarfile.open(first) as tar:
+                key = None
+                for member in tar:  # KEY.EXT as webdataset splits it: at the name's first dot
+                    match = re.match(r"^((?:.*/|)[^./][^.]*)[.]([^/]*)$", member.name)
+                    if not member.isfile() or match is None:
+                        continue
+                    if key is not None and match[1] != key:
+                        break
+                    key = match[1]
+                    exts.append(match[2].lower())
+        else:
+            import webdataset as wds
+
+            sample: dict[str, Any] = next(iter(wds.WebDataset(first, shardshuffle=False)), {})
+            exts = [k for k in sample if not k.startswith("__")]
+    except (tarfile.TarError, OSError, ValueError) as err:
+        raise ValueError(f"cannot read the first sample of {first}: {err}") from err
+    if not exts:
+        raise ValueError(f"{first} holds no samples (no tar members named KEY.EXT)")
+    return shards, exts
