@@ -1,4 +1,4 @@
-"""Sums up Chrome traces from ``examples/train_ddp.py --profile DIR``, per rank: where the GPU's time
+"""Sums up Chrome traces from ``benchmarks/ddp_bench.py --profile DIR``, per rank: where the GPU's time
 went during the profiled training steps.
 
     python benchmarks/ddp_profile.py DIR [DIR ...] [--json OUT]
@@ -60,7 +60,7 @@ def summarize(path: str) -> dict:
     events = _load(path)["traceEvents"]
     steps = [e for e in events if e.get("ph") == "X" and e.get("name") == "train_step"]
     if not steps:
-        raise SystemExit(f"{path}: no 'train_step' ranges; was it written by train_ddp.py --profile?")
+        raise SystemExit(f"{path}: no 'train_step' ranges; was it written by ddp_bench.py --profile?")
     # The threads that run training: the main loop's and autograd's (they launch the model's work).
     training_threads = {e["tid"] for e in steps}
     training_threads |= {e["tid"] for e in events if e.get("ph") == "X"

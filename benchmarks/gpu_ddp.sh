@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# 1 vs 2 GPUs on an nvidia-h200-x2 machine (2x H200, 32 cores), examples/train_ddp.py at 224 px,
+# 1 vs 2 GPUs on an nvidia-h200-x2 machine (2x H200, 32 cores), benchmarks/ddp_bench.py (the
+# training of examples/train_ddp.py, timed) at 224 px,
 # batch 256 per rank, 96 batches per rank per epoch, 4 epochs, 12 workers and 8 DALI threads per
 # rank. Two models: `tiny` (data loading sets the pace) and `resnet50` (bf16: the model does).
 # Each rank pinned to its own 16 cores (--cpus-per-rank 16), then the same with torchrun's
@@ -14,12 +15,12 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 python3 -c "from mmproxy.apps.bench.shards import write_shards; write_shards('/tmp/bench', 'image', 8192)"
 { nvidia-smi -L; nvidia-smi topo -m; lscpu | grep -i -E "numa|socket|model name"; } > "$out/topology.txt" 2>&1
-ddp() {  # ddp NAME NPROC [torchrun args --] [train_ddp args]
+ddp() {  # ddp NAME NPROC [--numa] [ddp_bench args]
   local name=$1 n=$2; shift 2
   local launch=()
   if [ "$1" = "--numa" ]; then launch=(--numa-binding exclusive); shift; else set -- --cpus-per-rank 16 "$@"; fi
-  (cd examples && timeout 240 python3 -m torch.distributed.run --nproc_per_node="$n" \
-    --master_port=$((29800 + n)) "${launch[@]}" train_ddp.py \
+  (timeout 240 python3 -m torch.distributed.run --nproc_per_node="$n" \
+    --master_port=$((29800 + n)) "${launch[@]}" benchmarks/ddp_bench.py \
     --data '/tmp/bench/image-8192/image-{0000..0127}.tar' --samples 8192 --epoch-length 96 \
     --batch-size 256 --workers 12 --threads 8 --image-size 224 --epochs 4 \
     --json "$out/ddp-$name-$n.json" "$@" 2>&1 | grep -a -E '"world"|Error|error' | head -5)

@@ -11,8 +11,8 @@ bench() { CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 python3 -m mmproxy.cli bench --
   --workers 15 --threads 8 --epochs 3 --data-dir /tmp/bench "$@" 2>&1 | grep -a "^\[" ; }
 ddp() {  # ddp NAME NPROC ARGS...
   local name=$1 n=$2; shift 2
-  (cd examples && python3 -m torch.distributed.run --nproc_per_node="$n" --master_port=$((29800 + n)) \
-    train_ddp.py --data '/tmp/bench/image-8192/image-{0000..0127}.tar' --samples 8192 \
+  (python3 -m torch.distributed.run --nproc_per_node="$n" --master_port=$((29800 + n)) \
+    benchmarks/ddp_bench.py --data '/tmp/bench/image-8192/image-{0000..0127}.tar' --samples 8192 \
     --epoch-length 96 --batch-size 256 --workers 12 --threads 8 --image-size 224 --epochs 4 \
     --cpus-per-rank 16 --json "$out/ddp-$name-$n.json" "$@" 2>&1 | grep -a '"world"')
 }

@@ -1,5 +1,5 @@
 """Models for the examples: tiny ones that train a few steps on a CPU, and a ResNet-50 image tower
-for GPU runs where the model, not the data, should set the pace."""
+for GPU runs where the model, not the data, should set the pace; the CLIP training step."""
 
 from __future__ import annotations
 
@@ -55,3 +55,15 @@ class TinyAudioNet(nn.Module):
         mask = (torch.arange(h.shape[-1], device=h.device)[None] < frames[:, None].to(h.device))
         pooled = (h * mask[:, None]).sum(-1) / mask.sum(-1, keepdim=True).clamp(min=1)
         return self.head(pooled)
+
+
+def clip_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict, device: torch.device | str
+              ) -> torch.Tensor:
+    """One training step of a CLIP model on an image-text batch; returns the loss."""
+    loss = model(batch["image"].to(device, non_blocking=True),
+                 batch["input_ids"].to(device, non_blocking=True),
+                 batch["attention_mask"].to(device, non_blocking=True))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss

@@ -8,12 +8,12 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _common import demo_shards
 from _models import TinyAudioNet
 from mmproxy.datasets import audio_label_dataset
-from mmproxy.pipelines import audio_pipeline
+from mmproxy.pipelines import audio_pipeline, resolve_device
 
 import mmproxy
+from mmproxy.testing import demo_shards
 
 
 def main():
@@ -26,7 +26,7 @@ def main():
     parser.add_argument("--n-mels", type=int, default=40)
     args = parser.parse_args()
     urls = args.data or demo_shards(128)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if resolve_device()[0] else "cpu"
 
     audio = mmproxy.DALIServer(audio_pipeline(batch_size=args.batch_size, sample_rate=16000,
                                               n_mels=args.n_mels, num_threads=2),

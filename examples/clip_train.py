@@ -7,12 +7,12 @@ import argparse
 import time
 
 import torch
-from _common import demo_shards
-from _models import TinyCLIP
+from _models import TinyCLIP, clip_step
 from mmproxy.datasets import image_text_dataset, load_tokenizer
-from mmproxy.pipelines import image_train_pipeline
+from mmproxy.pipelines import image_train_pipeline, resolve_device
 
 import mmproxy
+from mmproxy.testing import demo_shards, demo_tokenizer
 
 
 def main():
@@ -25,15 +25,8 @@ def main():
     parser.add_argument("--image-size", type=int, default=96)
     args = parser.parse_args()
     urls = args.data or demo_shards(128)
-    tokenizer = args.tokenizer
-    if tokenizer is None:
-        from mmproxy.cli import _cache_dir
-        from mmproxy.testing import WORDS, make_tokenizer
-
-        tokenizer = make_tokenizer(_cache_dir() / "demo" / "tokenizer-clip",
-                                   [f"{w}, take {i}" for i, w in enumerate(WORDS * 10)])
-    tok = load_tokenizer(tokenizer)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tok = load_tokenizer(args.tokenizer or demo_tokenizer())
+    device = "cuda" if resolve_device()[0] else "cpu"
 
     image = mmproxy.DALIServer(image_train_pipeline(batch_size=args.batch_size, size=args.image_size,
                                                     num_threads=2), name="image")
@@ -45,11 +38,7 @@ def main():
     with image:
         while step < args.steps:
             for batch in dataset.loader(image, num_workers=args.workers):
-                loss = model(batch["image"].to(device), batch["input_ids"].to(device),
-                             batch["attention_mask"].to(device))
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+                loss = clip_step(model, opt, batch, device)
                 step += 1
                 print(f"step {step}: loss {loss.item():.3f}")
                 if step == args.steps:

@@ -4,16 +4,17 @@ Run: python examples/dali_proxy_example1.py [--data IMAGEFOLDER]
 """
 
 import argparse
+import tempfile
 
 import numpy as np
-import torch
 import torchvision
-from _common import device_id, tiny_image_folder
+from mmproxy.pipelines import resolve_device
 from nvidia.dali import fn, pipeline_def, types
 
 import mmproxy as dali_proxy
+from mmproxy.testing import image_folder
 
-GPU = torch.cuda.is_available()
+GPU, DEVICE_ID = resolve_device()  # the GPU when there is one, else DALI's CPU operators
 
 
 @pipeline_def
@@ -50,10 +51,12 @@ def main():
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
-    jpeg = args.data or tiny_image_folder()
-    batch_size, nworkers = args.batch_size, args.workers
+    with tempfile.TemporaryDirectory() as tmp:
+        run(args.data or image_folder(tmp), args.batch_size, args.workers)
 
-    pipe = rn50_train_pipe(batch_size=batch_size, num_threads=2, device_id=device_id(),
+
+def run(jpeg, batch_size, nworkers):
+    pipe = rn50_train_pipe(batch_size=batch_size, num_threads=2, device_id=DEVICE_ID,
                            prefetch_queue_depth=2)
     # The scope makes sure the server starts and stops at enter/exit
     with dali_proxy.DALIServer(pipe) as dali_server:

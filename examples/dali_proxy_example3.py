@@ -5,13 +5,14 @@ Run: python examples/dali_proxy_example3.py [--data IMAGEFOLDER]
 """
 
 import argparse
+import tempfile
 
 import torch
 import torchvision
-from _common import device_id, tiny_image_folder
-from dali_proxy_example1 import read_filepath, rn50_train_pipe
+from dali_proxy_example1 import DEVICE_ID, read_filepath, rn50_train_pipe
 
 import mmproxy as dali_proxy
+from mmproxy.testing import image_folder
 
 
 def main():
@@ -20,10 +21,12 @@ def main():
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
-    jpeg = args.data or tiny_image_folder()
-    batch_size, nworkers = args.batch_size, args.workers
+    with tempfile.TemporaryDirectory() as tmp:
+        run(args.data or image_folder(tmp), args.batch_size, args.workers)
 
-    pipe = rn50_train_pipe(batch_size=batch_size, num_threads=2, device_id=device_id())
+
+def run(jpeg, batch_size, nworkers):
+    pipe = rn50_train_pipe(batch_size=batch_size, num_threads=2, device_id=DEVICE_ID)
     with dali_proxy.DALIServer(pipe) as dali_server:
         dataset = torchvision.datasets.ImageFolder(jpeg, transform=dali_server.proxy,
                                                    loader=read_filepath)

@@ -37,7 +37,7 @@ def test_example_runs(script, expect, tmp_path):
 def test_ddp_two_ranks_disjoint_cover_and_equal_batches(tmp_path):
     keys = tmp_path / "keys"
     out = run(["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
-               "examples/train_ddp.py", "--epochs", "2", "--batch-size", "16",
+               "benchmarks/ddp_bench.py", "--epochs", "2", "--batch-size", "16",
                "--dump-keys", str(keys)], tmp_path)
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["world"] == 2
@@ -53,7 +53,7 @@ def test_ddp_two_ranks_disjoint_cover_and_equal_batches(tmp_path):
 
 def test_ddp_example_synthetic_control_with_resnet50(tmp_path):
     """The no-loader control of the DDP benchmark runs, with the ResNet-50 tower."""
-    out = run(["examples/train_ddp.py", "--synthetic", "--model", "resnet50", "--epochs", "2",
+    out = run(["benchmarks/ddp_bench.py", "--synthetic", "--model", "resnet50", "--epochs", "2",
                "--batch-size", "4", "--image-size", "32"], tmp_path)
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["model"] == "resnet50" and summary["world"] == 1
@@ -81,7 +81,7 @@ def test_demo_command_runs(tmp_path):
 
 def test_ddp_example_profile_writes_a_trace_per_rank(tmp_path):
     folder = tmp_path / "profile"
-    run(["examples/train_ddp.py", "--epochs", "2", "--batch-size", "8", "--profile", str(folder),
+    run(["benchmarks/ddp_bench.py", "--epochs", "2", "--batch-size", "8", "--profile", str(folder),
          "--profile-steps", "3"], tmp_path)
     assert "train_step" in (folder / "rank0.txt").read_text()
     with gzip.open(folder / "rank0.trace.json.gz", "rt") as f:
