@@ -45,7 +45,8 @@ def read_filepath(path):
     return np.frombuffer(path.encode(), dtype=np.int8)
 
 
-def main():
+def main(run):
+    """Parses --data (default: a tiny synthetic ImageFolder), --batch-size, --workers; runs ``run``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", help="an ImageFolder tree (default: a tiny synthetic one)")
     parser.add_argument("--batch-size", type=int, default=4)
@@ -73,4 +74,4 @@ def run(jpeg, batch_size, nworkers):
 
 
 if __name__ == "__main__":
-    main()
+    main(run)

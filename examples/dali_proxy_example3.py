@@ -4,25 +4,11 @@
 Run: python examples/dali_proxy_example3.py [--data IMAGEFOLDER]
 """
 
-import argparse
-import tempfile
-
 import torch
 import torchvision
-from dali_proxy_example1 import DEVICE_ID, read_filepath, rn50_train_pipe
+from dali_proxy_example1 import DEVICE_ID, main, read_filepath, rn50_train_pipe
 
 import mmproxy as dali_proxy
-from mmproxy.testing import image_folder
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--data", help="an ImageFolder tree (default: a tiny synthetic one)")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--workers", type=int, default=2)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        run(args.data or image_folder(tmp), args.batch_size, args.workers)
 
 
 def run(jpeg, batch_size, nworkers):
@@ -41,4 +27,4 @@ def run(jpeg, batch_size, nworkers):
 
 
 if __name__ == "__main__":
-    main()
+    main(run)
