@@ -12,7 +12,6 @@ Uses the bench's image shards (`mmproxy bench --data-dir DIR` writes them); one 
 from __future__ import annotations
 
 import argparse
-import glob
 import io
 import json
 import time
@@ -87,7 +86,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=16, help="DALI batches of 64 per stage")
     parser.add_argument("--json")
     a = parser.parse_args()
-    paths = sorted(glob.glob(f"{a.data_dir}/image-*/image-*.tar"))
+    from mmproxy.apps.bench.shards import written_shards
+
+    paths = written_shards(a.data_dir, "image")
     if not paths:
         raise SystemExit(f"no image shards under {a.data_dir}: run `mmproxy bench` first")
     systems = {"dali": dali_stages(paths, a.batches, "dali"),

@@ -3,14 +3,39 @@ proxy call, collate, packing into shared memory) with the send to the server stu
 
     python benchmarks/worker_cost.py --kind image --data-dir /tmp/bench
 
-Uses the bench's shards (`mmproxy bench --data-dir DIR` writes them); runs in one process.
+Uses the bench's shards (`mmproxy bench --data-dir DIR` writes them); measures in one forked
+process, where the proxy packs and sends as in a DataLoader worker.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
+import multiprocessing
 import time
+
+
+def _measure(paths: list[str], ext: str, batch: int, proxy: object, repeat: int, conn: object) -> None:
+    """In a forked child, where the server is not local and the proxy sends, as in a worker."""
+    from mmproxy.datasets import MultiModalDataset
+    from mmproxy.datasets.shards import read_local_tar
+
+    from mmproxy import _transport
+
+    _transport.send = lambda path, fds, name: None  # drop each batch instead of sending it
+    ds = MultiModalDataset(paths, {"x": (ext, proxy)}, batch_size=batch, shuffle_buffer=256,
+                           keep_keys=False)
+    best_read = best_all = float("inf")
+    n = 0
+    for _ in range(repeat):
+        start, n = time.perf_counter(), 0
+        for path in paths:
+            n += sum(1 for _ in read_local_tar(path))
+        best_read = min(best_read, (time.perf_counter() - start) / n)
+        start = time.perf_counter()
+        for _ in ds:
+            pass
+        best_all = min(best_all, (time.perf_counter() - start) / n)
+    conn.send((n, best_read, best_all))  # type: ignore[attr-defined]
 
 
 def main() -> None:
@@ -20,15 +45,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     a = parser.parse_args()
 
-    from mmproxy.datasets import MultiModalDataset
-    from mmproxy.datasets.shards import read_local_tar
     from nvidia.dali import fn, pipeline_def, types
 
     import mmproxy
-    from mmproxy import _transport
-    from mmproxy import proxy as _proxy
+    from mmproxy.apps.bench.shards import written_shards
 
-    paths = sorted(glob.glob(f"{a.data_dir}/{a.kind}-*/{a.kind}-*.tar"))
+    paths = written_shards(a.data_dir, a.kind)
     if not paths:
         raise SystemExit(f"no {a.kind} shards under {a.data_dir}: run `mmproxy bench` first")
     ext, batch = ("jpg", 256) if a.kind == "image" else ("wav", 64)
@@ -38,21 +60,17 @@ def main() -> None:
         return fn.external_source(name="data", no_copy=True, dtype=types.UINT8)
 
     server = mmproxy.DALIServer(pipe(), name="cost")
-    _proxy._local_servers.clear()  # make the proxy pack as in a worker ...
-    _transport.send = lambda path, fds, name: None  # ... and drop the batch instead of sending it
-    ds = MultiModalDataset(paths, {"x": (ext, server.proxy)}, batch_size=batch, shuffle_buffer=256,
-                           keep_keys=False)
-    best_read = best_all = float("inf")
-    n = 0
-    for _ in range(a.repeat):
-        start, n = time.perf_counter(), 0
-        for path in paths:
-            n += sum(1 for _ in read_local_tar(path))
-        best_read = min(best_read, (time.perf_counter() - start) / n)
-        start = time.perf_counter()
-        for _ in ds:
-            pass
-        best_all = min(best_all, (time.perf_counter() - start) / n)
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    worker = ctx.Process(target=_measure, args=(paths, ext, batch, server.proxy, a.repeat, child))
+    worker.start()
+    child.close()  # so that recv() raises EOFError if the worker dies
+    try:
+        n, best_read, best_all = parent.recv()
+    except EOFError:
+        raise SystemExit(f"the measuring process failed (exit code {worker.exitcode})") from None
+    finally:
+        worker.join(timeout=10)
     print(f"{a.kind}: {n} samples; shard reading {best_read * 1e6:.1f} us/sample, "
           f"whole worker path {best_all * 1e6:.1f} us/sample")
 

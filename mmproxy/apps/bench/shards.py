@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_damaged", "write_shards"]
+__all__ = ["is_damaged", "written_shards", "write_shards"]
 
 
 def is_damaged(i: int, damage: float) -> bool:
@@ -39,6 +40,13 @@ def write_shards(folder: str | os.PathLike[str], kind: str, count: int, workers:
         return [job[0] for job in jobs]
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         return list(pool.map(_write_shard, jobs))
+
+
+def written_shards(folder: str | os.PathLike[str], kind: str) -> list[str]:
+    """The clean shards of ``kind`` already written under ``folder`` (by any ``--samples``; not
+    the damaged copies), for scripts that reuse the bench's data."""
+    return sorted(str(path) for path in Path(folder).glob(f"{kind}-*/{kind}-*.tar")
+                  if re.fullmatch(rf"{kind}-\d+(-by\d+)?", path.parent.name))
 
 
 def _write_shard(job: tuple[str, str, int, int, float, str]) -> str:
