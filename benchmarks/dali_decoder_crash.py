@@ -27,8 +27,7 @@ def _one(kind: str, batch: int, runs: int, device: str) -> None:
     import numpy as np
     from nvidia.dali import fn, pipeline_def, types
 
-    from mmproxy.bench import damage_jpeg
-    from mmproxy.testing import image_bytes, synth_image
+    from mmproxy.testing import damage_jpeg, image_bytes, synth_image
 
     jpeg = image_bytes(synth_image(0, 375, 500))
     bad = {"truncated": damage_jpeg(jpeg, "truncate"), "no-end-marker": jpeg[:-2],

@@ -5,7 +5,7 @@ through their proxies; a composite collate puts them into one batch per step.
 """
 
 from mmproxy.datasets.checks import check_header
-from mmproxy.datasets.multimodal import MultiModalDataset
+from mmproxy.datasets.multimodal import Field, MultiModalDataset
 from mmproxy.datasets.recipes import (
     Tokenize,
     audio_label_dataset,
@@ -14,5 +14,5 @@ from mmproxy.datasets.recipes import (
 )
 from mmproxy.datasets.writer import make_shards
 
-__all__ = ["MultiModalDataset", "Tokenize", "audio_label_dataset", "check_header", "image_text_dataset",
-           "load_tokenizer", "make_shards"]
+__all__ = ["Field", "MultiModalDataset", "Tokenize", "audio_label_dataset", "check_header",
+           "image_text_dataset", "load_tokenizer", "make_shards"]

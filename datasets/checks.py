@@ -2,15 +2,17 @@
 
 They look at a few bytes: the format's signature, a PNG's or JPEG's declared size (an image that
 claims to be 100,000 x 100,000 pixels would make the decoder allocate tens of gigabytes), whether a
-WAV file has a sound ``fmt `` chunk and any audio frames, and whether a JPEG or PNG was cut short
-(the most common damage in web-scale corpora: an interrupted download). A JPEG without an
+WAV file has a sound ``fmt `` chunk and any audio frames, and whether a JPEG, PNG or OGG was cut
+short (the most common damage in web-scale corpora: an interrupted download). A JPEG without an
 end-of-image marker after its first scan, or a PNG without its ``IEND`` chunk, fails DALI's
-decoders every time, so catching it here saves the server a failed run; a good file pays for a
-look at its last two bytes. Trailing bytes after the end marker are allowed (decoders ignore them).
+decoders every time, and an OGG whose last page does not end the stream decodes to nothing, so
+catching them here saves the server a failed run; a good file pays for a look at its last bytes.
+Trailing bytes after the end marker are allowed (decoders ignore them).
+
 The JPEG header walk also refuses a malformed Huffman table and data where a marker belongs:
 DALI 2.4's image decoders (CPU and GPU) can crash the whole process on such files when a batch
 of 64 or more holds one (``benchmarks/dali_decoder_crash.py`` shows it without mmproxy), so
-they must never reach a pipeline. They cannot see other corruption inside compressed data; the
+they must never reach a pipeline. No check sees other corruption inside compressed data; the
 server finds those samples when the pipeline fails on them (see docs/reliability.md).
 """
 
@@ -107,7 +109,7 @@ def _huffman_tables_ok(segment: Data) -> bool:
 
 
 def _truncated(ext: str, data: Data) -> str | None:
-    """Why a JPEG or PNG looks cut short (its end marker is missing) or, for a JPEG, why its
+    """Why a JPEG, PNG or OGG looks cut short (its end marker is missing) or, for a JPEG, why its
     header is malformed; None when neither."""
     if ext in ("jpg", "jpeg"):
         scan = _jpeg_scan(data)
@@ -121,6 +123,11 @@ def _truncated(ext: str, data: Data) -> str | None:
             return None
         if scan is not None and bytes(data[scan:]).rfind(b"\xff\xd9") < 0:
             return "is truncated (no end-of-image marker after its image data)"
+    elif ext == "ogg":  # the last page of a stream carries the end-of-stream flag
+        tail = bytes(data[-65536:])
+        last = tail.rfind(b"OggS")
+        if last < 0 or last + 6 > len(tail) or not tail[last + 5] & 0x04:
+            return "is truncated (its last page does not end the stream)"
     elif ext == "png":
         if data[-8:-4] == b"IEND" or bytes(data).rfind(b"IEND") >= 0:
             return None

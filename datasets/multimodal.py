@@ -29,17 +29,16 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
-import numpy as np
 import torch.utils.data
 import webdataset as wds
 
-from mmproxy import _context
+from mmproxy import worker
 from mmproxy.collate import Collate
 from mmproxy.errors import SampleError, ShardError
-from mmproxy.proxy import DALIProxy
 from mmproxy.skips import SkippedSample
 
-from .checks import MAX_PIXELS, check_header
+from .checks import MAX_PIXELS
+from .fields import Field, FieldSpec, Skip, parse_field, process
 from .shards import (
     current_epoch,
     expand,
@@ -51,17 +50,10 @@ from .shards import (
     worker_shards,
 )
 
-__all__ = ["MultiModalDataset", "OnError"]
+__all__ = ["Field", "MultiModalDataset", "OnError"]
 
 OnError = Literal["raise", "skip"]
-FieldSpec = Callable[[bytes], Any] | tuple[str, Callable[[bytes], Any]]
 SKIPPED = "__skipped__"
-
-
-class _Skip(Exception):
-    def __init__(self, url: str, key: str, reason: str) -> None:
-        super().__init__(reason)
-        self.record = SkippedSample(url, key, reason)
 
 
 class MultiModalDataset(torch.utils.data.IterableDataset):
@@ -70,10 +62,11 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
     Args:
         urls: Shards: a brace pattern (``"data-{000..099}.tar"``), a list, local paths, or
             ``pipe:`` commands, as webdataset reads them.
-        fields: Output name -> what to do. A value is either a callable (a server's proxy or a
-            plain function of the field's bytes) applied to the extension of the same name, or
-            ``(extensions, callable)`` where ``extensions`` is like ``"jpg;jpeg;png"`` (the first
-            one present is used). Proxy fields get a header check before they are sent.
+        fields: Output name -> what to do: a :class:`Field` (explicit), or ``(extensions,
+            callable)``, or a callable applied to the extension of the same name. In the two
+            short forms a field goes through a server when its callable is a server's proxy
+            (it has ``server_uid``); wrap a proxy in your own function and say
+            ``Field(exts, fn, server=True)``.
         batch_size: Samples per batch (batching happens in the workers).
         shuffle_shards: Shuffle the shard list every epoch (same order on every rank).
         shuffle_buffer: Size of the sample shuffle buffer on raw bytes; 0 disables it.
@@ -117,7 +110,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         if resampled and epoch_length is None:
             raise ValueError("resampled=True needs epoch_length (batches per rank per epoch)")
         self.urls = expand(urls)
-        self.fields = {name: _parse_field(name, spec) for name, spec in fields.items()}
+        self.fields = {name: parse_field(name, spec) for name, spec in fields.items()}
         if not self.fields:
             raise ValueError("fields is empty: say which fields to read")
         self.batch_size = batch_size
@@ -129,7 +122,9 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         self.on_error = on_error
         self.max_skipped = max_skipped
         self.partial = partial
-        self.collate = collate or Collate()
+        proxies = [f.fn for f in self.fields.values() if f.server]
+        known = all(hasattr(p, "server_uid") for p in proxies)
+        self.collate = collate or Collate(proxies if known else None)
         self.batch_transform = batch_transform
         self.keep_keys = keep_keys
         self.max_pixels = max_pixels
@@ -204,8 +199,8 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             samples = self._samples(self._shard_stream(epoch, again), skipped)
             if self.shuffle_buffer > 0:
                 rng = random.Random(f"{self.seed}:{epoch}:{rank}:{worker}:{again}:samples")
-                samples = wds.filters._shuffle(samples, self.shuffle_buffer,
-                                               min(100, self.shuffle_buffer), rng=rng)
+                samples = wds.filters.shuffle(self.shuffle_buffer, min(100, self.shuffle_buffer),
+                                              rng=rng)(samples)
             count = 0
             for sample in samples:
                 count += sample is not None
@@ -254,29 +249,8 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                 yield None
 
     def _process(self, sample: dict[str, Any]) -> dict[str, Any]:
-        key = sample.get("__key__", "?")
-        url = sample.get("__url__", "?")
-        out: dict[str, Any] = {"__key__": key, "__url__": url} if self.keep_keys else {}
-        with _context.sample_key(key, shard=url, skip=self.on_error == "skip"):
-            for name, (exts, fn, is_proxy) in self.fields.items():
-                ext = next((e for e in exts if e in sample), None)
-                if ext is None:
-                    present = sorted(k for k in sample if not k.startswith("__"))
-                    raise _Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has "
-                                          f"{present})")
-                data = sample[ext]
-                if is_proxy:
-                    problem = check_header(ext, data, self.max_pixels)
-                else:
-                    problem = None if data else "is empty"
-                if problem:
-                    raise _Skip(url, key, f"bad header: field {ext!r} {problem}")
-                try:
-                    out[name] = fn(np.frombuffer(data, np.uint8)) if is_proxy else fn(bytes(data))
-                except Exception as err:  # a user function failed on this sample
-                    raise _Skip(url, key, f"field function failed: field {ext!r}: "
-                                          f"{type(err).__name__}: {err}") from err
-        return out
+        return process(sample, self.fields, keep_keys=self.keep_keys, max_pixels=self.max_pixels,
+                       skip=self.on_error == "skip")
 
     def __iter__(self) -> Iterator[Any]:
         epoch = current_epoch(self._epoch)
@@ -291,10 +265,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         # DataLoader will be asked for the next epoch (numbered one more), so it prepares that
         # epoch's first batch now: its inputs reach the server, which runs them once this epoch's
         # runs are done, and the next epoch starts with outputs ready instead of a cold pipeline.
-        if self.prefetch_next_epoch and self._epoch is None and _context.in_persistent_worker():
+        if self.prefetch_next_epoch and self._epoch is None and worker.in_persistent_worker():
             upcoming = self._batches(epoch + 1)
             try:
-                with _context.next_epoch():
+                with worker.next_epoch():
                     first = next(upcoming)
             except Exception:  # noqa: BLE001 - raised again, in its own epoch
                 return
@@ -315,7 +289,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                 continue
             try:
                 batch.append(self._process(raw))
-            except _Skip as skip:
+            except Skip as skip:
                 if self.on_error == "raise":
                     url, key, reason = skip.record
                     raise SampleError(f"shard {url}, sample {key!r}: {reason}") from skip.__cause__
@@ -358,11 +332,3 @@ def _describe(exn: BaseException) -> str:
     return f"{type(exn).__name__}: {exn}" if str(exn) else type(exn).__name__
 
 
-def _parse_field(name: str, spec: FieldSpec) -> tuple[tuple[str, ...], Callable[[Any], Any], bool]:
-    if isinstance(spec, tuple):
-        exts, fn = spec
-    else:
-        exts, fn = name, spec
-    if not callable(fn):
-        raise TypeError(f"field {name!r}: expected a callable or (extensions, callable), got {spec!r}")
-    return tuple(e.strip().lower() for e in exts.split(";") if e.strip()), fn, isinstance(fn, DALIProxy)

@@ -21,7 +21,7 @@ from typing import Any
 
 import webdataset as wds
 
-from mmproxy import _context, _transport
+from mmproxy import worker
 from mmproxy.errors import ShardError
 
 from ._tar import members
@@ -49,8 +49,8 @@ def current_epoch(explicit: int | None) -> int:
     """The epoch: set explicitly, or the mmproxy DataLoader's live epoch, or 0."""
     if explicit is not None:
         return explicit
-    tag = _context.current_tag()
-    return tag[1] if tag else 0
+    epoch = worker.loader_epoch()
+    return 0 if epoch is None else epoch
 
 
 def rank_shards(urls: list[str], *, shuffle: bool, seed: int, epoch: int) -> list[str]:
@@ -96,7 +96,7 @@ def read_local_tar(url: str) -> Iterator[dict[str, Any]]:
         if os.fstat(f.fileno()).st_size == 0:
             raise tarfile.ReadError("the shard is empty")
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        _transport.register_file_mapping(mapping, f.fileno())
+        worker.register_file_mapping(mapping, f.fileno())
     view = memoryview(mapping)
     current: dict[str, Any] | None = None
     for name, offset, size in members(view):

@@ -1,23 +1,17 @@
-"""Per-process identity: a token unique to this process, and ids that never repeat.
+"""Worker context: what the code running in a DataLoader worker (or the main loop) is doing now.
 
-A forked child gets a new token the first time it asks, so ids made in a worker can never collide
-with ids made in its parent or in any other worker, in this epoch or any later one.
+Which loader and epoch the batch being collated belongs to (set by :class:`mmproxy.DataLoader`
+in its workers; runs are tagged with it), whether this worker outlives the epoch, and which sample
+the dataset is processing (so that proxy calls carry its key and skip policy). The dataset layer
+reads it through :mod:`mmproxy.worker`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import os
-import secrets
 import threading
 from collections.abc import Iterator
 from typing import Any, NamedTuple
-
-_lock = threading.Lock()
-_pid: int | None = None
-_token = ""
-_counter: Iterator[int] = itertools.count()
 
 # Set in DataLoader workers (and around each step in the main process when num_workers=0):
 # (loader id, shared epoch value). Runs submitted under it are tagged (loader id, epoch).
@@ -25,25 +19,6 @@ _loader_tag: tuple[str, Any] | None = None
 _persistent = False  # the worker outlives the epoch (persistent_workers=True)
 _ahead = 0  # 1 while a worker prepares the next epoch's first batch
 _sample_key = threading.local()
-
-
-def process_token() -> str:
-    """A short token unique to this process (renewed after a fork)."""
-    global _pid, _token, _counter
-    pid = os.getpid()
-    if _pid != pid:
-        with _lock:
-            if _pid != pid:
-                _token = f"{pid:x}.{secrets.token_hex(3)}"
-                _counter = itertools.count()
-                _pid = pid
-    return _token
-
-
-def new_id() -> str:
-    """An id unique across processes and time: ``<process token>:<counter>``."""
-    token = process_token()
-    return f"{token}:{next(_counter)}"
 
 
 def set_loader_tag(tag: tuple[str, Any] | None, persistent: bool = False) -> None:

@@ -10,18 +10,16 @@ stream before they are handed over.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from mmproxy import _convert, _walk
+from mmproxy._runs import Run, RunTable
 from mmproxy.errors import PipelineError, ServerStateError
 from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, uncollated_error
 from mmproxy.skips import SkippedSample
-
-if TYPE_CHECKING:
-    from mmproxy.server import DALIServer, _Run
 
 SKIPPED = "__skipped__"
 _PLAIN = (str, bytes, int, float, bool, type(None))
@@ -36,7 +34,7 @@ class Resolved(NamedTuple):
     dropped: list[SkippedSample]
 
 
-def claim(refs: list[DALIOutputBatchRef], servers: dict[str, DALIServer]) -> None:
+def claim(refs: list[DALIOutputBatchRef], servers: dict[str, RunTable]) -> None:
     """Tells each deterministic server among ``servers`` which of its runs go next, in order."""
     claims: dict[str, list[str]] = {}
     for ref in refs:
@@ -44,18 +42,18 @@ def claim(refs: list[DALIOutputBatchRef], servers: dict[str, DALIServer]) -> Non
         if server is not None and server.deterministic:
             claims.setdefault(ref.server_uid, []).append(ref.run_id)
     for uid, run_ids in claims.items():
-        servers[uid]._claim(run_ids)
+        servers[uid].claim(run_ids)
 
 
-def resolve(obj: Any, servers: dict[str, DALIServer], *, strict: bool = False) -> Any:
-    """Replaces the batch references of ``servers`` (uid -> server) inside ``obj`` with data.
+def resolve(obj: Any, servers: dict[str, RunTable], *, strict: bool = False) -> Any:
+    """Replaces the batch references of ``servers`` (uid -> run table) inside ``obj`` with data.
 
     With ``strict``, a reference to a server not in ``servers`` raises; otherwise it is kept.
     """
     return resolve_batch(obj, servers, strict=strict).batch
 
 
-def resolve_batch(obj: Any, servers: dict[str, DALIServer], *, strict: bool = False) -> Resolved:
+def resolve_batch(obj: Any, servers: dict[str, RunTable], *, strict: bool = False) -> Resolved:
     """:func:`resolve`, also saying how many samples the batch holds and which were dropped."""
     found = _walk.collect(obj, (DALIOutputBatchRef, DALIOutputSampleRef))
     refs = [r for r in found if isinstance(r, DALIOutputBatchRef)]
@@ -70,16 +68,16 @@ def resolve_batch(obj: Any, servers: dict[str, DALIServer], *, strict: bool = Fa
                 raise ServerStateError(f"the batch holds references of server {ref.server_name!r}, "
                                        f"which this loader was not given (it has {known})")
     claim(refs, servers)
-    runs: dict[tuple[str, str], _Run] = {}
+    runs: dict[tuple[str, str], Run] = {}
     current = None
     for ref in refs:
         server = servers.get(ref.server_uid)
         key = (ref.server_uid, ref.run_id)
         if server is None or key in runs:
             continue
-        run = runs[key] = server._wait(ref)
+        run = runs[key] = server.wait(ref.run_id)
         if run.event is not None:
-            current = current or torch.cuda.current_stream(server._device)
+            current = current or torch.cuda.current_stream(server.device)
             current.wait_event(run.event)
             for out in run.outputs:
                 for t in _convert.tensors_of(out):
@@ -105,11 +103,11 @@ def resolve_batch(obj: Any, servers: dict[str, DALIServer], *, strict: bool = Fa
 
     out = _walk.replace(obj, DALIOutputBatchRef, produce)
     for (uid, _), run in runs.items():
-        servers[uid]._release(run)
+        servers[uid].release(run)
     return Resolved(out, size - len(drop), dropped)
 
 
-def _dropped_rows(refs: list[DALIOutputBatchRef], runs: dict[tuple[str, str], _Run]
+def _dropped_rows(refs: list[DALIOutputBatchRef], runs: dict[tuple[str, str], Run]
                   ) -> tuple[int, set[int], list[SkippedSample]]:
     """(batch size, positions dropped by any server, a record per dropped sample)."""
     sizes = set()

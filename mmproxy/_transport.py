@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from mmproxy import _process
 from mmproxy.errors import TransportError
 
 _ALIGN = 64
@@ -104,7 +105,7 @@ class _FileMappings:
 
 
 _files = _FileMappings()
-os.register_at_fork(after_in_child=_files.after_fork)
+_process.on_fork_in_child(_files.after_fork)
 
 
 def register_file_mapping(mapping: mmap.mmap, fd: int) -> None:

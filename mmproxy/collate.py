@@ -10,7 +10,7 @@ collate.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.utils.data import default_collate
 
@@ -18,23 +18,30 @@ from mmproxy import _walk
 from mmproxy.errors import CollateError
 from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef
 
-if TYPE_CHECKING:
-    from mmproxy.server import DALIServer
-
 __all__ = ["Collate"]
+
+
+def _identity(server: Any) -> tuple[str, str]:
+    """(uid, name) of a DALIServer or of a DALIProxy."""
+    if hasattr(server, "server_uid"):
+        return server.server_uid, server.server_name
+    return server.uid, server.name
 
 
 class Collate:
     """Collates samples holding proxy outputs of one or more servers into one batch.
 
     Args:
-        servers: The servers whose references may appear; others raise. ``None`` accepts any.
+        servers: The servers (or their proxies) whose references may appear; a reference of
+            another server raises :class:`~mmproxy.errors.CollateError` in the worker, naming it.
+            ``None`` accepts any. :class:`~mmproxy.datasets.MultiModalDataset` passes the
+            proxies of its server fields.
         inner: The collate applied to the samples; ``default_collate`` when ``None``.
     """
 
-    def __init__(self, servers: Iterable[DALIServer] | None = None,
+    def __init__(self, servers: Iterable[Any] | None = None,
                  inner: Callable[[list[Any]], Any] | None = None) -> None:
-        self._names = None if servers is None else {s.uid: s.name for s in servers}
+        self._names = None if servers is None else dict(_identity(s) for s in servers)
         self._inner = inner or default_collate
 
     def __call__(self, samples: list[Any]) -> Any:

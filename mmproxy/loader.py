@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.utils.data
 
-from mmproxy import _context, _walk
+from mmproxy import _context, _process, _walk
 from mmproxy._resolve import SKIPPED, claim, resolve_batch
 from mmproxy.errors import WorkerDiedError
 from mmproxy.refs import DALIOutputBatchRef
@@ -75,6 +75,10 @@ class DataLoader(torch.utils.data.DataLoader):
     """
 
     def __init__(self, dali_server: Servers, *args: Any, **kwargs: Any) -> None:
+        if isinstance(dali_server, torch.utils.data.Dataset):
+            raise TypeError("mmproxy.DataLoader's first argument is the server (or servers), then "
+                            "the dataset: mmproxy.DataLoader(server, dataset, ...), or "
+                            "dataset.loader(server, ...) for a MultiModalDataset")
         bound = _SIGNATURE.bind(None, *args, **kwargs)
         arguments = dict(bound.arguments)
         arguments.pop("self")
@@ -110,7 +114,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._epoch.value += 1
         self._report = SkipReport(self._epoch.value)
         for server in self._servers.values():
-            server._begin_epoch(self._loader_id, self._epoch.value)
+            server.table.begin_epoch(self._loader_id, self._epoch.value)
         return _LoaderIter(self, super().__iter__())
 
 
@@ -118,9 +122,9 @@ class _LoaderIter:
     def __init__(self, loader: DataLoader, it: Iterator[Any]) -> None:
         self._loader = loader
         self._it = it
-        self._servers = loader._servers
+        self._tables = {uid: server.table for uid, server in loader._servers.items()}
         self._in_main = loader.num_workers == 0
-        self._ahead = any(s.deterministic for s in self._servers.values())
+        self._ahead = any(t.deterministic for t in self._tables.values())
         self._next: list[Any] = []  # the batch fetched one step ahead (deterministic mode)
         self._report = loader._report
         self._checked = hasattr(loader.dataset, "max_skipped")
@@ -178,11 +182,11 @@ class _LoaderIter:
             self._report.check(self._max_skipped)
 
     def _claim(self, batch: Any) -> None:
-        claim(_walk.collect(batch, DALIOutputBatchRef), self._servers)
+        claim(_walk.collect(batch, DALIOutputBatchRef), self._tables)
 
     def _resolve(self, batch: Any) -> Any | None:
         """The batch with data, or None when every sample in it was dropped."""
-        batch, size, dropped = resolve_batch(batch, self._servers, strict=True)
+        batch, size, dropped = resolve_batch(batch, self._tables, strict=True)
         records = batch.get(SKIPPED, dropped) if isinstance(batch, dict) else dropped
         self._report.add(_count(batch) if size is None else size, records)
         self._check()
@@ -249,11 +253,11 @@ def _count(batch: Any) -> int:
 # them, torch's iterator would try to shut down workers that are not its children. The child keeps
 # them alive (inert) instead.
 _live_iterators: weakref.WeakSet[_LoaderIter] = weakref.WeakSet()
-_inherited: list[Any] = []
 
 
 def _keep_inherited_iterators() -> None:
-    _inherited.extend(it._it for it in list(_live_iterators))
+    for it in list(_live_iterators):
+        _process.keep(it._it)
 
 
-os.register_at_fork(after_in_child=_keep_inherited_iterators)
+_process.on_fork_in_child(_keep_inherited_iterators)

@@ -12,36 +12,17 @@ from __future__ import annotations
 
 import inspect
 import os
-import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from mmproxy import _context, _transport
+from mmproxy import _context, _process, _transport
 from mmproxy.errors import BatchSizeError, ProxyArgumentError
 from mmproxy.refs import DALIOutputSampleRef, _Call
 
-if TYPE_CHECKING:
-    from mmproxy.server import DALIServer
-
 __all__ = ["DALIProxy"]
-
-# Servers of this process by uid; a forked child inherits the dict but not the pid, so it sends.
-_local_servers: weakref.WeakValueDictionary[str, DALIServer] = weakref.WeakValueDictionary()
-_local_pid = os.getpid()
-
-
-def register_local(server: DALIServer) -> None:
-    global _local_pid
-    _local_pid = os.getpid()
-    _local_servers[server.uid] = server
-
-
-def _local(uid: str) -> DALIServer | None:
-    return _local_servers.get(uid) if os.getpid() == _local_pid else None
-
 
 # The element types DALI's feed_input can take; anything else is refused by the proxy call, which
 # can name the server and the input, instead of failing the pipeline or being misread by it.
@@ -155,7 +136,7 @@ class DALIProxy:
                     f"got proxy({got}): {err}") from None
             args = tuple(bound.arguments[n] for n in names)
         inputs = tuple(_as_array(v, n, self.server_name) for v, n in zip(args, names))
-        call = _Call(self, _context.new_id(), inputs, _context.current_key())
+        call = _Call(self, _process.new_id(), inputs, _context.current_key())
         if self.num_outputs == 1:
             return DALIOutputSampleRef(call, 0)
         return tuple(DALIOutputSampleRef(call, i) for i in range(self.num_outputs))
@@ -175,13 +156,13 @@ class DALIProxy:
                 f"server {self.server_name!r}: a batch of {len(calls)} samples is larger than the "
                 f"pipeline's batch_size={self.max_batch_size}; raise the pipeline's batch_size or "
                 "lower the loader's")
-        run_id = _context.new_id()
+        run_id = _process.new_id()
         tag = _context.current_tag()
         keys = [c.key for c in calls]
         inputs = [[c.inputs[i] for c in calls] for i in range(len(self.input_names))]
-        server = _local(self.server_uid)
-        if server is not None:
-            server._accept(_transport.Request(run_id, tag, keys, inputs))
+        server = _process.local(self.server_uid)
+        if server is not None:  # the server lives in this process: no transport
+            server.table.accept(_transport.Request(run_id, tag, keys, inputs))
         else:
             fd, files = _transport.pack(run_id, tag, keys, inputs)
             try:

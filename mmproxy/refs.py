@@ -14,7 +14,7 @@ naming the collation to use (:func:`uncollated_error`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Protocol
 
 import numpy as np
 import torch
@@ -25,7 +25,17 @@ from mmproxy.errors import CollateError
 
 if TYPE_CHECKING:
     from mmproxy._context import SampleId
-    from mmproxy.proxy import DALIProxy
+
+
+class Submitter(Protocol):
+    """What a call's proxy offers its references (:class:`mmproxy.DALIProxy` is one): the
+    server's identity, its number of outputs, and sending a batch of calls as one run."""
+
+    server_uid: str
+    server_name: str
+    num_outputs: int
+
+    def submit(self, calls: list[_Call]) -> str: ...
 
 __all__ = ["DALIOutputBatchRef", "DALIOutputSampleRef", "PaddedBatch"]
 
@@ -48,7 +58,7 @@ class _Call:
 
     __slots__ = ("id", "inputs", "key", "proxy")
 
-    def __init__(self, proxy: DALIProxy, call_id: str, inputs: tuple[np.ndarray, ...],
+    def __init__(self, proxy: Submitter, call_id: str, inputs: tuple[np.ndarray, ...],
                  key: SampleId | None) -> None:
         self.proxy = proxy
         self.id = call_id

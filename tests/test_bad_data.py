@@ -25,8 +25,7 @@ from mmproxy.pipelines import audio_pipeline, image_eval_pipeline
 from nvidia.dali import fn, pipeline_def, types
 
 import mmproxy
-from mmproxy.bench import damage_jpeg
-from mmproxy.testing import audio_bytes, image_bytes, synth_speech, write_tar
+from mmproxy.testing import audio_bytes, damage_jpeg, image_bytes, synth_speech, write_tar
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -105,7 +104,7 @@ def test_header_checks_catch_the_damage_that_crashes_dali_and_pass_good_files():
                "huffman table": ("jpg", damage_jpeg(jpeg, "corrupt")),
                "garbage after header": ("jpg", damage_jpeg(jpeg, "garbage")),
                "not an image": ("jpg", b"hello world " * 100), "truncated png": ("png", png[:-30]),
-               **{k: v for k, v in _damaged_audio(1).items() if k.startswith("wav")}}
+               **_damaged_audio(1)}
     for name, (ext, data) in damaged.items():
         assert check_header(ext, memoryview(data)), name
     good = [("jpg", jpeg), ("png", png), ("wav", _wav(1)), ("jpg", jpeg + b"\0" * 64)]
@@ -157,7 +156,7 @@ def test_damaged_files_are_skipped_and_the_batches_stay_aligned(damaged_shards, 
         assert "Huffman" in by_key["s006"]  # a broken table never reaches the decoder
         assert "100000x100000" in by_key["s007"]
         assert by_key["s010"].startswith("bad header") and "fmt" in by_key["s010"]
-        assert by_key["s011"].startswith("pipeline failed in server 'audio'")
+        assert "truncated" in by_key["s011"]  # an OGG cut in half would decode to nothing
         assert loader.skipped.skipped == 8 and loader.skipped.delivered == 24
         assert image.state is audio.state is mmproxy.ServerState.RUNNING
 

@@ -165,7 +165,7 @@ def test_resampled_gives_every_rank_the_same_number_of_batches(image_shards, ima
 
 
 def test_a_rank_without_shards_is_an_error(image_shards, image_server):
-    with pytest.raises(Exception, match="rank 4 of 5 gets no shards"):
+    with pytest.raises(mmproxy.ShardError, match="rank 4 of 5 gets no shards"):
         _rank_batches(image_shards, image_server, 4, 5)
 
 

@@ -178,7 +178,7 @@ def test_batch_larger_than_pipeline_batch_size_raises_fast(add_server):
                                 num_workers=2)
     gc.collect()
     start = time.perf_counter()
-    with pytest.raises(Exception, match=r"addsub.*16 samples.*batch_size=8"):
+    with pytest.raises(mmproxy.BatchSizeError, match=r"addsub.*16 samples.*batch_size=8"):
         next(iter(loader))
     assert time.perf_counter() - start < 10
 

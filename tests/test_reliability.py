@@ -196,6 +196,7 @@ def test_loader_garbage_collected_mid_epoch_leaves_nothing():
 
 # -- lifecycle ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_hundred_start_stop_cycles():
     s = mmproxy.DALIServer(cpu(double_pipe))
     before = snapshot()
@@ -210,6 +211,7 @@ def test_hundred_start_stop_cycles():
         assert out.tolist() == [[2.0, 2.0]]
 
 
+@pytest.mark.slow
 def test_fifty_persistent_epochs_breaking_every_other_stay_flat():
     from conftest import add_sub_pipe
 

@@ -1,0 +1,145 @@
+"""DALI adapter: the only code that touches DALI's internals.
+
+Everything the server needs from a pipeline goes through :class:`Pipe`: its inputs (the
+``external_source`` nodes without a source, found in the Python graph), feeding a run and
+scheduling it (``feed_input`` + ``_run_once``), taking a run's outputs as torch tensors (on the
+server's CUDA stream for a GPU pipeline), whether the pipeline survives an error (DALI's dynamic
+executor does; the classic executors invalidate the pipeline: "Current pipeline object is no
+longer valid"), and rebuilding it from its own graph or from the function that built it. DALI's
+error texts are read here too (:func:`summary`, :func:`named_sample`).
+
+Private DALI attributes used, all on ``nvidia.dali.Pipeline`` (DALI 2.x): ``_py_graph_built``,
+``_build_graph``, ``_ops`` / ``op._op`` (to find the inputs), ``_deserialized``, ``_run_once``,
+and ``_shutdown`` / ``_built`` / ``_backend_prepared`` (to rebuild from the same graph).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mmproxy import _convert
+from mmproxy.errors import ServerStateError
+
+__all__ = ["Pipe", "named_sample", "summary"]
+
+
+def _input_names(pipeline: Any) -> tuple[str, ...]:
+    from nvidia.dali.external_source import ExternalSource
+
+    if getattr(pipeline, "_deserialized", False):
+        raise TypeError("cannot find the inputs of a deserialized pipeline; build it in Python")
+    if not pipeline._py_graph_built:
+        pipeline._build_graph()
+    return tuple(op.name for op in pipeline._ops
+                 if isinstance(op._op, ExternalSource) and getattr(op._op, "_callback", None) is None)
+
+
+class Pipe:
+    """A built DALI pipeline as the server uses it.
+
+    Args:
+        pipeline: A ``nvidia.dali.Pipeline``, or a function that builds one (called now, and
+            again by :meth:`rebuild`).
+        name: The server's name, for messages.
+    """
+
+    def __init__(self, pipeline: Any, name: str) -> None:
+        from nvidia.dali.pipeline import Pipeline
+
+        self.name = name
+        self._factory: Callable[[], Any] | None = None
+        if not isinstance(pipeline, Pipeline) and callable(pipeline):
+            self._factory, pipeline = pipeline, pipeline()
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"expected an NVIDIA DALI pipeline or a function that builds one, got "
+                            f"{type(pipeline).__name__}")
+        self.input_names = _input_names(pipeline)
+        if not self.input_names:
+            raise ValueError(f"server {name!r}: the pipeline has no fn.external_source input "
+                             "without a source; the proxy would have nothing to send")
+        pipeline.build()
+        self.pipeline = pipeline
+        self.num_outputs: int = pipeline.num_outputs
+        self.max_batch_size: int = pipeline.max_batch_size
+        self.device_id: int | None = (pipeline.device_id if pipeline.device_id is not None
+                                      and pipeline.device_id >= 0 else None)
+        depth = pipeline.prefetch_queue_depth
+        self.queue_depth: int = depth if isinstance(depth, int) else min(depth.values())
+
+    @property
+    def survives_errors(self) -> bool:
+        """Whether the pipeline stays usable after a run fails (the dynamic executor)."""
+        return bool(self.pipeline.exec_dynamic)
+
+    def feed(self, inputs: Sequence[Sequence[Any]], rows: Sequence[int] | None = None) -> None:
+        """Feeds one run (``rows`` of it, when given) and schedules it."""
+        for name, arrays in zip(self.input_names, inputs):
+            self.pipeline.feed_input(name, arrays if rows is None else [arrays[i] for i in rows])
+        self.pipeline._run_once()
+
+    def outputs(self, pad: set[int], stream: Any = None) -> tuple[tuple[Any, ...], Any]:
+        """The oldest scheduled run's outputs as torch, and the CUDA event that marks them ready
+        on ``stream`` (None for a CPU pipeline). Raises DALI's error when the run failed."""
+        pipe = self.pipeline
+        if stream is None:
+            copy = not pipe.exec_dynamic  # the classic executors reuse their output buffers
+            return tuple(_convert.to_torch(o, copy=copy, want_pad=i in pad)
+                         for i, o in enumerate(pipe.outputs())), None
+        import torch
+
+        with torch.cuda.stream(stream):
+            outs = pipe.outputs(cuda_stream=stream)
+            data = tuple(_convert.to_torch(o, copy=False, want_pad=i in pad, stream=stream)
+                         for i, o in enumerate(outs))
+            event = torch.cuda.Event()
+            event.record(stream)
+        return data, event
+
+    def close(self) -> None:
+        """Releases the pipeline's native part now. A DALI pipeline is part of reference cycles
+        of its own (pipeline, operators, graph nodes), so without this it would wait for the
+        cyclic collector, and a forked child that inherited it would shut it down: that hangs
+        (CPU) or aborts (CUDA) the child. The Python object left behind is inert."""
+        self.pipeline._shutdown()
+
+    def rebuild(self) -> None:
+        """A fresh pipeline after an error the executor does not survive: from the function
+        that built it, else from the same Python graph (DALI keeps its operators' specs)."""
+        if self._factory is not None:
+            fresh = self._factory()
+            if _input_names(fresh) != self.input_names:
+                raise ServerStateError(f"server {self.name!r}: the pipeline function built a pipeline "
+                                       f"with inputs {_input_names(fresh)}, not {self.input_names}")
+            fresh.build()
+            self.pipeline._shutdown()
+            self.pipeline = fresh
+            return
+        pipe = self.pipeline
+        pipe._shutdown()
+        pipe._built = False
+        pipe._backend_prepared = False
+        pipe.build()
+
+
+_NAMED = re.compile(r"sample #(\d+)")
+
+
+def named_sample(err: BaseException, n: int) -> int | None:
+    """The batch index a DALI error names (``Failed to decode sample #6``), if any."""
+    match = _NAMED.search(str(err))
+    if match is None:
+        return None
+    i = int(match.group(1))
+    return i if i < n else None
+
+
+def summary(err: BaseException) -> str:
+    """The informative line of a DALI error (the one after 'encountered:'), else the first one."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if "encountered:" in lines:
+        rest = lines[lines.index("encountered:") + 1:]
+        if rest:
+            return rest[0]
+    return lines[0] if lines else type(err).__name__

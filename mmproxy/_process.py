@@ -1,0 +1,94 @@
+"""Process hygiene: ids unique across processes, the servers of this process, and what a fork does.
+
+- :func:`new_id`: ``<process token>:<counter>``; a forked child gets a new token the first time it
+  asks, so ids made in a worker never collide with its parent's or another worker's.
+- :func:`register_local` / :func:`local`: the servers living in this process (weakly), so that a
+  proxy called in the server's own process hands inputs over directly instead of through a
+  socket. A forked child inherits the registry but is not the owner, so it sends.
+- :func:`on_fork_in_child` / :func:`keep`: the one at-fork hook of mmproxy. A forked child
+  inherits every object of its parent; whatever of mmproxy's it inherits must stay inert there:
+  it must never free a pipeline or a CUDA tensor (a CUDA call in a forked child aborts it), must
+  not hold a server's socket open, must not reuse a lock another thread of the parent held. Each
+  module registers what its objects need (``server``: keep every server and forget its socket;
+  ``loader``: keep inherited DataLoader iterators; ``_transport``: a fresh lock), and objects
+  handed to :func:`keep` live as long as the child does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["keep", "local", "new_id", "on_fork_in_child", "process_token", "register_local"]
+
+_lock = threading.Lock()
+_pid: int | None = None
+_token = ""
+_counter: Iterator[int] = itertools.count()
+
+
+def process_token() -> str:
+    """A short token unique to this process (renewed after a fork)."""
+    global _pid, _token, _counter
+    pid = os.getpid()
+    if _pid != pid:
+        with _lock:
+            if _pid != pid:
+                _token = f"{pid:x}.{secrets.token_hex(3)}"
+                _counter = itertools.count()
+                _pid = pid
+    return _token
+
+
+def new_id() -> str:
+    """An id unique across processes and time: ``<process token>:<counter>``."""
+    token = process_token()
+    return f"{token}:{next(_counter)}"
+
+
+_servers: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_servers_pid = os.getpid()
+
+
+def register_local(uid: str, server: Any) -> None:
+    """Records a server of this process (held weakly)."""
+    global _servers_pid
+    _servers_pid = os.getpid()
+    _servers[uid] = server
+
+
+def local(uid: str) -> Any:
+    """The server ``uid`` if it lives in this very process, else None."""
+    return _servers.get(uid) if os.getpid() == _servers_pid else None
+
+
+def local_servers() -> list[Any]:
+    """Every registered server (in a forked child: the parent's, inherited)."""
+    return list(_servers.values())
+
+
+_hooks: list[Callable[[], None]] = []
+_inherited: list[Any] = []
+
+
+def on_fork_in_child(hook: Callable[[], None]) -> None:
+    """Runs ``hook`` in every forked child, right after the fork."""
+    _hooks.append(hook)
+
+
+def keep(obj: Any) -> None:
+    """Keeps ``obj`` alive for the rest of this (forked child) process: never collected here."""
+    _inherited.append(obj)
+
+
+def _after_fork_in_child() -> None:
+    for hook in _hooks:
+        hook()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

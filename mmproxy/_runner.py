@@ -1,0 +1,213 @@
+"""Runner: the server thread that feeds runs to the pipeline, and finds the samples it cannot process.
+
+It keeps up to ``prefetch_queue_depth`` runs in flight: takes the next run from the run table,
+feeds it and schedules it; takes the oldest run's outputs and marks it READY. When a run fails:
+
+1. the runs queued behind it are finished first (the dynamic executor keeps them), or, with the
+   classic executors, which invalidate the pipeline, it is rebuilt and every one of them is run
+   again (the synchronous executor may even report an error against the run before the one that
+   caused it);
+2. each failed run is *isolated*: the sample a DALI error names (``sample #i``) is run alone to
+   confirm it, otherwise the batch is bisected; parts that fail are split again down to single
+   samples, so a batch of ``n`` with one bad sample costs about ``1 + log2(n)`` extra runs of
+   shrinking size;
+3. if every sample of the run may be skipped (:class:`~mmproxy._context.SampleId` ``skip``), the
+   good ones run once more as one batch and the run is READY with the bad ones listed in
+   ``Run.dropped`` (the resolver removes their rows from every field of the batch); otherwise the
+   run fails with a :class:`~mmproxy.errors.PipelineError` naming the first bad sample. A run whose
+   parts all succeed alone fails with the pipeline's own error. The server stays healthy.
+
+Anything else (an error outside a run) fails the server.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+from mmproxy import _context
+from mmproxy._dali import Pipe, named_sample, summary
+from mmproxy._runs import Run, RunTable
+from mmproxy.errors import PipelineError, with_remote_cause
+
+__all__ = ["Runner"]
+
+
+class Runner:
+    """The body of a server's runner thread.
+
+    Args:
+        pipe: The pipeline adapter.
+        table: The server's run table.
+        pad: Output indices to pad (see :class:`~mmproxy.DALIServer`).
+        device: The CUDA device of a GPU pipeline, or None.
+        stop: Set when the server stops.
+    """
+
+    def __init__(self, pipe: Pipe, table: RunTable, pad: set[int], device: Any,
+                 stop: threading.Event) -> None:
+        self.pipe, self.table, self.pad, self.device, self.stop = pipe, table, pad, device, stop
+        self.name = table.name
+        self._stream: Any = None
+
+    def __call__(self) -> None:
+        if self.device is not None:
+            import torch
+
+            torch.cuda.set_device(self.device)
+            self._stream = torch.cuda.Stream(self.device)
+        inflight: deque[Run] = deque()
+        try:
+            while True:
+                while len(inflight) < self.pipe.queue_depth and not self.stop.is_set():
+                    run = self.table.next(block=not inflight, stop=self.stop)
+                    if run is None:
+                        break
+                    assert run.request is not None
+                    try:
+                        self.pipe.feed(run.request.inputs)
+                    except Exception as err:  # noqa: BLE001 - inputs the pipeline refuses
+                        self._refused(run, err, inflight)
+                        continue
+                    inflight.append(run)
+                if not inflight:
+                    if self.stop.is_set():
+                        return
+                    continue
+                run = inflight.popleft()
+                try:
+                    outputs = self._outputs()
+                except Exception as err:  # noqa: BLE001 - a bad sample, or the pipeline itself
+                    later = list(inflight)
+                    inflight.clear()
+                    self._recover(run, err, later)
+                    continue
+                self.table.finish(run, *outputs)
+        except BaseException as err:  # noqa: BLE001 - every error must reach the main loop
+            self.table.fail(with_remote_cause(
+                PipelineError(f"server {self.name!r}: the pipeline failed: {summary(err)}"), err))
+        finally:
+            self._stream = None  # nothing CUDA-owning outlives the thread
+
+    def _outputs(self) -> tuple[tuple[Any, ...], Any]:
+        return self.pipe.outputs(self.pad, self._stream)
+
+    def _refused(self, run: Run, error: BaseException, inflight: deque[Run]) -> None:
+        """The pipeline refused ``run``'s inputs: the runs before it are finished, the pipeline is
+        rebuilt (it may hold part of the refused inputs) and the run fails with DALI's message."""
+        while inflight:
+            earlier = inflight.popleft()
+            try:
+                self.table.finish(earlier, *self._outputs())
+            except Exception as err:  # noqa: BLE001
+                self._recover(earlier, err, list(inflight))
+                inflight.clear()
+        self.pipe.rebuild()
+        self.table.fail_run(run, with_remote_cause(PipelineError(
+            f"server {self.name!r}: the pipeline refused the inputs of run {run.id} "
+            f"({_describe(run, list(range(len(run.keys))))}): {summary(error)}"), error))
+
+    def _recover(self, run: Run, error: BaseException, later: list[Run]) -> None:
+        """``run`` failed; ``later`` runs were queued behind it. Finishes all of them."""
+        failed: list[tuple[Run, BaseException | None]]
+        if self.pipe.survives_errors:
+            failed = [(run, error)]
+            for other in later:
+                try:
+                    self.table.finish(other, *self._outputs())
+                except Exception as err:  # noqa: BLE001
+                    failed.append((other, err))
+        else:
+            self.pipe.rebuild()
+            failed = [(r, None) for r in (run, *later)]
+        for bad_run, first_error in failed:
+            self._isolate(bad_run, first_error)
+
+    def _attempt(self, run: Run, rows: list[int]) -> tuple[Any, BaseException | None]:
+        """Runs the samples ``rows`` of ``run`` alone: (outputs, None) or (None, the error)."""
+        assert run.request is not None
+        try:
+            self.pipe.feed(run.request.inputs, rows)
+            return self._outputs(), None
+        except Exception as err:  # noqa: BLE001
+            if not self.pipe.survives_errors:
+                self.pipe.rebuild()
+            return None, err
+
+    def _isolate(self, run: Run, error: BaseException | None) -> None:
+        """Finds the samples of ``run`` the pipeline cannot process and runs the others."""
+        assert run.request is not None
+        everything = list(range(len(run.keys) or len(run.request.inputs[0])))
+        if error is None:
+            outputs, error = self._attempt(run, everything)
+            if error is None:
+                self.table.finish(run, *outputs)
+                return
+        skip = all(isinstance(k, _context.SampleId) and k.skip for k in run.keys)
+        bad: dict[int, BaseException] = {}
+        self._find_bad(run, everything, error, bad, first_only=not skip)
+        if not bad:  # the batch fails, but none of its parts does: not a sample's fault
+            self.table.fail_run(run, with_remote_cause(PipelineError(
+                f"server {self.name!r}: the pipeline failed on run {run.id} "
+                f"({_describe(run, everything)}), though every part of the batch runs alone: "
+                f"{summary(error)}"), error))
+            return
+        if not skip:
+            i, err = next(iter(bad.items()))
+            self.table.fail_run(run, with_remote_cause(PipelineError(
+                f"server {self.name!r}: the pipeline cannot process sample {_name(run, i)} "
+                f"(sample {i} of run {run.id}): {summary(err)}"), err))
+            return
+        kept = [i for i in everything if i not in bad]
+        if kept:
+            outputs, again = self._attempt(run, kept)
+            if again is not None:
+                self.table.fail_run(run, with_remote_cause(PipelineError(
+                    f"server {self.name!r}: run {run.id} failed again without its bad samples: "
+                    f"{summary(again)}"), again))
+                return
+        else:  # nothing left: the loader drops the whole batch and reports its samples
+            outputs = (tuple([] for _ in range(self.pipe.num_outputs)), None)
+        dropped = {i: f"pipeline failed in server {self.name!r}: {summary(e)}"
+                   for i, e in sorted(bad.items())}
+        self.table.finish(run, *outputs, kept=kept, dropped=dropped)
+
+    def _find_bad(self, run: Run, rows: list[int], error: BaseException,
+                  bad: dict[int, BaseException], first_only: bool) -> None:
+        """``rows`` of ``run`` fail together with ``error``; adds the samples at fault to ``bad``."""
+        while len(rows) > 1:
+            hint = named_sample(error, len(rows))
+            if hint is not None:
+                _, alone = self._attempt(run, [rows[hint]])
+                if alone is not None:
+                    bad[rows[hint]] = alone
+                    if first_only:
+                        return
+                    rows = rows[:hint] + rows[hint + 1:]
+                    _, rest = self._attempt(run, rows)
+                    if rest is None:
+                        return
+                    error = rest
+                    continue
+            half = len(rows) // 2
+            for part in (rows[:half], rows[half:]):
+                _, err = self._attempt(run, part)
+                if err is not None:
+                    self._find_bad(run, part, err, bad, first_only)
+                    if first_only and bad:
+                        return
+            return
+        if rows:
+            bad[rows[0]] = error
+
+
+def _name(run: Run, i: int) -> str:
+    key = run.keys[i] if i < len(run.keys) else None
+    return str(key) if key is not None else f"#{i}"
+
+
+def _describe(run: Run, rows: list[int]) -> str:
+    names = [_name(run, i) for i in rows[:8]]
+    more = f" and {len(rows) - 8} more" if len(rows) > 8 else ""
+    return "samples " + ", ".join(names) + more

@@ -1,0 +1,369 @@
+"""Run table: a server's shared state, and the internal interface of proxies, loaders and resolvers.
+
+One :class:`RunTable` per server holds the server's lifecycle state and its runs (one run = one
+batch of one server), under one lock. Everything that talks to a server goes through it:
+
+=====================  ====================================================  ==================
+caller                 method                                                thread
+=====================  ====================================================  ==================
+proxy (same process),  :meth:`accept` (a run's inputs arrived)               worker collate or
+listener thread                                                              listener
+loader                 :meth:`begin_epoch`, :meth:`claim`                    main loop
+resolver               :meth:`wait`, :meth:`release`                         main loop
+runner thread          :meth:`next`, :meth:`finish`, :meth:`fail_run`        runner
+server lifecycle       :meth:`set_state`, :meth:`fail`, :meth:`clear`        caller of start/stop
+=====================  ====================================================  ==================
+
+Locking rules: every method takes ``self.cond`` (a ``threading.Condition``) itself and returns
+with it released; none calls out to DALI, torch or user code while holding it; a caller never
+holds it while calling a method (the lock is not re-entrant). Waits poll every 50 ms so that a
+state change is seen even without a notification.
+
+Lifecycles (transitions are checked; an illegal one raises :class:`ServerStateError`): the server
+goes ``CREATED -> RUNNING -> STOPPING -> STOPPED`` (and back to RUNNING on restart) or to
+``FAILED``, where it stays; a run goes ``PENDING -> SCHEDULED -> READY | FAILED`` (or straight to
+FAILED when the server fails). This module imports nothing of DALI or torch, so it is tested alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Any
+
+from mmproxy._transport import Request
+from mmproxy.errors import (
+    BatchSizeError,
+    RunDroppedError,
+    ServerFailedError,
+    ServerStateError,
+    WaitTimeoutError,
+)
+
+__all__ = ["Request", "Run", "RunState", "RunTable", "ServerState"]
+
+_POLL = 0.05
+_DONE_KEPT = 8  # released runs kept (a batch's other outputs of the same run may follow)
+_DROPPED_KEPT = 4096  # ids of dropped runs remembered, to say why a reference cannot be served
+
+
+class ServerState(enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class RunState(enum.Enum):
+    PENDING = "pending"
+    SCHEDULED = "scheduled"
+    READY = "ready"
+    FAILED = "failed"
+
+
+_SERVER_MOVES = {
+    ServerState.CREATED: {ServerState.RUNNING, ServerState.FAILED},
+    ServerState.RUNNING: {ServerState.STOPPING, ServerState.FAILED},
+    ServerState.STOPPING: {ServerState.STOPPED, ServerState.FAILED},
+    ServerState.STOPPED: {ServerState.RUNNING},
+    ServerState.FAILED: set(),
+}
+_RUN_MOVES = {
+    RunState.PENDING: {RunState.SCHEDULED, RunState.FAILED},
+    RunState.SCHEDULED: {RunState.READY, RunState.FAILED},
+    RunState.READY: set(),
+    RunState.FAILED: set(),
+}
+
+class Run:
+    """One batch of one server.
+
+    ``keys`` names its samples (:class:`~mmproxy._context.SampleId` or None); ``kept`` lists the
+    samples (indices into ``keys``) whose rows the outputs hold, in order, after samples the
+    pipeline could not process were dropped; ``dropped`` maps those to the pipeline's message.
+    """
+
+    __slots__ = ("dropped", "error", "event", "id", "keys", "kept", "outputs", "request", "state",
+                 "tag")
+
+    def __init__(self, run_id: str) -> None:
+        self.id = run_id
+        self.state = RunState.PENDING
+        self.request: Request | None = None
+        self.tag: tuple[str, int] | None = None
+        self.keys: list[Any] = []
+        self.kept: list[int] | None = None  # None: every sample
+        self.dropped: dict[int, str] = {}
+        self.outputs: tuple[Any, ...] = ()
+        self.event: Any = None
+        self.error: BaseException | None = None
+
+
+class RunTable:
+    """The state a server shares with its proxies, loaders, resolvers and threads.
+
+    Args:
+        name: The server's name, for messages.
+        max_batch_size: The pipeline's ``batch_size``.
+        deterministic: Schedule runs in the order :meth:`claim` gives (the main loop's order).
+        timeout: Seconds :meth:`wait` waits for one run; None: as long as the server runs.
+        device: The server's CUDA device (outputs are on it), or None.
+    """
+
+    def __init__(self, name: str, max_batch_size: int, *, deterministic: bool,
+                 timeout: float | None, device: Any = None) -> None:
+        self.name = name
+        self.max_batch_size = max_batch_size
+        self.deterministic = deterministic
+        self.timeout = timeout
+        self.device = device
+        self.cond = threading.Condition()
+        self.state = ServerState.CREATED
+        self.error: BaseException | None = None  # why the server failed
+        self.runs: dict[str, Run] = {}
+        self._arrived: OrderedDict[str, Run] = OrderedDict()  # inputs here, not yet scheduled
+        self._claims: deque[str] = deque()  # deterministic order from the main loop
+        self._epochs: dict[str, int] = {}  # loader id -> its current epoch
+        self._done: OrderedDict[str, Run] = OrderedDict()
+        self._dropped: OrderedDict[str, str] = OrderedDict()  # run id -> why
+        self.samples = 0  # samples produced
+        self.wait_seconds = 0.0  # main-loop time spent in wait()
+        self.starved_seconds = 0.0  # runner time spent waiting for inputs in next()
+
+    # -- server lifecycle -----------------------------------------------------------------------
+
+    def set_state(self, new: ServerState) -> None:
+        with self.cond:
+            self._move_server(new)
+            self.cond.notify_all()
+
+    def _move_server(self, new: ServerState) -> None:
+        if new not in _SERVER_MOVES[self.state]:
+            raise ServerStateError(
+                f"server {self.name!r}: illegal transition {self.state.value} -> {new.value}")
+        self.state = new
+
+    def fail(self, error: BaseException) -> None:
+        """The server failed: it stays FAILED, and every run not yet READY fails with ``error``."""
+        with self.cond:
+            if self.state is ServerState.FAILED:
+                return
+            self.error = error
+            self._move_server(ServerState.FAILED)
+            for run in self.runs.values():
+                if run.state is not RunState.READY:
+                    run.state, run.error, run.request = RunState.FAILED, error, None
+            self.cond.notify_all()
+
+    def failed_error(self) -> ServerFailedError:
+        err = ServerFailedError(f"server {self.name!r} failed earlier and stays failed: {self.error}")
+        err.__cause__ = self.error
+        return err
+
+    def check_startable(self) -> None:
+        """Raises unless the server may start (it is CREATED or STOPPED)."""
+        with self.cond:
+            if self.state is ServerState.FAILED:
+                raise self.failed_error()
+            if self.state is ServerState.STOPPING:
+                raise ServerStateError(f"server {self.name!r} is stopping")
+
+    def clear(self) -> None:
+        """The server stopped: forget every run (references to them raise RunDroppedError)."""
+        with self.cond:
+            for run in self.runs.values():
+                run.request = None
+                if run.state is not RunState.FAILED:
+                    self._note_dropped(run.id, "the server was stopped before it ran")
+            self.runs.clear()
+            self._arrived.clear()
+            self._claims.clear()
+            self._done.clear()
+            if self.state is ServerState.STOPPING:
+                self._move_server(ServerState.STOPPED)
+            self.cond.notify_all()
+
+    # -- proxies and the listener ---------------------------------------------------------------
+
+    def accept(self, request: Request) -> None:
+        """Takes a run's inputs. Stale runs (a loader's earlier epoch) and duplicates are dropped."""
+        n = len(request.inputs[0]) if request.inputs else 0
+        if n > self.max_batch_size:
+            raise BatchSizeError(f"server {self.name!r}: run {request.run_id} has {n} samples, "
+                                 f"more than the pipeline's batch_size={self.max_batch_size}")
+        with self.cond:
+            if self.state is not ServerState.RUNNING:
+                if self.state is ServerState.FAILED:
+                    raise self.failed_error()
+                raise ServerStateError(f"server {self.name!r} is {self.state.value}; "
+                                       "start it (or enter its `with` block) before using it")
+            if self._is_stale(request.tag):
+                self._note_dropped(request.run_id, self._stale_reason(request.tag))
+                return
+            run = self.runs.get(request.run_id)
+            if run is None:
+                run = self.runs[request.run_id] = Run(request.run_id)
+            elif run.state is not RunState.PENDING or run.request is not None:
+                return  # a duplicate
+            run.request, run.tag, run.keys = request, request.tag, list(request.keys)
+            self._arrived[run.id] = run
+            self.cond.notify_all()
+
+    # -- loaders --------------------------------------------------------------------------------
+
+    def begin_epoch(self, loader_id: str, epoch: int) -> None:
+        """Drops the runs of a loader's earlier epochs (an abandoned epoch leaves nothing)."""
+        with self.cond:
+            self._epochs[loader_id] = epoch
+            stale = [r for r in self.runs.values() if self._is_stale(r.tag)]
+            for run in stale:
+                del self.runs[run.id]
+                self._note_dropped(run.id, self._stale_reason(run.tag))
+                self._arrived.pop(run.id, None)
+                if run.state is not RunState.SCHEDULED:  # the runner still owns a scheduled one
+                    run.request, run.outputs = None, ()
+            if stale:
+                gone = {r.id for r in stale}
+                self._claims = deque(c for c in self._claims if c not in gone)
+
+    def claim(self, run_ids: list[str]) -> None:
+        """Deterministic mode: the main loop says which runs go next, in order."""
+        with self.cond:
+            for run_id in run_ids:
+                if run_id not in self._claims and (
+                        run_id not in self.runs or self.runs[run_id].state is RunState.PENDING):
+                    self.runs.setdefault(run_id, Run(run_id))
+                    self._claims.append(run_id)
+            self.cond.notify_all()
+
+    # -- resolvers ------------------------------------------------------------------------------
+
+    def wait(self, run_id: str) -> Run:
+        """Blocks until run ``run_id`` is READY; raises its error if it failed, and at once when
+        it can never be served (server failed or stopped, run dropped)."""
+        start = time.perf_counter()
+        deadline = None if self.timeout is None else start + self.timeout
+        with self.cond:
+            try:
+                while True:
+                    run = self.runs.get(run_id) or self._done.get(run_id)
+                    if run is not None and run.state is RunState.READY:
+                        return run
+                    if run is not None and run.state is RunState.FAILED:
+                        self.runs.pop(run.id, None)
+                        self._done[run.id] = run
+                        raise _fresh(run.error)
+                    if self.state is ServerState.FAILED:
+                        raise self.failed_error()
+                    if self.state is not ServerState.RUNNING:
+                        raise ServerStateError(
+                            f"server {self.name!r} is {self.state.value}; run {run_id} "
+                            "cannot be produced (start the server before iterating)")
+                    if run is None and run_id in self._dropped:
+                        raise RunDroppedError(f"server {self.name!r}: run {run_id} was dropped: "
+                                              f"{self._dropped[run_id]}")
+                    if run is None:  # its inputs are on their way: wait for them
+                        run = self.runs[run_id] = Run(run_id)
+                    if deadline is not None and time.perf_counter() > deadline:
+                        if run.request is None and run.state is RunState.PENDING:
+                            self.runs.pop(run.id, None)  # the placeholder made for this wait
+                        raise WaitTimeoutError(
+                            f"server {self.name!r}: run {run_id} not ready after "
+                            f"{self.timeout} s (state {run.state.value})")
+                    self.cond.wait(_POLL)
+            finally:
+                self.wait_seconds += time.perf_counter() - start
+
+    def release(self, run: Run) -> None:
+        """A batch has taken the run's outputs: keep it briefly (its other outputs may follow)."""
+        with self.cond:
+            if self.runs.pop(run.id, None) is not None:
+                self._done[run.id] = run
+                while len(self._done) > _DONE_KEPT:
+                    self._done.popitem(last=False)
+
+    # -- the runner thread ----------------------------------------------------------------------
+
+    def next(self, block: bool, stop: threading.Event) -> Run | None:
+        """The next run to feed (now SCHEDULED), or None (nothing yet, or ``stop`` set).
+
+        Deterministic: the next claimed run once its inputs are here. Otherwise the oldest arrival,
+        the current epoch's runs before the next epoch's prefetched first batches.
+        """
+        start = time.perf_counter()
+        try:
+            with self.cond:
+                while not stop.is_set():
+                    run = None
+                    if self.deterministic:
+                        if self._claims and self._claims[0] in self._arrived:
+                            run = self._arrived.pop(self._claims.popleft())
+                    elif self._arrived:
+                        run = next((r for r in self._arrived.values() if not self._is_ahead(r.tag)),
+                                   None) or next(iter(self._arrived.values()))
+                        del self._arrived[run.id]
+                    if run is not None:
+                        self._move_run(run, RunState.SCHEDULED)
+                        return run
+                    if not block:
+                        return None
+                    self.cond.wait(_POLL)
+            return None
+        finally:
+            if block:
+                self.starved_seconds += time.perf_counter() - start
+
+    def finish(self, run: Run, outputs: tuple[Any, ...], event: Any, *, kept: list[int] | None = None,
+               dropped: dict[int, str] | None = None) -> None:
+        """The run's outputs are ready (without the ``dropped`` samples, when given)."""
+        with self.cond:
+            run.outputs, run.event, run.request = outputs, event, None
+            if kept is not None:
+                run.kept, run.dropped = kept, dropped or {}
+            self._move_run(run, RunState.READY)
+            self.samples += len(run.keys) - len(run.dropped)
+            self.cond.notify_all()
+
+    def fail_run(self, run: Run, error: BaseException) -> None:
+        """The run failed (the server did not): the resolver raises ``error`` for it."""
+        with self.cond:
+            run.error, run.request = error, None
+            self._move_run(run, RunState.FAILED)
+            self.cond.notify_all()
+
+    # -- helpers (called with the lock held) ----------------------------------------------------
+
+    def _move_run(self, run: Run, new: RunState) -> None:
+        if new not in _RUN_MOVES[run.state]:
+            raise ServerStateError(f"server {self.name!r}: run {run.id} cannot go from "
+                                   f"{run.state.value} to {new.value}")
+        run.state = new
+
+    def _note_dropped(self, run_id: str, why: str) -> None:
+        self._dropped[run_id] = why
+        while len(self._dropped) > _DROPPED_KEPT:
+            self._dropped.popitem(last=False)
+
+    def _stale_reason(self, tag: tuple[str, int] | None) -> str:
+        loader, epoch = tag or ("?", -1)
+        return (f"it belongs to epoch {epoch} of loader {loader}, which has started epoch "
+                f"{self._epochs.get(loader)} (a batch kept from an abandoned epoch)")
+
+    def _is_stale(self, tag: tuple[str, int] | None) -> bool:
+        return tag is not None and tag[1] < self._epochs.get(tag[0], tag[1])
+
+    def _is_ahead(self, tag: tuple[str, int] | None) -> bool:
+        return tag is not None and tag[1] > self._epochs.get(tag[0], tag[1])
+
+
+def _fresh(error: BaseException | None) -> BaseException:
+    """A copy of a stored error to raise: raising the stored one would give it a traceback whose
+    frames hold the server, a reference cycle through the run table."""
+    assert error is not None
+    new = copy.copy(error)
+    new.__cause__ = error.__cause__
+    return new

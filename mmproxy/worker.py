@@ -1,0 +1,44 @@
+"""Worker API: what a dataset running in a DataLoader worker can ask of mmproxy.
+
+A dataset (like :class:`mmproxy.datasets.MultiModalDataset`) uses these to follow the loader's
+epochs, to name the samples it sends to servers, and to send bytes of files it has mapped by
+reference instead of copying them.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from mmproxy import _context, _transport
+from mmproxy._context import SampleId, sample_key
+
+__all__ = ["SampleId", "in_persistent_worker", "loader_epoch", "next_epoch", "register_file_mapping",
+           "sample_key"]
+
+
+def loader_epoch() -> int | None:
+    """The epoch of the :class:`mmproxy.DataLoader` this worker serves (1, 2, ...), or None
+    outside one."""
+    tag = _context.current_tag()
+    return tag[1] if tag else None
+
+
+def in_persistent_worker() -> bool:
+    """Whether this is a persistent worker of an mmproxy DataLoader (it will see the next epoch)."""
+    return _context.in_persistent_worker()
+
+
+@contextmanager
+def next_epoch() -> Iterator[None]:
+    """Runs submitted inside belong to the loader's next epoch (to prepare its first batch)."""
+    with _context.next_epoch():
+        yield
+
+
+def register_file_mapping(mapping: mmap.mmap, fd: int) -> None:
+    """Bytes inside ``mapping`` (a read-only map of the file ``fd``) are sent to servers by
+    reference: the file's descriptor and an offset, not a copy. ``fd`` is duplicated, so the
+    caller may close its own. The file must not be rewritten in place while it is read."""
+    _transport.register_file_mapping(mapping, fd)

@@ -1,0 +1,128 @@
+"""The run table alone: states, checked transitions, scheduling and waiting, without DALI or torch."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+import mmproxy
+from mmproxy._runs import RunState, RunTable, ServerState
+from mmproxy._transport import Request
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _table(**kw):
+    table = RunTable("t", 4, deterministic=kw.pop("deterministic", False), timeout=kw.pop("timeout", 5))
+    table.set_state(ServerState.RUNNING)
+    return table
+
+
+def _request(run_id, tag=None, n=2):
+    return Request(run_id, tag, [None] * n, [[b"x"] * n])
+
+
+def test_the_table_imports_neither_dali_nor_torch():
+    import subprocess
+
+    code = ("import sys, mmproxy._runs; "
+            "print(any(m.split('.')[0] in ('torch', 'nvidia') for m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_server_and_run_transitions_are_checked():
+    table = RunTable("t", 4, deterministic=False, timeout=1)
+    with pytest.raises(mmproxy.ServerStateError, match="illegal transition created -> stopped"):
+        table.set_state(ServerState.STOPPED)
+    table.set_state(ServerState.RUNNING)
+    table.accept(_request("a"))
+    run = table.next(block=False, stop=threading.Event())
+    assert run is not None and run.state is RunState.SCHEDULED
+    table.finish(run, ("out",), None)
+    with pytest.raises(mmproxy.ServerStateError, match="cannot go from ready to failed"):
+        table.fail_run(run, RuntimeError("late"))
+
+
+def test_arrival_order_and_the_current_epoch_first():
+    table = _table()
+    table.begin_epoch("L", 1)
+    table.accept(_request("next-epoch", ("L", 2)))
+    table.accept(_request("a", ("L", 1)))
+    table.accept(_request("b", ("L", 1)))
+    stop = threading.Event()
+    assert [table.next(False, stop).id for _ in range(3)] == ["a", "b", "next-epoch"]
+    assert table.next(False, stop) is None
+
+
+def test_deterministic_mode_follows_the_claims():
+    table = _table(deterministic=True)
+    table.accept(_request("a"))
+    table.accept(_request("b"))
+    stop = threading.Event()
+    assert table.next(False, stop) is None  # nothing claimed yet
+    table.claim(["b", "a"])
+    assert [table.next(False, stop).id for _ in range(2)] == ["b", "a"]
+
+
+def test_wait_returns_ready_runs_and_raises_failed_ones():
+    table = _table()
+    table.accept(_request("a"))
+    table.accept(_request("b"))
+    stop = threading.Event()
+    a, b = table.next(False, stop), table.next(False, stop)
+    threading.Timer(0.1, table.finish, (a, ("x",), None)).start()
+    assert table.wait("a").outputs == ("x",)
+    table.fail_run(b, mmproxy.PipelineError("bad sample"))
+    with pytest.raises(mmproxy.PipelineError, match="bad sample"):
+        table.wait("b")
+    assert "b" not in table.runs  # a failed run does not stay in the table
+
+
+def test_a_stale_or_stopped_run_raises_at_once_naming_why():
+    table = _table()
+    table.begin_epoch("L", 1)
+    table.accept(_request("old", ("L", 1)))
+    table.begin_epoch("L", 2)
+    start = time.perf_counter()
+    with pytest.raises(mmproxy.RunDroppedError, match="old was dropped: .*epoch 1 of loader L.*epoch 2"):
+        table.wait("old")
+    table.accept(_request("late", ("L", 1)))  # arrives after its epoch ended
+    with pytest.raises(mmproxy.RunDroppedError, match="late was dropped"):
+        table.wait("late")
+    table.accept(_request("c", ("L", 2)))
+    table.set_state(ServerState.STOPPING)
+    table.clear()
+    table.set_state(ServerState.RUNNING)
+    with pytest.raises(mmproxy.RunDroppedError, match="c was dropped: the server was stopped"):
+        table.wait("c")
+    assert time.perf_counter() - start < 1
+
+
+def test_a_wait_that_times_out_leaves_no_placeholder():
+    table = _table(timeout=0.2)
+    with pytest.raises(mmproxy.WaitTimeoutError, match="run ghost not ready after 0.2 s"):
+        table.wait("ghost")
+    assert table.runs == {}
+
+
+def test_a_failed_server_fails_its_runs_and_stays_failed():
+    table = _table()
+    table.accept(_request("a"))
+    table.fail(RuntimeError("listener died"))
+    with pytest.raises(RuntimeError, match="listener died"):  # the run fails with the server's error
+        table.wait("a")
+    with pytest.raises(mmproxy.ServerFailedError, match="stays failed: listener died"):
+        table.wait("another")
+    with pytest.raises(mmproxy.ServerFailedError):
+        table.check_startable()
+    with pytest.raises(mmproxy.ServerFailedError):
+        table.accept(_request("b"))
+
+
+def test_a_batch_larger_than_the_pipeline_is_refused():
+    with pytest.raises(mmproxy.BatchSizeError, match="run big has 5 samples.*batch_size=4"):
+        _table().accept(_request("big", n=5))
