@@ -218,9 +218,15 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     if not manifest:
         what = "image" if kind == "image-text" else "audio"
         reasons = "; ".join(f"{p}: {w}" for p, w in written.left_out[:3])
+        other = AUDIO_SUFFIXES if kind == "image-text" else IMAGE_SUFFIXES
+        hint = ""
+        if any(p.suffix.lower() in other for p in source.rglob("*")):
+            hint = (f"; it holds {'audio' if kind == 'image-text' else 'image'} files: use kind="
+                    f"{'audio-label' if kind == 'image-text' else 'image-text'!r} "
+                    f"(--kind {'audio-label' if kind == 'image-text' else 'image-text'})")
         raise FileNotFoundError(f"no {what} files to write under {source}"
                                 + (f" ({len(written.left_out)} left out: {reasons})"
-                                   if reasons else ""))
+                                   if reasons else "") + hint)
     (output / CLASSES).write_text(json.dumps(classes))
     (output / MANIFEST).write_text("".join(json.dumps(row) + "\n" for row in manifest))
     written.samples = len(manifest)

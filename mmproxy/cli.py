@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "through an image server and an audio server, with captions tokenized in "
                           "the workers, then prints a throughput summary. Without --data it first "
                           "writes a small synthetic set to the cache folder.")
-    demo.add_argument("--data", help="your shards: a brace pattern or path (default: synthetic "
+    demo.add_argument("--data", help="your shards: a brace pattern, a path, a folder of .tar files or "
+                      "a quoted glob (default: synthetic "
                       "set); the fields of its first sample pick the servers: image (jpg, png, "
                       "webp, bmp, tiff), audio (flac, wav, ogg), text (txt), label (cls)")
     demo.add_argument("--samples", type=int, default=256, help="size of the synthetic set (default 256)")
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "trained on the synthetic captions)")
     demo.add_argument("--on-error", choices=["raise", "skip"], default="skip",
                       help="what to do with a bad sample (default: skip and report)")
+    demo.add_argument("--max-skipped", type=float, default=0.1,
+                      help="fail when more than this fraction of an epoch's samples is skipped "
+                      "(default 0.1)")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(func=_app("demo"))
 
@@ -69,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "which files were left out and why.")
     shards.add_argument("source", help="the folder to read")
     shards.add_argument("output", help="the folder to write PREFIX-NNNNNN.tar files to")
-    shards.add_argument("--kind", choices=["image-text", "audio-label"], default="image-text")
+    shards.add_argument("--kind", choices=["image-text", "audio-label"], default="image-text",
+                        help="image-text: images with captions (default); audio-label: audio files "
+                        "in class folders")
     shards.add_argument("--max-count", type=int, default=1000, help="samples per shard")
     shards.add_argument("--max-size", type=float, default=1e9, help="bytes per shard")
     shards.add_argument("--prefix", default="shard", help="shard names start with it (default shard)")

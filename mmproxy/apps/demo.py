@@ -26,11 +26,12 @@ def run(args: argparse.Namespace) -> int:
     from mmproxy.testing import cache_dir, demo_shards
 
     if args.data:
-        urls = args.data
+        urls = _expand_data(args.data)
     else:
         print(f"mmproxy demo: writing {args.samples} synthetic samples (image, caption, audio, "
               f"label) to {cache_dir() / 'demo'} (once)")
-        urls = demo_shards(args.samples, max(1, min(64, args.samples // (2 * max(1, args.workers)))))
+        urls = _expand_data(demo_shards(args.samples,
+                                        max(1, min(64, args.samples // (2 * max(1, args.workers))))))
     shards, exts = _first_sample_fields(urls)
     first = shards[0]
     wanted = {"image": IMAGE_EXTS, "audio": AUDIO_EXTS, "text": "txt;caption", "label": "cls"}
@@ -46,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     workers = min(args.workers, len(shards))  # every worker needs a shard of its own
     print(f"mmproxy demo: {'GPU' if gpu else 'CPU'} pipelines, {workers} worker{'' if workers == 1 else 's'}"
           + (f" (one per shard, not {args.workers})" if workers < args.workers else "") + ", "
-          f"batch {args.batch_size}, shards {urls}")
+          f"batch {args.batch_size}, {len(urls)} shard(s): {urls[0]}"
+          + (f" ... {urls[-1]}" if len(urls) > 1 else ""))
     servers = _servers(args, used)
     dataset = _dataset(args, urls, {name: wanted[name] for name in used}, servers)
     with contextlib.ExitStack() as stack:
@@ -74,7 +76,7 @@ def _servers(args: argparse.Namespace, used: list[str]) -> dict[str, Any]:
     return servers
 
 
-def _dataset(args: argparse.Namespace, urls: str, exts: dict[str, str],
+def _dataset(args: argparse.Namespace, urls: list[str], exts: dict[str, str],
              servers: dict[str, Any]) -> Any:
     """Heavy fields through their servers, text tokenized in the workers, labels as ints."""
     from mmproxy.datasets import MultiModalDataset, Tokenize, load_tokenizer
@@ -83,13 +85,18 @@ def _dataset(args: argparse.Namespace, urls: str, exts: dict[str, str],
     fields: dict[str, Any] = {name: (exts[name], server.proxy) for name, server in servers.items()}
     transform = None
     if "text" in exts:
-        fields["text"] = (exts["text"], lambda b: b.decode().strip())
+        fields["text"] = (exts["text"], _text)
         tokenizer = load_tokenizer(args.tokenizer or demo_tokenizer())
         transform = Tokenize(tokenizer, 32, "longest")
     if "label" in exts:
         fields["label"] = (exts["label"], int)
     return MultiModalDataset(urls, fields, batch_size=args.batch_size, shuffle_buffer=64,
-                             on_error=args.on_error, batch_transform=transform)
+                             on_error=args.on_error, max_skipped=args.max_skipped,
+                             batch_transform=transform)
+
+
+def _text(data: bytes) -> str:
+    return data.decode().strip()
 
 
 def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dict[str, Any],
@@ -120,15 +127,31 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
     print(f"  skipped {len(skipped)} samples" + (f", first: {skipped[:3]}" if skipped else ""))
 
 
-def _first_sample_fields(urls: str) -> tuple[list[str], list[str]]:
-    """The shards of ``urls`` and the extensions (fields) of the first shard's first sample."""
+def _expand_data(data: str) -> list[str]:
+    """The shards ``--data`` names: a brace pattern or path, a folder of ``.tar`` files, or a glob."""
+    import glob
+
     from braceexpand import braceexpand
 
-    shards = list(braceexpand(urls)) or [urls]
+    if os.path.isdir(data):
+        shards = sorted(glob.glob(os.path.join(data, "*.tar")))
+        if not shards:
+            raise FileNotFoundError(f"no .tar shard in the folder {data}")
+        return shards
+    if any(c in data for c in "*?[") and "://" not in data and not data.startswith("pipe:"):
+        shards = sorted(glob.glob(data))
+        if not shards:
+            raise FileNotFoundError(f"no shard matches {data}")
+        return shards
+    return list(braceexpand(data)) or [data]
+
+
+def _first_sample_fields(shards: list[str]) -> tuple[list[str], list[str]]:
+    """The shards and the extensions (fields) of the first shard's first sample."""
     first = shards[0]
     local = "://" not in first and not first.startswith("pipe:")
     if local and not os.path.isfile(first):
-        raise FileNotFoundError(f"no shard at {first} (the first of --data {urls})")
+        raise FileNotFoundError(f"no shard at {first} (the first of {len(shards)} that --data names)")
     exts: list[str] = []
     try:
         if local:
