@@ -39,12 +39,15 @@ from mmproxy.skips import SkippedSample
 
 from .checks import MAX_PIXELS
 from .fields import Field, FieldSpec, Skip, parse_field, process
+from .remote import RemoteOptions, redact
 from .shards import (
     current_epoch,
     expand,
     is_local,
+    is_remote,
     rank_shards,
     read_local_tar,
+    read_remote_tar,
     resampled,
     worker_info,
     worker_shards,
@@ -60,8 +63,9 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
     """Batches from WebDataset shards; chosen fields go through servers' proxies.
 
     Args:
-        urls: Shards: a brace pattern (``"data-{000..099}.tar"``), a list, local paths, or
-            ``pipe:`` commands, as webdataset reads them.
+        urls: Shards: a brace pattern (``"data-{000..099}.tar"``), a list, local paths,
+            ``http(s)://`` or ``s3://`` URLs (streamed, retried, optionally cached: ``remote``),
+            or ``pipe:`` commands, as webdataset reads them.
         fields: Output name -> what to do: a :class:`Field` (explicit), or ``(extensions,
             callable)``, or a callable applied to the extension of the same name. In the two
             short forms a field goes through a server when its callable is a server's proxy
@@ -90,6 +94,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             prefetching across epochs). The next epoch is the loader's next (this one plus one);
             an explicit :meth:`set_epoch` turns it off. The cost: after the last epoch, one
             batch per worker is prepared and run for nothing.
+        remote: How ``http(s)://`` and ``s3://`` shards are read: retries, timeouts and the
+            node-local cache (:class:`~mmproxy.datasets.remote.RemoteOptions`; by default no
+            cache unless ``MMPROXY_CACHE_DIR`` is set). A shard still failing after the retries,
+            or missing, is an unreadable shard: a ``__skipped__`` record or a ``ShardError``.
     """
 
     def __init__(self, urls: str | Sequence[str], fields: Mapping[str, FieldSpec], *,
@@ -99,7 +107,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                  collate: Callable[[list[Any]], Any] | None = None,
                  batch_transform: Callable[[Any], Any] | None = None,
                  keep_keys: bool = True, max_pixels: int = MAX_PIXELS,
-                 prefetch_next_epoch: bool = True) -> None:
+                 prefetch_next_epoch: bool = True, remote: RemoteOptions | None = None) -> None:
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -129,6 +137,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         self.keep_keys = keep_keys
         self.max_pixels = max_pixels
         self.prefetch_next_epoch = prefetch_next_epoch
+        self.remote = remote or RemoteOptions()
         self._epoch: int | None = None
         self._ahead: tuple[int, Any, Iterator[Any]] | None = None
 
@@ -215,14 +224,15 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
 
     def _samples(self, shards: Iterator[str], skipped: list[SkippedSample]
                  ) -> Iterator[dict[str, Any] | None]:
-        """Samples of the shards: local ones mapped (zero copy), others through webdataset."""
+        """Samples of the shards: local and remote ones mapped (zero copy), others through
+        webdataset."""
 
         def failed(url: str, exn: BaseException) -> None:
             reason = _describe(exn)
             if self.on_error == "skip":
-                skipped.append(SkippedSample(url, "", f"unreadable shard: {reason}"))
+                skipped.append(SkippedSample(redact(url), "", f"unreadable shard: {reason}"))
             else:
-                raise ShardError(f"shard {url}: cannot be read: {reason}") from exn
+                raise ShardError(f"shard {redact(url)}: cannot be read: {reason}") from exn
 
         def handler(exn: Exception) -> bool:
             failed(str(exn.args[-1]) if exn.args else "?", exn)
@@ -230,9 +240,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
 
         for url in shards:
             count, records = 0, len(skipped)
-            if is_local(url):
+            if is_local(url) or is_remote(url):
                 try:
-                    for sample in read_local_tar(url):
+                    for sample in (read_local_tar(url) if is_local(url)
+                                   else read_remote_tar(url, self.remote)):
                         count += 1
                         yield sample
                 except (OSError, tarfile.TarError, ValueError) as exn:
@@ -245,7 +256,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                     yield sample
             if count == 0 and self.on_error == "skip":
                 if len(skipped) == records:
-                    skipped.append(SkippedSample(url, "", "empty shard: it holds no files"))
+                    skipped.append(SkippedSample(redact(url), "", "empty shard: it holds no files"))
                 yield None
 
     def _process(self, sample: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,8 @@ resampling with a fixed number of batches per rank, and a zero-copy reader for l
 webdataset's streaming tar reader copies each member through 10 KB reads (about 600 MB/s per
 worker here); mapping a local tar and slicing its members is about 15x faster, and the members
 then travel to the server by reference (the shard's descriptor and offsets), not copied.
+``http(s)://`` and ``s3://`` shards are read the same way from memory or the node cache as they
+stream in (:mod:`mmproxy.datasets.remote`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import random
 import tarfile
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import webdataset as wds
 
@@ -25,8 +27,10 @@ from mmproxy import worker
 from mmproxy.errors import ShardError
 
 from ._tar import members
+from .remote import RemoteOptions, RemoteShard, is_remote, open_remote
 
-__all__ = ["expand", "is_local", "rank_shards", "read_local_tar", "worker_info", "worker_shards"]
+__all__ = ["expand", "is_local", "is_remote", "rank_shards", "read_local_tar", "read_remote_tar",
+           "worker_info", "worker_shards"]
 
 
 def expand(urls: str | Sequence[str]) -> list[str]:
@@ -81,13 +85,15 @@ def resampled(urls: list[str], rng: random.Random) -> Iterator[str]:
 
 
 def is_local(url: str) -> bool:
-    """Whether ``url`` names a local file (not ``pipe:``, not a ``scheme://`` URL)."""
+    """Whether ``url`` names a local file (not ``pipe:``, not a ``scheme://`` URL); remote ones
+    (:func:`is_remote`) are read by :func:`read_remote_tar`."""
     return not url.startswith("pipe:") and "://" not in url
 
 
-def read_local_tar(url: str) -> Iterator[dict[str, Any]]:
+def read_local_tar(url: str, name: str | None = None) -> Iterator[dict[str, Any]]:
     """Samples of a local tar, grouped by key like webdataset's; fields are memoryviews of a
     read-only mapping of the file (no copy). Raises ``tarfile.ReadError`` for a damaged shard.
+    ``name`` is the shard's ``__url__`` (default: ``url``).
 
     The mapping is registered with the transport while the shard is read, so a worker sends the
     server the shard's descriptor and the members' offsets instead of copying their bytes.
@@ -97,9 +103,25 @@ def read_local_tar(url: str) -> Iterator[dict[str, Any]]:
             raise tarfile.ReadError("the shard is empty")
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         worker.register_file_mapping(mapping, f.fileno())
-    view = memoryview(mapping)
+    yield from _grouped(memoryview(mapping), name or url)
+
+
+def read_remote_tar(url: str, options: RemoteOptions) -> Iterator[dict[str, Any]]:
+    """Samples of an ``http(s)://`` or ``s3://`` shard, like :func:`read_local_tar`'s: streamed
+    (each sample as soon as its bytes are in), or from the node cache (see
+    :mod:`mmproxy.datasets.remote`). Raises :class:`~mmproxy.datasets.remote.RemoteError` for a
+    shard that cannot be fetched."""
+    with open_remote(url, options) as shard:
+        yield from _grouped(shard.view, url, shard)
+
+
+def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
+             ) -> Iterator[dict[str, Any]]:
+    """The tar's members grouped into samples by key; with ``filling``, each member once its
+    bytes have arrived."""
+    data = view if filling is None else cast(memoryview, filling.members)  # slicing waits
     current: dict[str, Any] | None = None
-    for name, offset, size in members(view):
+    for name, offset, size in members(data):
         prefix, suffix = wds.tariterators.base_plus_ext(name)
         if prefix is None:
             continue
@@ -107,6 +129,10 @@ def read_local_tar(url: str) -> Iterator[dict[str, Any]]:
             if current is not None:
                 yield current
             current = {"__key__": prefix, "__url__": url}
+        if filling is not None:
+            filling.wait(offset + size)
         current[suffix.lower()] = view[offset:offset + size]
+    if filling is not None:
+        filling.wait(len(view))
     if current is not None:
         yield current

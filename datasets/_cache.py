@@ -1,0 +1,172 @@
+"""Node cache: remote shards kept in a local folder, shared by every process of a node.
+
+Layout of ``cache_dir``: finished shards as ``<sha256 of the URL>-<file name>``, downloads in
+progress under ``.partial/`` with the same name, and one empty ``.lock`` file. Locks are Linux
+open-file-description byte-range locks on ``.lock`` (``F_OFD_SETLK``): byte 0 guards the space
+accounting, and each shard has its own byte (from its name's hash), so any number of shards need
+one file and a lock dies with the process that held it.
+
+- **One download per shard per node.** A process that misses takes the shard's lock; whoever
+  holds it downloads, the others wait for it and then read the finished file (a download that
+  failed leaves no file, and the next waiter downloads).
+- **No torn files.** A shard is written under ``.partial/`` (its blocks allocated first, so a
+  full disk is an error, not a crash) and renamed into place when complete; a crashed writer's
+  part is deleted by the next space reservation (its lock is free).
+- **No growth past the bound.** Space is reserved under the space lock before a download
+  starts: finished shards are evicted, least recently used first (their mtime is touched on every
+  read), until finished + partial sizes + the new shard fit in ``cache_bytes``. A shard that does
+  not fit is streamed without the cache. Evicting a shard that a process is still reading is safe:
+  its mapping outlives the name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["NodeCache"]
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
+_SPACE = 0  # the lock byte of the space accounting
+
+
+class NodeCache:
+    """The cache in ``folder``, holding at most ``bound`` bytes (None: leave 5% of the disk free).
+
+    Args:
+        folder: The cache folder (made if missing); one per node, shared by every process.
+        bound: The most bytes its shards (finished and partial) may take.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], bound: int | None) -> None:
+        self.folder = Path(folder)
+        self.partial = self.folder / ".partial"
+        self.partial.mkdir(parents=True, exist_ok=True)
+        self.lock_path = self.folder / ".lock"
+        self.lock_path.touch(exist_ok=True)
+        self.bound = bound
+
+    def name(self, url: str) -> str:
+        """The shard's file name in the cache."""
+        tail = re.sub(r"[^A-Za-z0-9._-]", "_", url.rstrip("/").rsplit("/", 1)[-1])[-80:]
+        return hashlib.sha256(url.encode()).hexdigest()[:32] + "-" + tail
+
+    def lookup(self, name: str) -> int | None:
+        """A read-only descriptor of the finished shard ``name`` (marked as just used), or None."""
+        path = self.folder / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return fd
+
+    def lock(self, name: str) -> int:
+        """Takes the shard's lock, waiting while another process holds it; returns the lock's
+        descriptor (give it to :meth:`unlock`)."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            _lock(fd, _byte(name), wait=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def unlock(self, fd: int) -> None:
+        """Releases a lock from :meth:`lock` (closing its descriptor releases it)."""
+        os.close(fd)
+
+    def reserve(self, name: str, size: int) -> int | None:
+        """Makes room for ``size`` bytes and creates the shard's part file with its blocks
+        allocated; returns its descriptor, or None when the shard does not fit (or the disk is
+        full). Hold the shard's lock."""
+        part = self.partial / name
+        with self._space():
+            used = 0
+            finished: list[tuple[float, int, Path]] = []
+            for entry in os.scandir(self.folder):
+                if entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
+                    with contextlib.suppress(FileNotFoundError):
+                        st = entry.stat()
+                        finished.append((st.st_mtime, st.st_size, Path(entry.path)))
+                        used += st.st_size
+            for entry in os.scandir(self.partial):
+                if entry.name != name and not self._held(entry.name):
+                    _unlink(Path(entry.path))  # a crashed writer's part
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    used += entry.stat().st_size if entry.name != name else 0
+            bound = self.bound if self.bound is not None else self._free_bound(used)
+            finished.sort()
+            while finished and used + size > bound:
+                _, freed, path = finished.pop(0)
+                _unlink(path)
+                used -= freed
+            if used + size > bound:
+                return None
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError:
+                os.close(fd)
+                _unlink(part)
+                return None
+            return fd
+
+    def commit(self, name: str) -> None:
+        """Moves the finished part into place (atomically: readers see all of it or nothing)."""
+        os.rename(self.partial / name, self.folder / name)
+
+    def abandon(self, name: str) -> None:
+        """Deletes the part of a download that failed."""
+        _unlink(self.partial / name)
+
+    def _free_bound(self, used: int) -> int:
+        st = os.statvfs(self.folder)
+        return used + st.f_bavail * st.f_frsize - st.f_blocks * st.f_frsize // 20
+
+    def _held(self, name: str) -> bool:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            _lock(fd, _byte(name), wait=False)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _space(self) -> Iterator[None]:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            _lock(fd, _SPACE, wait=True)
+            yield
+        finally:
+            os.close(fd)
+
+
+def _byte(name: str) -> int:
+    """The shard's lock byte: from its name's hash, never the space lock's."""
+    return 1 + int(name[:15], 16)
+
+
+def _lock(fd: int, byte: int, *, wait: bool) -> None:
+    command = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+    try:
+        fcntl.fcntl(fd, command, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
+    except OSError as err:
+        if err.errno in (11, 13):  # EAGAIN / EACCES: held by another
+            raise BlockingIOError(err.errno, "locked") from None
+        raise
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()

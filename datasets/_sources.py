@@ -1,0 +1,245 @@
+"""Sources: one GET of a remote shard (HTTP(S) or S3) from a byte offset, its failures sorted.
+
+:func:`open_source` returns a :class:`Response` whose ``readinto`` writes the body straight into
+the caller's buffer. Every failure is raised as :class:`Transient` (worth a retry: a reset or cut
+connection, a read timeout, a 5xx or throttling answer) or :class:`Permanent` (a missing shard,
+refused credentials, a shard that changed on the server); the retrying belongs to the caller
+(:mod:`mmproxy.datasets.remote`). Texts of both name no URL (the caller adds the shard's redacted
+URL) and never hold a credential.
+
+HTTP(S) goes through ``urllib`` (proxies from the environment, redirects); S3 through boto3, which
+takes its endpoint, region and credentials from the standard AWS environment variables and config
+files (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, ...). boto3's own retries are off: one retry policy, the
+caller's, covers the request and the body alike.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import re
+import socket
+import threading
+import urllib.error
+import urllib.request
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+__all__ = ["Permanent", "Response", "Transient", "open_source"]
+
+_RETRY_HTTP = frozenset({408, 425, 429})
+_RETRY_S3 = frozenset({"RequestTimeout", "SlowDown", "Throttling", "ThrottlingException",
+                       "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable"})
+_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+class Transient(Exception):
+    """A failure worth a retry."""
+
+
+class Permanent(Exception):
+    """A failure no retry mends."""
+
+
+class Response(Protocol):
+    """An open GET: the shard's total size (None when the server does not say), its ETag, and
+    the body from the offset asked for."""
+
+    size: int | None
+    etag: str | None
+
+    def readinto(self, buffer: memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def open_source(url: str, start: int, etag: str | None, read_timeout: float,
+                connect_timeout: float) -> Response:
+    """GETs ``url`` from byte ``start``; with ``etag``, refuses a shard that has changed since."""
+    if url.startswith("s3://"):
+        return _S3Body(url, start, etag, read_timeout, connect_timeout)
+    return _HttpBody(url, start, etag, read_timeout)
+
+
+def _changed(etag: str | None, now: str | None) -> None:
+    if etag is not None and now is not None and now != etag:
+        raise Permanent("the shard changed on the server while it was read")
+
+
+def _content_range(value: str | None, start: int) -> int | None:
+    """The total size from a ``Content-Range`` answer to ``bytes=start-``."""
+    match = _RANGE.fullmatch((value or "").strip())
+    if match is None or int(match[1]) != start:
+        raise Transient(f"the server answered a range request with Content-Range {value!r}")
+    return None if match[3] == "*" else int(match[3])
+
+
+class _HttpBody:
+    def __init__(self, url: str, start: int, etag: str | None, timeout: float) -> None:
+        headers = {"User-Agent": "mmproxy", "Accept-Encoding": "identity"}
+        if start:
+            headers["Range"] = f"bytes={start}-"
+        try:
+            self._resp = urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                                timeout=timeout)
+        except urllib.error.HTTPError as err:
+            err.close()
+            text = f"HTTP {err.code} {err.reason}"
+            if err.code in _RETRY_HTTP or err.code >= 500:
+                raise Transient(text) from None
+            raise Permanent(text) from None
+        except urllib.error.URLError as err:
+            raise Transient(_oserror(err.reason)) from None
+        except (OSError, http.client.HTTPException) as err:
+            raise Transient(_oserror(err)) from None
+        try:
+            self.etag = self._resp.headers.get("ETag")
+            _changed(etag, self.etag)
+            length = self._resp.headers.get("Content-Length")
+            if self._resp.status == 206:
+                self.size = _content_range(self._resp.headers.get("Content-Range"), start)
+            else:
+                self.size = int(length) if length is not None else None
+                self._skip(start)  # the server ignored the range: drop what we have
+        except BaseException:
+            self._resp.close()
+            raise
+
+    def _skip(self, count: int) -> None:
+        scratch = memoryview(bytearray(min(count, 1 << 20) or 1))
+        while count:
+            n = self.readinto(scratch[:min(count, len(scratch))])
+            if n == 0:
+                raise Transient("the connection closed before the resumed offset")
+            count -= n
+
+    def readinto(self, buffer: memoryview) -> int:
+        try:
+            return self._resp.readinto(buffer)
+        except (OSError, http.client.HTTPException, ValueError) as err:
+            raise Transient(_oserror(err)) from None
+
+    def close(self) -> None:
+        self._resp.close()
+
+
+def _oserror(err: object) -> str:
+    if isinstance(err, (TimeoutError, socket.timeout)):
+        return "read timed out (stalled server)"
+    if isinstance(err, http.client.IncompleteRead):
+        return f"connection cut after {len(err.partial)} more bytes"
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+# -- S3 -------------------------------------------------------------------------------------------
+
+
+class _Clients:
+    """This process's boto3 S3 clients (one per timeout pair), made after any fork."""
+
+    def __init__(self) -> None:
+        self.pid = -1
+        self.lock = threading.Lock()
+        self.clients: dict[tuple[float, float], tuple[Any, list[str]]] = {}
+
+    def get(self, read_timeout: float, connect_timeout: float) -> tuple[Any, list[str]]:
+        """(client, secrets never to show in a message)."""
+        if self.pid != os.getpid():
+            self.pid, self.lock, self.clients = os.getpid(), threading.Lock(), {}
+        with self.lock:
+            key = (read_timeout, connect_timeout)
+            if key not in self.clients:
+                self.clients[key] = _make_client(read_timeout, connect_timeout)
+            return self.clients[key]
+
+
+def _make_client(read_timeout: float, connect_timeout: float) -> tuple[Any, list[str]]:
+    try:
+        import boto3
+        import botocore.config
+    except ImportError:
+        raise Permanent("s3:// shards need boto3: pip install 'mmproxy[s3]'") from None
+    session = boto3.session.Session()
+    credentials = session.get_credentials()
+    secrets = [value for value in (os.environ.get("AWS_SECRET_ACCESS_KEY"),
+                                   os.environ.get("AWS_SESSION_TOKEN")) if value]
+    if credentials is not None:
+        frozen = credentials.get_frozen_credentials()
+        secrets += [value for value in (frozen.secret_key, frozen.token) if value]
+    config = botocore.config.Config(read_timeout=read_timeout, connect_timeout=connect_timeout,
+                                    retries={"total_max_attempts": 1})
+    return session.client("s3", config=config), secrets
+
+
+_clients = _Clients()
+
+
+def _bucket_key(url: str) -> tuple[str, str]:
+    parts = urlsplit(url)
+    key = parts.path.lstrip("/")
+    if not parts.netloc or not key:
+        raise Permanent("an S3 shard URL is s3://BUCKET/KEY")
+    return parts.netloc, key
+
+
+class _S3Body:
+    def __init__(self, url: str, start: int, etag: str | None, read_timeout: float,
+                 connect_timeout: float) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        bucket, key = _bucket_key(url)
+        client, self._secrets = _clients.get(read_timeout, connect_timeout)
+        ask: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if start:
+            ask["Range"] = f"bytes={start}-"
+        if etag is not None:
+            ask["IfMatch"] = etag
+        try:
+            answer = client.get_object(**ask)
+        except ClientError as err:
+            error = err.response.get("Error", {})
+            code = str(error.get("Code", "?"))
+            status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+            if status == 412:
+                raise Permanent("the shard changed on the server while it was read") from None
+            text = self._text(f"S3 {code} (HTTP {status}): {error.get('Message', '')}".rstrip(": "))
+            if status >= 500 or status == 429 or code in _RETRY_S3:
+                raise Transient(text) from None
+            raise Permanent(text) from None
+        except BotoCoreError as err:
+            raise self._sorted(err) from None
+        self._body = answer["Body"]
+        self.etag = answer.get("ETag")
+        _changed(etag, self.etag)
+        self.size = (int(answer["ContentLength"]) if not start
+                     else _content_range(answer.get("ContentRange"), start))
+
+    def _text(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _sorted(self, err: Exception) -> Exception:
+        """A botocore error as Transient (network) or Permanent (configuration, checksum)."""
+        from botocore.exceptions import HTTPClientError, IncompleteReadError
+
+        text = self._text(f"{type(err).__name__}: {err}")
+        if isinstance(err, (HTTPClientError, IncompleteReadError, OSError)):
+            return Transient(text)
+        return Permanent(text)
+
+    def readinto(self, buffer: memoryview) -> int:
+        from botocore.exceptions import BotoCoreError
+
+        try:
+            return int(self._body.readinto(buffer))
+        except (BotoCoreError, OSError) as err:
+            raise self._sorted(err) from None
+        except Exception as err:  # noqa: BLE001 - urllib3's own errors, should any slip through
+            raise Transient(self._text(f"{type(err).__name__}: {err}")) from None
+
+    def close(self) -> None:
+        self._body.close()
