@@ -28,12 +28,16 @@ def error_line(err: BaseException) -> str:
 
 
 def add_ratios(results: dict[str, dict[str, Any]]) -> None:
-    """Adds ``mmproxy_ratio`` (mmproxy's rate / the system's) to each system's result, and for
-    mmproxy-damaged its rate over the samples delivered relative to clean data."""
+    """Adds ``mmproxy_ratio`` (mmproxy's rate / the system's) to each system's result, for the
+    remote systems their rate relative to local shards (``vs_local``), and for mmproxy-damaged
+    its rate over the samples delivered relative to clean data."""
     base = results.get("mmproxy", {}).get("samples_per_s")
     for result in results.values():
         if base and "samples_per_s" in result:
             result["mmproxy_ratio"] = round(base / result["samples_per_s"], 3)
+    for name in ("mmproxy-http", "mmproxy-s3", "mmproxy-cached"):
+        if base and "samples_per_s" in results.get(name, {}):
+            results[name]["vs_local"] = round(results[name]["samples_per_s"] / base, 3)
     damaged = results.get("mmproxy-damaged", {})
     if base and "samples_per_s" in damaged:
         damaged["damaged_vs_clean"] = round(damaged["samples_per_s"] / base, 3)

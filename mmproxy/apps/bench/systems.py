@@ -12,6 +12,11 @@ torch              PIL decode + torchvision v2 (torchaudio for  image, audio
 torch-tensor       torchvision.io.decode_jpeg + v2              image
 dali-proxy         DALI's own proxy                             image, audio, machinery
 dali-reader        fn.readers.webdataset, no Python             image, audio, image-text
+mmproxy-http       mmproxy on the shards served over HTTP by a  image, audio, image-text
+                   local server process
+mmproxy-s3         ... by a local S3-compatible server (moto)   image, audio, image-text
+mmproxy-cached     mmproxy-http with a node cache (the first    image, audio, image-text
+                   epoch fills it)
 =================  ===========================================  ===============================
 
 Every DALI system runs the same graph (:mod:`mmproxy.apps.bench.pipes`); each returns what
@@ -145,7 +150,7 @@ def _decode(data: bytes) -> str:
     return data.decode()
 
 
-def _mmproxy(setup: Setup) -> dict[str, Any]:
+def _mmproxy(setup: Setup, **options: Any) -> dict[str, Any]:
     import mmproxy
     from mmproxy.datasets import MultiModalDataset, Tokenize
 
@@ -166,7 +171,7 @@ def _mmproxy(setup: Setup) -> dict[str, Any]:
             dataset = MultiModalDataset(setup.paths, fields, batch_size=setup.batch,
                                         shuffle_buffer=256, keep_keys=False,
                                         batch_transform=transform, prefetch_next_epoch=a.next_epoch,
-                                        on_error="skip")
+                                        on_error="skip", **options)
             loader = dataset.loader(server, num_workers=a.workers, persistent_workers=True)
         return time_epochs(lambda: loader, a.epochs, setup.gpu, server)
 
@@ -177,6 +182,19 @@ def _mmproxy_damaged(setup: Setup) -> dict[str, Any]:
     return _mmproxy(dataclasses.replace(setup, paths=paths))
 
 
+def _remote(name: str, setup: Setup) -> dict[str, Any]:
+    """mmproxy on the shards served by a local HTTP or S3 server process."""
+    import tempfile
+
+    from mmproxy.apps.bench.remote import serving
+    from mmproxy.datasets.remote import RemoteOptions
+
+    with serving("s3" if name == "mmproxy-s3" else "http", setup.paths) as urls, \
+            tempfile.TemporaryDirectory(prefix="mmproxy-cache-") as cache:
+        remote = RemoteOptions(cache_dir=cache if name == "mmproxy-cached" else None)
+        return _mmproxy(dataclasses.replace(setup, paths=urls), remote=remote)
+
+
 SYSTEMS: dict[str, System] = {system.name: system for system in (
     System("mmproxy", frozenset(WORKLOADS), _mmproxy),
     System("mmproxy-damaged", frozenset({"image"}), _mmproxy_damaged, needs_damage=True),
@@ -184,4 +202,6 @@ SYSTEMS: dict[str, System] = {system.name: system for system in (
     System("torch-tensor", frozenset({"image"}), partial(_torch, decoder="tensor")),
     System("dali-proxy", frozenset({"image", "audio", "machinery"}), _dali_proxy),
     System("dali-reader", frozenset({"image", "audio", "image-text"}), _dali_reader),
+    *(System(name, frozenset({"image", "audio", "image-text"}), partial(_remote, name))
+      for name in ("mmproxy-http", "mmproxy-s3", "mmproxy-cached")),
 )}

@@ -25,12 +25,14 @@ def count_samples(batch: Any) -> int:
 
 def time_epochs(make_iter: Callable[[], Iterable[Any]], epochs: int, gpu: bool,
                 server: Any = None) -> dict[str, Any]:
-    """Times each epoch of ``make_iter()``; the best one counts. Reports, for that epoch, the CPU
+    """Times each epoch of ``make_iter()``; the best one counts. Reports each epoch's time to its
+    first batch (the first epoch's includes starting the workers) and, for the best epoch, the CPU
     time per batch of the workers and of the main process's threads, and (for mmproxy's
     ``server``) how long the server starved and the main loop waited, per batch."""
     import torch
 
     rates, best, n, batches, total, since = [], None, 0, 0, 0, 0.0
+    first: list[float] = []  # seconds to each epoch's first batch
     for epoch in range(epochs):
         if epoch == 1:
             since = time.perf_counter()
@@ -40,6 +42,8 @@ def time_epochs(make_iter: Callable[[], Iterable[Any]], epochs: int, gpu: bool,
         waited0 = server.wait_seconds if server else 0.0
         start = time.perf_counter()
         for batch in make_iter():
+            if not batches:
+                first.append(round(time.perf_counter() - start, 3))
             n += count_samples(batch)
             batches += 1
         if gpu:
@@ -56,4 +60,5 @@ def time_epochs(make_iter: Callable[[], Iterable[Any]], epochs: int, gpu: bool,
     # Also the rate over every epoch after the first, wall clock, gaps between epochs included.
     sustained = total / (time.perf_counter() - since) if epochs > 1 else None
     return {"samples_per_s": max(rates), "epochs": [round(r, 1) for r in rates], "samples": n,
-            "batches": batches, "sustained_samples_per_s": sustained, **(best or {})}
+            "batches": batches, "sustained_samples_per_s": sustained, "first_batch_s": first,
+            **(best or {})}

@@ -1,0 +1,210 @@
+"""Remote: the bench's shards served over HTTP and S3 on this machine, for the remote systems.
+
+- :class:`ShardServer`: a threaded HTTP server of a folder's files (``Range`` requests, ETags),
+  counting requests per file and injecting faults on demand (an error status, a connection cut
+  or a stall after some bytes), for the tests as much as for the bench;
+- :func:`s3_server`: an S3-compatible server (moto's standalone server) holding the shards,
+  reached over HTTP by the real S3 client, with the AWS environment that points at it;
+- :func:`serving`: either one in a process of its own (as a remote server would be), yielding
+  the shards' URLs; the bench's ``mmproxy-http``, ``mmproxy-s3`` and ``mmproxy-cached`` systems.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import logging
+import multiprocessing
+import os
+import re
+import threading
+from collections import Counter, deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+__all__ = ["Fault", "ShardServer", "s3_server", "serving"]
+
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
+S3_ENV = {"AWS_ACCESS_KEY_ID": "mmproxy-bench", "AWS_SECRET_ACCESS_KEY": "mmproxy-bench-secret",
+          "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class Fault(NamedTuple):
+    """What a request for a file meets: an error ``status``, or its body ``cut`` (connection
+    closed) or ``stall``-ed (``seconds`` of silence) after ``after`` bytes."""
+
+    kind: Literal["status", "cut", "stall"]
+    after: int = 0
+    status: int = 503
+    seconds: float = 0.0
+
+
+class ShardServer:
+    """Serves the files under ``root`` at ``url`` from a thread (a context manager).
+
+    Attributes:
+        url: ``http://127.0.0.1:PORT``; a file's URL is ``url + "/" + its path under root``.
+        requests: GETs per file name (path under root), faulty ones included.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 0) -> None:
+        self.root = Path(root).resolve()
+        self.requests: Counter[str] = Counter()
+        self._faults: dict[str, deque[Fault]] = {}
+        self._always: dict[str, Fault] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._httpd = http.server.ThreadingHTTPServer((host, port), _handler(self))
+        self._httpd.daemon_threads = True
+        self.url = f"http://{host}:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="shard-server",
+                                        daemon=True)
+
+    def __enter__(self) -> ShardServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stops serving (idempotent); stalled answers end at once."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+            self._thread.join(timeout=10)
+        self._httpd.server_close()
+
+    def fail(self, name: str, fault: Fault, times: int | None = 1) -> None:
+        """The next ``times`` GETs of ``name`` meet ``fault`` (every one with ``times=None``)."""
+        with self._lock:
+            if times is None:
+                self._always[name] = fault
+            else:
+                self._faults.setdefault(name, deque()).extend([fault] * times)
+
+    def _next_fault(self, name: str) -> Fault | None:
+        with self._lock:
+            self.requests[name] += 1
+            queued = self._faults.get(name)
+            return queued.popleft() if queued else self._always.get(name)
+
+
+def _handler(server: ShardServer) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+            name = self.path.split("?", 1)[0].lstrip("/")
+            path = (server.root / name).resolve()
+            fault = server._next_fault(name)
+            if not path.is_relative_to(server.root) or not path.is_file():
+                self.send_error(404)
+                return
+            if fault is not None and fault.kind == "status":
+                self.send_error(fault.status)
+                return
+            st = path.stat()
+            start, end = 0, st.st_size
+            match = _RANGE.fullmatch(self.headers.get("Range", ""))
+            if match:
+                start = int(match[1])
+                end = min(end, int(match[2]) + 1) if match[2] else end
+            self.send_response(206 if match else 200)
+            self.send_header("Content-Length", str(end - start))
+            if match:
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{st.st_size}")
+            self.send_header("ETag", f'"{st.st_size:x}-{st.st_mtime_ns:x}"')
+            self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+            with open(path, "rb") as f, contextlib.suppress(OSError):
+                if fault is None:
+                    self.wfile.flush()
+                    self.connection.sendfile(f, start, end - start)
+                    return
+                self.wfile.write(os.pread(f.fileno(), min(fault.after, end - start), start))
+                self.wfile.flush()
+                if fault.kind == "stall":
+                    server._stopping.wait(fault.seconds)
+                    self.wfile.write(os.pread(f.fileno(), end - start - fault.after,
+                                              start + fault.after))
+                self.close_connection = True
+                self.connection.shutdown(2)
+
+    return Handler
+
+
+@contextlib.contextmanager
+def s3_server(paths: list[str], bucket: str = "bench") -> Iterator[tuple[list[str], dict[str, str]]]:
+    """An S3-compatible server (moto, standalone, on a free port) holding ``paths`` as
+    ``s3://bucket/NAME``; yields their URLs and the AWS environment that reaches it (endpoint,
+    placeholder credentials, region). The caller puts that environment in place."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    try:
+        host, port = moto.get_host_and_port()
+        env = {**S3_ENV, "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+        client = boto3.session.Session(
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            region_name=env["AWS_DEFAULT_REGION"]).client("s3", endpoint_url=env["AWS_ENDPOINT_URL"])
+        client.create_bucket(Bucket=bucket)
+        urls = []
+        for path in paths:
+            name = Path(path).name
+            client.upload_file(str(path), bucket, name)
+            urls.append(f"s3://{bucket}/{name}")
+        yield urls, env
+    finally:
+        moto.stop()
+
+
+def _serve(kind: str, paths: list[str], conn: Any) -> None:
+    """A server process: serves ``paths`` until its parent says stop (or goes away)."""
+    if kind == "http":
+        with ShardServer(Path(paths[0]).parent) as http_server:
+            conn.send(([f"{http_server.url}/{Path(p).name}" for p in paths], {}))
+            with contextlib.suppress(EOFError):
+                conn.recv()
+        return
+    with s3_server(paths) as (urls, env):
+        conn.send((urls, env))
+        with contextlib.suppress(EOFError):
+            conn.recv()
+
+
+@contextlib.contextmanager
+def serving(kind: Literal["http", "s3"], paths: list[str]) -> Iterator[list[str]]:
+    """Serves ``paths`` (shards of one folder) over ``kind`` from a process of its own, like a
+    remote server; yields their URLs, with the AWS environment in place for ``s3``."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_serve, args=(kind, paths, child), name=f"{kind}-server",
+                          daemon=True)
+    process.start()
+    saved: dict[str, str | None] = {}
+    try:
+        if not parent.poll(120):
+            raise RuntimeError(f"the {kind} server did not start")
+        urls, env = parent.recv()
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        yield urls
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        with contextlib.suppress(OSError):
+            parent.send("stop")
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=10)
