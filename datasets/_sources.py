@@ -138,19 +138,21 @@ def _oserror(err: object) -> str:
 
 
 class _Clients:
-    """This process's boto3 S3 clients (one per timeout pair), made after any fork."""
+    """This process's boto3 S3 clients (one per timeout pair and AWS environment: endpoint,
+    profile, credentials), made after any fork."""
 
     def __init__(self) -> None:
         self.pid = -1
         self.lock = threading.Lock()
-        self.clients: dict[tuple[float, float], tuple[Any, list[str]]] = {}
+        self.clients: dict[tuple[Any, ...], tuple[Any, list[str]]] = {}
 
     def get(self, read_timeout: float, connect_timeout: float) -> tuple[Any, list[str]]:
         """(client, secrets never to show in a message)."""
         if self.pid != os.getpid():
             self.pid, self.lock, self.clients = os.getpid(), threading.Lock(), {}
         with self.lock:
-            key = (read_timeout, connect_timeout)
+            key = (read_timeout, connect_timeout,
+                   *sorted(kv for kv in os.environ.items() if kv[0].startswith("AWS_")))
             if key not in self.clients:
                 self.clients[key] = _make_client(read_timeout, connect_timeout)
             return self.clients[key]

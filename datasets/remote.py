@@ -11,8 +11,10 @@ From the socket to DALI, in a DataLoader worker (or the main process with ``num_
     proxy -> transport: the mapping is registered (``mmproxy.worker.register_file_mapping``), so
       the server gets the memfd / file descriptor and offsets and maps the same pages
 
-The body lands once, in the mapping, straight from the socket; nothing is copied after that on
-the worker side, and the first sample is ready as soon as its bytes are (not the whole shard's).
+The body lands once, in the mapping, straight from the socket (``readinto``); nothing is copied
+after that on the worker side. Bytes are published to the reader read by read (64 KB first, then
+twice as much each time up to 1 MB), so a sample is ready as soon as the read holding its last
+byte is in, not the whole shard.
 A cached shard is read like a local file. The download runs at network speed in its own thread
 (so a shard finishes for the cache even if the reader stops early), and the reader waits only
 for the bytes it needs.
@@ -52,6 +54,7 @@ from ._sources import Permanent, Response, Transient, open_source
 __all__ = ["RemoteError", "RemoteOptions", "RemoteShard", "is_remote", "open_remote", "redact"]
 
 SCHEMES = ("http", "https", "s3")
+_FIRST_CHUNK = 64 << 10  # the first read of a body; each next one is twice as big, up to:
 _CHUNK = 1 << 20
 _MAX_BACKOFF = 30.0
 _SECRET_PARAM = re.compile(r"sig|token|credential|secret|password|key", re.I)
@@ -333,8 +336,13 @@ class _Download:
 
     def _fill(self) -> None:
         scratch = memoryview(bytearray(_CHUNK)) if self.view is None else None
+        chunk = _FIRST_CHUNK
         while self.size is None or self.written < self.size:
-            buffer = scratch if scratch is not None else self.view[self.written:self.written + _CHUNK]  # type: ignore[index]
+            if scratch is not None:
+                buffer = scratch
+            else:
+                buffer = self.view[self.written:self.written + chunk]  # type: ignore[index]
+                chunk = min(2 * chunk, _CHUNK)
             try:
                 n = self.response.readinto(buffer)
                 if n == 0:

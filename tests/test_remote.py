@@ -1,0 +1,317 @@
+"""Remote shards against real servers started here: a threaded HTTP server with fault injection
+and moto's standalone S3 server, reached by urllib and by the real S3 client (boto3)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mmproxy.datasets import MultiModalDataset
+from mmproxy.datasets.remote import RemoteError, RemoteOptions, open_remote, redact
+from mmproxy.datasets.shards import read_local_tar, read_remote_tar
+from mmproxy.pipelines import image_eval_pipeline
+
+import mmproxy
+from mmproxy.apps.bench.remote import Fault, ShardServer, s3_server
+from mmproxy.testing import image_bytes, synth_image, write_tar
+
+pytestmark = pytest.mark.timeout(120)
+
+N_SHARDS, PER_SHARD = 4, 8
+SECRET = "SECRET-do-not-show-3f9a"
+FAST = {"backoff": 0.01, "read_timeout": 2.0}
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("remote") / "bucket"
+    root.mkdir()
+    for s in range(N_SHARDS):
+        write_tar(root / f"r-{s}.tar",
+                  [{"__key__": f"s{s}-{i}", "jpg": image_bytes(synth_image(s * 100 + i, 48, 64)),
+                    "cls": str(s * PER_SHARD + i)} for i in range(PER_SHARD)])
+    return root
+
+
+@pytest.fixture(scope="module")
+def local(shard_dir):
+    return [str(shard_dir / f"r-{s}.tar") for s in range(N_SHARDS)]
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    pipe = image_eval_pipeline(batch_size=8, size=16, dtype="uint8", device="cpu", num_threads=1)
+    with mmproxy.DALIServer(pipe, name="image") as server:
+        yield server
+
+
+@pytest.fixture
+def http(shard_dir):
+    with ShardServer(shard_dir) as server:
+        yield server
+
+
+def http_urls(server):
+    return [f"{server.url}/r-{s}.tar" for s in range(N_SHARDS)]
+
+
+@pytest.fixture(scope="module")
+def s3(local):
+    with s3_server(local) as (urls, env):
+        yield urls, env
+
+
+@pytest.fixture
+def aws(monkeypatch, tmp_path):
+    """An AWS environment of our own: no config files, credentials nobody else has."""
+    for key in list(os.environ):
+        if key.startswith("AWS_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+
+    def use(env):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+
+    return use
+
+
+def run(urls, server, workers=0, epochs=1, **kw):
+    """{key: image} of every epoch, and the loader (its skip report)."""
+    kw.setdefault("remote", RemoteOptions(**FAST))
+    ds = MultiModalDataset(urls, {"image": ("jpg", server.proxy), "label": ("cls", int)},
+                           batch_size=4, shuffle_shards=False, max_skipped=None, **kw)
+    loader = ds.loader(server, num_workers=workers, persistent_workers=workers > 0 and epochs > 1)
+    out = []
+    for _ in range(epochs):
+        images = {}
+        for batch in loader:
+            for key, image in zip(batch.get("__key__", []), batch.get("image", [])):
+                assert key not in images
+                images[key] = image.numpy()
+        out.append(images)
+    return out, loader
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_http_and_s3_give_the_local_keys_and_pixels(local, http, s3, aws, image_server, workers):
+    [expected], _ = run(local, image_server, workers)
+    assert len(expected) == N_SHARDS * PER_SHARD
+    [got], _ = run(http_urls(http), image_server, workers)
+    assert same(got, expected)
+    aws(s3[1])
+    [got], _ = run(s3[0], image_server, workers)
+    assert same(got, expected)
+
+
+def test_members_are_views_of_one_registered_mapping(http, local):
+    """The fields are memoryviews into the shard's mapping (no copy), as for local shards."""
+    remote = list(read_remote_tar(http_urls(http)[0], RemoteOptions()))
+    plain = list(read_local_tar(local[0]))
+    assert [s["__key__"] for s in remote] == [s["__key__"] for s in plain]
+    for r, p in zip(remote, plain):
+        assert isinstance(r["jpg"], memoryview) and r["jpg"].readonly
+        assert bytes(r["jpg"]) == bytes(p["jpg"])
+    first, last = remote[0]["jpg"], remote[-1]["jpg"]
+    assert first.obj is last.obj  # slices of one mapping
+
+
+def test_a_cut_connection_is_resumed_and_the_epoch_is_complete(local, http, image_server, caplog):
+    [expected], _ = run(local, image_server)
+    http.fail("r-1.tar", Fault("cut", after=7000))
+    http.fail("r-2.tar", Fault("cut", after=3000), times=2)
+    with caplog.at_level(logging.WARNING):
+        [got], loader = run(http_urls(http), image_server)
+    assert same(got, expected) and loader.skipped.skipped == 0
+    assert http.requests["r-1.tar"] == 2 and http.requests["r-2.tar"] == 3
+    assert "connection closed at byte 7000" in caplog.text
+
+
+def test_a_503_is_retried(local, http, image_server):
+    [expected], _ = run(local, image_server)
+    http.fail("r-0.tar", Fault("status", status=503))
+    [got], loader = run(http_urls(http), image_server, workers=2)
+    assert same(got, expected) and loader.skipped.skipped == 0
+    assert http.requests["r-0.tar"] == 2
+
+
+def test_a_stall_hits_the_read_timeout_and_is_retried(local, http, image_server):
+    [expected], _ = run(local, image_server)
+    http.fail("r-3.tar", Fault("stall", after=4000, seconds=30))
+    start = time.monotonic()
+    [got], _ = run(http_urls(http), image_server, remote=RemoteOptions(backoff=0.01, read_timeout=0.5))
+    assert same(got, expected)
+    assert time.monotonic() - start < 10
+    assert http.requests["r-3.tar"] == 2
+
+
+def test_streaming_yields_samples_before_the_whole_shard(tmp_path):
+    """The first sample arrives while the server still holds back the rest of the shard."""
+    rng = np.random.default_rng(0)
+    write_tar(tmp_path / "big.tar", [{"__key__": f"b{i:02d}", "bin": rng.bytes(50_000)}
+                                     for i in range(16)])
+    with ShardServer(tmp_path) as server:
+        server.fail("big.tar", Fault("stall", after=300_000, seconds=1.5))
+        start = time.monotonic()
+        samples = read_remote_tar(f"{server.url}/big.tar", RemoteOptions(read_timeout=5))
+        first = next(samples)
+        assert time.monotonic() - start < 1.0 and first["__key__"] == "b00"
+        assert len([first, *samples]) == 16
+        assert time.monotonic() - start >= 1.4
+        assert server.requests["big.tar"] == 1
+
+
+def test_after_the_last_retry_skip_records_and_raise_names_the_url(http, image_server, caplog):
+    urls = http_urls(http)
+    http.fail("r-2.tar", Fault("status", status=500), times=None)
+    http.fail("r-3.tar", Fault("stall", after=2000, seconds=30), times=None)
+    opts = RemoteOptions(retries=2, backoff=0.01, read_timeout=0.3)
+    with caplog.at_level(logging.WARNING):
+        [got], loader = run(urls, image_server, on_error="skip", remote=opts)
+    assert {k.split("-")[0] for k in got} == {"s0", "s1"}
+    records = {r.shard: r.reason for r in loader.skipped.records}
+    assert set(records) == {urls[2], urls[3]}
+    assert "HTTP 500" in records[urls[2]] and "gave up after 3 attempts" in records[urls[2]]
+    assert "read timed out" in records[urls[3]]
+    assert http.requests["r-2.tar"] == 3
+    with pytest.raises(mmproxy.ShardError, match="r-2.tar: cannot be read: .*HTTP 500"):
+        run(urls[2:3], image_server, remote=opts)
+
+
+def test_missing_shards_are_records_in_skip_mode(http, s3, aws, image_server):
+    [got], loader = run([*http_urls(http)[:1], f"{http.url}/missing.tar"], image_server,
+                        on_error="skip")
+    assert len(got) == PER_SHARD
+    [record] = loader.skipped.records
+    assert record.shard.endswith("/missing.tar") and "HTTP 404" in record.reason
+    aws(s3[1])
+    [got], loader = run([s3[0][0], "s3://bench/missing.tar"], image_server, on_error="skip")
+    assert len(got) == PER_SHARD
+    [record] = loader.skipped.records
+    assert record.shard == "s3://bench/missing.tar" and "NoSuchKey" in record.reason
+    with pytest.raises(mmproxy.ShardError, match="s3://bench/missing.tar: cannot be read"):
+        run(["s3://bench/missing.tar"], image_server)
+
+
+def test_s3_client_retries_cuts_stalls_and_5xx(shard_dir, local, aws, image_server, caplog):
+    """The real S3 client against a faulty endpoint: the same resumes and retries, and no
+    credential in any message or log line."""
+    [expected], _ = run(local, image_server)
+    with ShardServer(shard_dir.parent) as endpoint:
+        aws({"AWS_ENDPOINT_URL": endpoint.url, "AWS_ACCESS_KEY_ID": "AKIA-TEST",
+             "AWS_DEFAULT_REGION": "us-east-1"})
+        urls = [f"s3://bucket/r-{s}.tar" for s in range(N_SHARDS)]
+        endpoint.fail("bucket/r-0.tar", Fault("cut", after=5000))
+        endpoint.fail("bucket/r-1.tar", Fault("status", status=503))
+        endpoint.fail("bucket/r-2.tar", Fault("stall", after=3000, seconds=30))
+        opts = RemoteOptions(backoff=0.01, read_timeout=0.5)
+        with caplog.at_level(logging.WARNING):
+            [got], _ = run(urls, image_server, remote=opts)
+        assert same(got, expected)
+        assert [endpoint.requests[f"bucket/r-{s}.tar"] for s in range(N_SHARDS)] == [2, 2, 2, 1]
+        endpoint.fail("bucket/r-3.tar", Fault("status", status=503), times=None)
+        opts = RemoteOptions(retries=1, backoff=0.01, read_timeout=0.5)
+        with caplog.at_level(logging.WARNING):
+            _, loader = run(urls, image_server, on_error="skip", remote=opts)
+            with pytest.raises(mmproxy.ShardError) as raised:
+                run(urls[3:], image_server, remote=opts)
+    [record] = loader.skipped.records
+    assert record.shard == urls[3] and "503" in record.reason
+    assert "s3://bucket/r-3.tar" in str(raised.value)
+    for text in (caplog.text, str(record), str(raised.value), repr(raised.value.__cause__)):
+        assert SECRET not in text
+
+
+def test_credentials_never_show(http, image_server):
+    signed = f"{http.url}/missing.tar?X-Amz-Credential=AKIA&X-Amz-Signature={SECRET}&v=1"
+    assert redact(signed) == f"{http.url}/missing.tar?X-Amz-Credential=***&X-Amz-Signature=***&v=1"
+    _, loader = run([http_urls(http)[0], signed], image_server, on_error="skip")
+    [record] = loader.skipped.records
+    assert SECRET not in str(record) and "HTTP 404" in record.reason
+    with pytest.raises(RemoteError, match="credentials do not belong in shard URLs") as raised:
+        with open_remote(f"http://user:{SECRET}@127.0.0.1:1/x.tar", RemoteOptions()):
+            pass
+    assert SECRET not in str(raised.value)
+
+
+# -- the node cache --------------------------------------------------------------------------------
+
+
+def cache_files(folder):
+    finished = [p for p in Path(folder).iterdir() if not p.name.startswith(".")]
+    return finished, list((Path(folder) / ".partial").iterdir())
+
+
+def test_cache_second_epoch_reads_no_byte_from_the_server(local, http, image_server, tmp_path):
+    [expected], _ = run(local, image_server)
+    opts = RemoteOptions(cache_dir=str(tmp_path / "cache"), **FAST)
+    epochs, _ = run(http_urls(http), image_server, workers=2, epochs=2, remote=opts)
+    assert same(epochs[0], expected) and same(epochs[1], expected)
+    assert [http.requests[f"r-{s}.tar"] for s in range(N_SHARDS)] == [1] * N_SHARDS
+    finished, partial = cache_files(tmp_path / "cache")
+    assert len(finished) == N_SHARDS and partial == []
+
+
+def _read_all(urls, cache, order):
+    keys = []
+    for i in order:
+        keys += [s["__key__"] for s in read_remote_tar(urls[i], RemoteOptions(cache_dir=cache))]
+    return keys
+
+
+def test_cache_one_download_per_shard_for_many_processes(http, tmp_path):
+    """Four processes read the same shards at the same time: each shard is fetched once."""
+    urls = http_urls(http)
+    for s in range(N_SHARDS):  # slow answers, so that the readers meet on every shard
+        http.fail(f"r-{s}.tar", Fault("stall", after=1000, seconds=0.3))
+    cache = str(tmp_path / "cache")
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(4) as pool:
+        results = pool.starmap(_read_all, [(urls, cache, order) for order in
+                                           ([0, 1, 2, 3], [0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2])])
+    for keys in results:
+        assert sorted(keys) == sorted(f"s{s}-{i}" for s in range(N_SHARDS) for i in range(PER_SHARD))
+    assert [http.requests[f"r-{s}.tar"] for s in range(N_SHARDS)] == [1] * N_SHARDS
+    finished, partial = cache_files(cache)
+    assert len(finished) == N_SHARDS and partial == []
+
+
+def test_cache_two_workers_drawing_the_same_shards_download_each_once(http, image_server, tmp_path):
+    opts = RemoteOptions(cache_dir=str(tmp_path / "cache"), **FAST)
+    ds = MultiModalDataset(http_urls(http), {"image": ("jpg", image_server.proxy)}, batch_size=4,
+                           resampled=True, epoch_length=16, remote=opts)
+    seen = sum(len(b["image"]) for b in ds.loader(image_server, num_workers=2))
+    assert seen == 16 * 4
+    assert max(http.requests.values()) == 1
+    finished, partial = cache_files(tmp_path / "cache")
+    assert len(finished) == len(http.requests) and partial == []
+
+
+def test_cache_bound_is_respected_with_eviction(local, http, tmp_path):
+    urls = http_urls(http)
+    size = max(os.path.getsize(p) for p in local)
+    cache = str(tmp_path / "cache")
+    opts = RemoteOptions(cache_dir=cache, cache_bytes=int(2.5 * size))
+    for url in urls:
+        assert len(list(read_remote_tar(url, opts))) == PER_SHARD
+        finished, partial = cache_files(cache)
+        assert sum(p.stat().st_size for p in finished) <= opts.cache_bytes and partial == []
+    assert sorted(p.name[-5:] for p in cache_files(cache)[0]) == ["2.tar", "3.tar"]  # LRU kept
+    list(read_remote_tar(urls[3], opts))  # a hit: no request, and r-3 is now the newest
+    list(read_remote_tar(urls[0], opts))  # a miss: evicts r-2, the least recently used
+    assert sorted(p.name[-5:] for p in cache_files(cache)[0]) == ["0.tar", "3.tar"]
+    assert [http.requests[f"r-{s}.tar"] for s in range(N_SHARDS)] == [2, 1, 1, 1]
+    tiny = RemoteOptions(cache_dir=cache, cache_bytes=size // 2)  # too big for the cache:
+    assert len(list(read_remote_tar(urls[1], tiny))) == PER_SHARD  # streamed past it
+    assert http.requests["r-1.tar"] == 2 and cache_files(cache)[1] == []
