@@ -57,7 +57,7 @@ class Response(Protocol):
 def open_source(url: str, start: int, etag: str | None, read_timeout: float,
                 connect_timeout: float) -> Response:
     """GETs ``url`` from byte ``start``; with ``etag``, refuses a shard that has changed since."""
-    if url.startswith("s3://"):
+    if url[:5].lower() == "s3://":
         return _S3Body(url, start, etag, read_timeout, connect_timeout)
     return _HttpBody(url, start, etag, read_timeout)
 

@@ -205,6 +205,9 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
         if cache is not None and lock is not None:
             fd = cache.reserve(name, size) if size is not None else None
             if fd is None:  # it does not fit: stream it past the cache
+                log.warning("shard %s (%s bytes) does not fit in the cache %s (cache_bytes=%s, "
+                            "or the disk is full): read without it", redact(url), size,
+                            cache.folder, cache.bound)
                 cache.unlock(lock)
                 lock = None
         if fd is None:

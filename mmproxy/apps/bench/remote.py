@@ -190,8 +190,10 @@ def serving(kind: Literal["http", "s3"], paths: list[str]) -> Iterator[list[str]
     process.start()
     saved: dict[str, str | None] = {}
     try:
-        if not parent.poll(120):
-            raise RuntimeError(f"the {kind} server did not start")
+        while not parent.poll(0.1):
+            if not process.is_alive():
+                raise RuntimeError(f"the {kind} server process ended before serving "
+                                   f"(exit code {process.exitcode})")
         urls, env = parent.recv()
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
