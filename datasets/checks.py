@@ -19,7 +19,7 @@ server finds those samples when the pipeline fails on them (see docs/reliability
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 __all__ = ["MAX_PIXELS", "SIGNATURES", "check_header", "image_size"]
 
@@ -135,35 +135,62 @@ def _truncated(ext: str, data: Data) -> str | None:
     return None
 
 
-def _wav_format(data: Data) -> str | None:
-    """What is wrong with a WAV file's ``fmt `` chunk, or None when it is sound."""
+def _wav_chunks(data: Data) -> Iterator[tuple[bytes, int, int]]:
+    """(chunk id, size, offset of its body) of a WAV file's chunks, up to the ``data`` chunk, in
+    the file's byte order (RIFX is big-endian); stops quietly after the first 1 MiB."""
+    order = ">I" if bytes(data[:4]) == b"RIFX" else "<I"
     i = 12
-    while i + 8 <= len(data) and i < 1 << 16:
-        chunk, size = bytes(data[i:i + 4]), struct.unpack("<I", data[i + 4:i + 8])[0]
+    while i + 8 <= len(data) and i < 1 << 20:
+        chunk, size = bytes(data[i:i + 4]), struct.unpack(order, data[i + 4:i + 8])[0]
+        yield chunk, size, i + 8
+        if chunk == b"data":
+            return
+        i += 8 + size + (size & 1)
+
+
+_PCM_TAGS = (1, 3, 0xFFFE)  # integer PCM, IEEE float, extensible: bits per sample must be set
+
+
+def _wav_format(data: Data) -> str | None:
+    """What is wrong with a WAV file's ``fmt `` chunk, or None when it is sound (or not found
+    within the part of the header that is read)."""
+    big = bytes(data[:4]) == b"RIFX"
+    end = 12
+    for chunk, size, body in _wav_chunks(data):
+        end = body + size + (size & 1)
         if chunk == b"fmt ":
-            if size < 16 or i + 24 > len(data):
+            if size < 16 or body + 16 > len(data):
                 return f"has a malformed 'fmt ' chunk ({size} bytes)"
-            channels, rate = struct.unpack("<HI", data[i + 10:i + 16])
-            bits = struct.unpack("<H", data[i + 22:i + 24])[0]
-            if not (0 < channels <= 256 and 0 < rate <= 10_000_000 and 0 < bits <= 64):
+            tag, channels, rate = struct.unpack(">HHI" if big else "<HHI", data[body:body + 8])
+            bits = struct.unpack(">H" if big else "<H", data[body + 14:body + 16])[0]
+            bits_ok = 0 < bits <= 64 or (tag not in _PCM_TAGS and bits == 0)  # e.g. GSM 6.10
+            if not (0 < channels <= 256 and 0 < rate <= 10_000_000 and bits_ok):
                 return (f"has a malformed 'fmt ' chunk ({channels} channels, {rate} Hz, "
                         f"{bits} bits per sample)")
             return None
         if chunk == b"data":
-            break
-        i += 8 + size + (size & 1)
-    return "has no 'fmt ' chunk before its audio data"
+            return "has no 'fmt ' chunk before its audio data"
+    if end < len(data) and end >= 1 << 20:
+        return None  # the header goes on past what is read: not known
+    return "has no 'fmt ' chunk (its chunks run past the end of the file)"
 
 
 def _wav_frames(data: Data) -> int | None:
     """Bytes in a WAV file's data chunk, or None if the chunk is not found in the header."""
-    i = 12
-    while i + 8 <= len(data) and i < 1 << 16:
-        chunk, size = data[i:i + 4], struct.unpack("<I", data[i + 4:i + 8])[0]
+    for chunk, size, body in _wav_chunks(data):
         if chunk == b"data":
-            return min(size, len(data) - i - 8)
-        i += 8 + size + (size & 1)
+            return min(size, len(data) - body)
     return None
+
+
+_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
+
+
+def _image_format(data: Data) -> str | None:
+    """The image format ``data`` starts with (decoders go by the bytes, not the name)."""
+    head = data[:16]
+    return next((ext for ext in ("jpg", "png", "webp", "bmp", "tiff") if SIGNATURES[ext](head)),
+                None)
 
 
 def check_header(ext: str, data: Data, max_pixels: int = MAX_PIXELS) -> str | None:
@@ -171,6 +198,8 @@ def check_header(ext: str, data: Data, max_pixels: int = MAX_PIXELS) -> str | No
     if not data:
         return "is empty"
     ext = ext.lower()
+    if ext in _IMAGE_EXTS:  # a PNG named .jpg decodes: check it as what it is
+        ext = _image_format(data) or ext
     check = SIGNATURES.get(ext)
     if check is not None and not check(data[:16]):
         return f"does not start with a {ext.upper()} signature (first bytes {bytes(data[:8])!r})"

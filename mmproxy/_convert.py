@@ -68,10 +68,10 @@ def select(output: Output, rows: tuple[int, ...] | None) -> Output:
     if rows is None:
         return output
     if isinstance(output, PaddedBatch):
-        index = torch.tensor(rows, device=output.data.device)
-        return PaddedBatch(output.data[index], output.lengths[torch.tensor(rows)])
+        index = torch.tensor(rows, dtype=torch.int64, device=output.data.device)
+        return PaddedBatch(output.data[index], output.lengths[torch.tensor(rows, dtype=torch.int64)])
     if isinstance(output, torch.Tensor):
-        return output[torch.tensor(rows, device=output.device)]
+        return output[torch.tensor(rows, dtype=torch.int64, device=output.device)]
     return [output[r] for r in rows]
 
 

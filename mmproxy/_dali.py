@@ -67,6 +67,10 @@ class Pipe:
                                       and pipeline.device_id >= 0 else None)
         depth = pipeline.prefetch_queue_depth
         self.queue_depth: int = depth if isinstance(depth, int) else min(depth.values())
+        if not (pipeline.exec_pipelined and pipeline.exec_async):
+            # The classic synchronous executor accepts one outstanding run after its first
+            # outputs(); a second _run_once would block forever.
+            self.queue_depth = 1
 
     @property
     def survives_errors(self) -> bool:
@@ -124,6 +128,7 @@ class Pipe:
 
 
 _NAMED = re.compile(r"sample #(\d+)")
+_OPERATOR = re.compile(r"operator `(?:nvidia\.dali\.)?([^`]+)`")
 
 
 def named_sample(err: BaseException, n: int) -> int | None:
@@ -136,10 +141,15 @@ def named_sample(err: BaseException, n: int) -> int | None:
 
 
 def summary(err: BaseException) -> str:
-    """The informative line of a DALI error (the one after 'encountered:'), else the first one."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    """The informative line of a DALI error (the one after 'encountered:', else the first one),
+    with the operator that raised it when DALI names one: ``fn.decoders.image: nvImageCodec
+    failure: '#3'`` (that number is nvImageCodec's status code, not a sample)."""
+    text = str(err)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = lines[0] if lines else type(err).__name__
     if "encountered:" in lines:
         rest = lines[lines.index("encountered:") + 1:]
         if rest:
-            return rest[0]
-    return lines[0] if lines else type(err).__name__
+            line = rest[0]
+    operator = _OPERATOR.search(text)
+    return f"{operator.group(1)}: {line}" if operator else line

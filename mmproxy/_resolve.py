@@ -10,6 +10,7 @@ stream before they are handed over.
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -22,7 +23,6 @@ from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, uncollated_err
 from mmproxy.skips import SkippedSample
 
 SKIPPED = "__skipped__"
-_PLAIN = (str, bytes, int, float, bool, type(None))
 
 
 class Resolved(NamedTuple):
@@ -34,15 +34,17 @@ class Resolved(NamedTuple):
     dropped: list[SkippedSample]
 
 
-def claim(refs: list[DALIOutputBatchRef], servers: dict[str, RunTable]) -> None:
-    """Tells each deterministic server among ``servers`` which of its runs go next, in order."""
+def claim(refs: list[DALIOutputBatchRef], servers: dict[str, RunTable],
+          tag: tuple[str, int] | None = None) -> None:
+    """Tells each deterministic server among ``servers`` which of its runs go next, in order
+    (``tag``: the loader and epoch they belong to)."""
     claims: dict[str, list[str]] = {}
     for ref in refs:
         server = servers.get(ref.server_uid)
         if server is not None and server.deterministic:
             claims.setdefault(ref.server_uid, []).append(ref.run_id)
     for uid, run_ids in claims.items():
-        servers[uid].claim(run_ids)
+        servers[uid].claim(run_ids, tag)
 
 
 def resolve(obj: Any, servers: dict[str, RunTable], *, strict: bool = False) -> Any:
@@ -69,6 +71,30 @@ def resolve_batch(obj: Any, servers: dict[str, RunTable], *, strict: bool = Fals
                                        f"which this loader was not given (it has {known})")
     claim(refs, servers)
     runs: dict[tuple[str, str], Run] = {}
+    try:
+        _wait_all(refs, servers, runs)
+        size, drop, dropped = _dropped_rows(refs, runs)
+        if drop and len(runs) < len({(r.server_uid, r.run_id) for r in refs}):
+            left = sorted({r.server_name for r in refs if (r.server_uid, r.run_id) not in runs})
+            raise PipelineError(
+                f"samples were dropped from this batch ({_shown(dropped)}), but it also holds "
+                f"references of server(s) {left} that are not resolved with it, whose rows could "
+                "not be dropped too: resolve every server's references in one call (one "
+                "mmproxy.DataLoader given all the servers)")
+        if drop:
+            obj = drop_rows(obj, size, drop, dropped)
+        keep = None if not drop else [p for p in range(size) if p not in drop]
+        out = _walk.replace(obj, DALIOutputBatchRef, partial(_produce, runs=runs, keep=keep))
+    finally:
+        for (uid, _), run in runs.items():
+            servers[uid].release(run)
+    return Resolved(out, size - len(drop), dropped)
+
+
+def _wait_all(refs: list[DALIOutputBatchRef], servers: dict[str, RunTable],
+              runs: dict[tuple[str, str], Run]) -> None:
+    """Waits for every run of the batch (into ``runs``) and makes GPU outputs safe to use on the
+    consumer's current stream."""
     current = None
     for ref in refs:
         server = servers.get(ref.server_uid)
@@ -84,27 +110,21 @@ def resolve_batch(obj: Any, servers: dict[str, RunTable], *, strict: bool = Fals
                     if t.is_cuda:  # a GPU pipeline may also have CPU outputs
                         t.record_stream(current)
 
-    size, drop, dropped = _dropped_rows(refs, runs)
-    if drop:
-        obj = drop_rows(obj, size, drop, dropped)
-    keep = None if not drop else [p for p in range(size) if p not in drop]
 
-    def produce(ref: DALIOutputBatchRef) -> Any:
-        run = runs.get((ref.server_uid, ref.run_id))
-        if run is None:
-            return ref
-        output = run.outputs[ref.output_idx]
-        if keep is None and run.kept is None:
-            return _convert.select(output, ref.rows)
-        rows = ref.rows if ref.rows is not None else range(len(run.keys))
-        at = {sample: row for row, sample in enumerate(run.kept)} if run.kept is not None else None
-        wanted = [rows[p] for p in (keep if keep is not None else range(len(rows)))]
-        return _convert.select(output, tuple(at[s] if at is not None else s for s in wanted))
-
-    out = _walk.replace(obj, DALIOutputBatchRef, produce)
-    for (uid, _), run in runs.items():
-        servers[uid].release(run)
-    return Resolved(out, size - len(drop), dropped)
+def _produce(ref: DALIOutputBatchRef, *, runs: dict[tuple[str, str], Run], keep: list[int] | None) -> Any:
+    """The data of one reference: its run's output, at the batch's rows that are kept."""
+    run = runs.get((ref.server_uid, ref.run_id))
+    if run is None:
+        return ref
+    output = run.outputs[ref.output_idx]
+    if keep is None and run.kept is None:
+        return _convert.select(output, ref.rows)
+    rows = ref.rows if ref.rows is not None else range(len(run.keys))
+    at = {sample: row for row, sample in enumerate(run.kept)} if run.kept is not None else None
+    wanted = [rows[p] for p in (keep if keep is not None else range(len(rows)))]
+    if not wanted:
+        return []  # every sample of the batch was dropped; the loader skips the batch
+    return _convert.select(output, tuple(at[s] if at is not None else s for s in wanted))
 
 
 def _dropped_rows(refs: list[DALIOutputBatchRef], runs: dict[tuple[str, str], Run]
@@ -113,7 +133,7 @@ def _dropped_rows(refs: list[DALIOutputBatchRef], runs: dict[tuple[str, str], Ru
     sizes = set()
     drop: set[int] = set()
     dropped: list[SkippedSample] = []
-    noted: set[tuple[str, str, int]] = set()
+    noted: set[int] = set()  # batch positions already recorded (one record per sample)
     for ref in refs:
         run = runs.get((ref.server_uid, ref.run_id))
         if run is None:
@@ -125,8 +145,8 @@ def _dropped_rows(refs: list[DALIOutputBatchRef], runs: dict[tuple[str, str], Ru
             if reason is None:
                 continue
             drop.add(position)
-            if (ref.server_uid, run.id, sample) not in noted:
-                noted.add((ref.server_uid, run.id, sample))
+            if position not in noted:
+                noted.add(position)
                 key = run.keys[sample]
                 shard, name = (key.shard or "", key.key) if key is not None else ("", f"#{sample}")
                 dropped.append(SkippedSample(shard, name, reason))
@@ -134,16 +154,24 @@ def _dropped_rows(refs: list[DALIOutputBatchRef], runs: dict[tuple[str, str], Ru
     if drop and len(sizes) > 1:
         raise PipelineError(f"a server dropped samples it could not process, but the batch's fields "
                             f"hold different numbers of samples ({sorted(sizes)}), so the rows of "
-                            f"the dropped samples cannot be found in every field: {dropped[:3]}")
+                            f"the dropped samples cannot be found in every field: {_shown(dropped)}")
     return size, drop, dropped
+
+
+def _shown(records: list[SkippedSample]) -> str:
+    more = f" and {len(records) - 3} more" if len(records) > 3 else ""
+    return "; ".join(f"{r.shard + ':' if r.shard else ''}{r.key}: {r.reason}" for r in records[:3]) + more
 
 
 def drop_rows(batch: Any, size: int, drop: set[int], dropped: list[SkippedSample]) -> Any:
     """Removes batch positions ``drop`` from every field that holds one row per sample.
 
-    Such fields are tensors and arrays with ``size`` rows, and lists of ``size`` plain values
-    (keys, captions); references are left to the resolver. A dict's ``"__skipped__"`` list gets
-    the ``dropped`` records instead.
+    Such fields are tensors and arrays with ``size`` rows, and lists of ``size`` items (keys,
+    captions, variable-length tensors) that hold no server reference (a list that does is the
+    batch's own structure, e.g. a collated tuple, and is walked into); references are left to the
+    resolver. A dict's ``"__skipped__"`` list gets the ``dropped`` records instead. So every field
+    a collate or ``batch_transform`` adds must hold one row per sample: a batch-level tensor whose
+    first dimension happens to be the batch size (a ``[B, B]`` similarity target) would be cut too.
     """
     keep = [p for p in range(size) if p not in drop]
     return _drop(batch, size, keep, torch.tensor(keep, dtype=torch.int64), dropped)
@@ -159,8 +187,8 @@ def _drop(x: Any, size: int, keep: list[int], index: torch.Tensor, dropped: list
     if isinstance(x, np.ndarray):
         return x[keep] if x.ndim and x.shape[0] == size else x
     if isinstance(x, list):
-        if len(x) == size and all(isinstance(v, _PLAIN) for v in x):
-            return [x[p] for p in keep]
+        if len(x) == size and not _walk.collect(x, DALIOutputBatchRef):
+            return [x[p] for p in keep]  # one item per sample (keys, captions, variable tensors)
         return [_drop(v, size, keep, index, dropped) for v in x]
     if isinstance(x, tuple):
         items = [_drop(v, size, keep, index, dropped) for v in x]

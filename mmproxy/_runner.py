@@ -15,7 +15,10 @@ feeds it and schedules it; takes the oldest run's outputs and marks it READY. Wh
    good ones run once more as one batch and the run is READY with the bad ones listed in
    ``Run.dropped`` (the resolver removes their rows from every field of the batch); otherwise the
    run fails with a :class:`~mmproxy.errors.PipelineError` naming the first bad sample. A run whose
-   parts all succeed alone fails with the pipeline's own error. The server stays healthy.
+   parts all succeed alone is run whole once more (a transient failure); if it fails again, it
+   fails with the pipeline's own error. The server stays healthy.
+
+The search checks the server's stop event between attempts, so ``stop_thread()`` is not held up.
 
 Anything else (an error outside a run) fails the server.
 """
@@ -32,6 +35,10 @@ from mmproxy._runs import Run, RunTable
 from mmproxy.errors import PipelineError, with_remote_cause
 
 __all__ = ["Runner"]
+
+
+class _Stopped(Exception):
+    """The server was stopped while the runner was finding bad samples: it leaves at once."""
 
 
 class Runner:
@@ -84,7 +91,11 @@ class Runner:
                     self._recover(run, err, later)
                     continue
                 self.table.finish(run, *outputs)
+        except _Stopped:
+            return  # stop_thread() forgets the runs; nothing to report
         except BaseException as err:  # noqa: BLE001 - every error must reach the main loop
+            if self.stop.is_set():
+                return  # an error while stopping (e.g. inputs released under it) is not a failure
             self.table.fail(with_remote_cause(
                 PipelineError(f"server {self.name!r}: the pipeline failed: {summary(err)}"), err))
         finally:
@@ -126,7 +137,8 @@ class Runner:
 
     def _attempt(self, run: Run, rows: list[int]) -> tuple[Any, BaseException | None]:
         """Runs the samples ``rows`` of ``run`` alone: (outputs, None) or (None, the error)."""
-        assert run.request is not None
+        if self.stop.is_set() or run.request is None:
+            raise _Stopped
         try:
             self.pipe.feed(run.request.inputs, rows)
             return self._outputs(), None
@@ -137,7 +149,8 @@ class Runner:
 
     def _isolate(self, run: Run, error: BaseException | None) -> None:
         """Finds the samples of ``run`` the pipeline cannot process and runs the others."""
-        assert run.request is not None
+        if self.stop.is_set() or run.request is None:
+            raise _Stopped
         everything = list(range(len(run.keys) or len(run.request.inputs[0])))
         if error is None:
             outputs, error = self._attempt(run, everything)
@@ -147,7 +160,11 @@ class Runner:
         skip = all(isinstance(k, _context.SampleId) and k.skip for k in run.keys)
         bad: dict[int, BaseException] = {}
         self._find_bad(run, everything, error, bad, first_only=not skip)
-        if not bad:  # the batch fails, but none of its parts does: not a sample's fault
+        if not bad:  # the batch fails, but none of its parts does: once more, whole
+            outputs, again = self._attempt(run, everything)
+            if again is None:
+                self.table.finish(run, *outputs)
+                return
             self.table.fail_run(run, with_remote_cause(PipelineError(
                 f"server {self.name!r}: the pipeline failed on run {run.id} "
                 f"({_describe(run, everything)}), though every part of the batch runs alone: "

@@ -150,8 +150,8 @@ class RunTable:
     def fail(self, error: BaseException) -> None:
         """The server failed: it stays FAILED, and every run not yet READY fails with ``error``."""
         with self.cond:
-            if self.state is ServerState.FAILED:
-                return
+            if self.state in (ServerState.FAILED, ServerState.STOPPED):
+                return  # failed already, or an error after the server stopped (no one waits)
             self.error = error
             self._move_server(ServerState.FAILED)
             for run in self.runs.values():
@@ -230,13 +230,17 @@ class RunTable:
                 gone = {r.id for r in stale}
                 self._claims = deque(c for c in self._claims if c not in gone)
 
-    def claim(self, run_ids: list[str]) -> None:
-        """Deterministic mode: the main loop says which runs go next, in order."""
+    def claim(self, run_ids: list[str], tag: tuple[str, int] | None = None) -> None:
+        """Deterministic mode: the main loop says which runs go next, in order. ``tag`` is the
+        (loader, epoch) they belong to, so that a run claimed before its inputs arrived is
+        dropped with its epoch like any other."""
         with self.cond:
             for run_id in run_ids:
                 if run_id not in self._claims and (
                         run_id not in self.runs or self.runs[run_id].state is RunState.PENDING):
-                    self.runs.setdefault(run_id, Run(run_id))
+                    run = self.runs.setdefault(run_id, Run(run_id))
+                    if run.tag is None:
+                        run.tag = tag
                     self._claims.append(run_id)
             self.cond.notify_all()
 
@@ -254,8 +258,8 @@ class RunTable:
                     if run is not None and run.state is RunState.READY:
                         return run
                     if run is not None and run.state is RunState.FAILED:
-                        self.runs.pop(run.id, None)
-                        self._done[run.id] = run
+                        if self.runs.pop(run.id, None) is not None:
+                            self._keep_done(run)
                         raise _fresh(run.error)
                     if self.state is ServerState.FAILED:
                         raise self.failed_error()
@@ -282,9 +286,7 @@ class RunTable:
         """A batch has taken the run's outputs: keep it briefly (its other outputs may follow)."""
         with self.cond:
             if self.runs.pop(run.id, None) is not None:
-                self._done[run.id] = run
-                while len(self._done) > _DONE_KEPT:
-                    self._done.popitem(last=False)
+                self._keep_done(run)
 
     # -- the runner thread ----------------------------------------------------------------------
 
@@ -342,6 +344,11 @@ class RunTable:
             raise ServerStateError(f"server {self.name!r}: run {run.id} cannot go from "
                                    f"{run.state.value} to {new.value}")
         run.state = new
+
+    def _keep_done(self, run: Run) -> None:
+        self._done[run.id] = run
+        while len(self._done) > _DONE_KEPT:
+            self._done.popitem(last=False)
 
     def _note_dropped(self, run_id: str, why: str) -> None:
         self._dropped[run_id] = why

@@ -182,7 +182,8 @@ class _LoaderIter:
             self._report.check(self._max_skipped)
 
     def _claim(self, batch: Any) -> None:
-        claim(_walk.collect(batch, DALIOutputBatchRef), self._tables)
+        claim(_walk.collect(batch, DALIOutputBatchRef), self._tables,
+              (self._loader._loader_id, int(self._loader._epoch.value)))
 
     def _resolve(self, batch: Any) -> Any | None:
         """The batch with data, or None when every sample in it was dropped."""

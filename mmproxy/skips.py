@@ -8,10 +8,14 @@ and the loader adds them all up in :attr:`mmproxy.DataLoader.skipped`.
 
 The loader turns a run that reads (almost) nothing into an error instead of an empty success:
 
-- nothing delivered yet and ``EMPTY_AFTER`` samples skipped: :class:`EmptyEpochError` at once;
+- nothing delivered yet and ``EMPTY_AFTER`` (1,000) samples or shards skipped:
+  :class:`EmptyEpochError` at once (so a resampled or ``epoch_length`` run that can read nothing
+  fails within seconds instead of spinning);
 - an epoch that ends without delivering a sample: :class:`EmptyEpochError`;
-- more than ``max_skipped`` (a fraction of the samples seen) skipped, checked every
-  ``CHECK_EVERY`` samples and at the end of each epoch: :class:`SkipLimitError`.
+- more than ``max_skipped`` (a fraction of the samples seen) skipped at the end of an epoch, or
+  at any multiple of ``CHECK_EVERY`` (10,000) samples seen: :class:`SkipLimitError`. Damage is
+  often clustered (one bad shard early in an epoch), so the fraction is not judged on fewer
+  samples than that.
 
 Each error gives the counts and the first record of each kind of failure.
 """
@@ -25,8 +29,8 @@ from mmproxy.errors import EmptyEpochError, SkipLimitError
 
 __all__ = ["CHECK_EVERY", "EMPTY_AFTER", "SkipReport", "SkippedSample", "kind_of"]
 
-EMPTY_AFTER = 50  # skipped samples with none delivered before an epoch is called empty
-CHECK_EVERY = 1000  # samples seen between two checks of the skipped fraction
+EMPTY_AFTER = 1000  # skipped samples with none delivered before an epoch is called empty
+CHECK_EVERY = 10_000  # samples seen between two checks of the skipped fraction
 _KEEP = 10_000  # records kept per epoch (the counts stay exact)
 _KINDS = ("unreadable shard", "empty shard", "missing field", "bad header", "field function failed",
           "pipeline failed")

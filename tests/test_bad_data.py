@@ -427,3 +427,102 @@ def test_webdataset_batched_with_its_default_collation_fails_at_once_in_process(
     pipeline = wds.WebDataset(str(good_shard / "g-000.tar"), shardshuffle=False).map(call).batched(4)
     with pytest.raises(mmproxy.CollateError, match=r"collation_fn=mmproxy.Collate\(\)"):
         list(mmproxy.DataLoader(image_server, pipeline, batch_size=None, num_workers=0))
+
+
+# -- found in review: dropping rows in every kind of batch, and executors with workers ------------
+
+def _one_bad_at_the_end(tmp_path, n=9):
+    """A shard whose last sample (alone in the last batch of 8) only the decoder can refuse."""
+    write_tar(tmp_path / "z-000.tar", [{"__key__": f"z{i:02d}", "jpg": _undecodable(i) if i == n - 1
+                                        else _jpeg(i), "wav": _wav(i), "cls": str(i)} for i in range(n)])
+    return str(tmp_path / "z-000.tar")
+
+
+def test_a_batch_whose_every_sample_is_dropped_is_skipped_with_two_servers(tmp_path):
+    image, audio = _servers()
+    with image, audio:
+        ds = _dataset(_one_bad_at_the_end(tmp_path), image, audio, on_error="skip", max_skipped=0.5,
+                      shuffle_shards=False)
+        loader = ds.loader([image, audio], num_workers=0)
+        labels = [x for b in loader for x in b["label"].tolist()]
+        assert sorted(labels) == list(range(8))
+        assert [r.key for r in loader.skipped.records] == ["z08"]
+
+
+class _Tokens:
+    """A batch transform that adds a per-sample list of variable-length tensors."""
+
+    def __call__(self, batch):
+        batch["tokens"] = [torch.arange(int(x) % 3 + 1) + int(x) for x in batch["label"]]
+        return batch
+
+
+def test_per_sample_lists_lose_the_rows_of_dropped_samples(tmp_path):
+    write_tar(tmp_path / "t-000.tar", [{"__key__": f"t{i:02d}", "jpg": _undecodable(i) if i == 2
+                                        else _jpeg(i), "cls": str(i)} for i in range(4)])
+    with mmproxy.DALIServer(image_eval_pipeline(batch_size=8, size=16, device="cpu", num_threads=1),
+                            name="image") as server:
+        fields = {"x": ("jpg", server.proxy), "label": ("cls", int)}
+        ds = MultiModalDataset(str(tmp_path / "t-000.tar"), fields, batch_size=4, on_error="skip",
+                               max_skipped=0.5, batch_transform=_Tokens())
+        (batch,) = list(ds.loader(server, num_workers=0))
+        assert batch["label"].tolist() == [0, 1, 3]
+        assert [t[0].item() for t in batch["tokens"]] == [0, 1, 3]  # whole items, none cut
+        assert [len(t) for t in batch["tokens"]] == [1, 2, 1]
+
+
+def test_resolving_one_server_of_a_batch_with_dropped_rows_says_why():
+    from torch.utils.data import default_collate
+
+    image, audio = _servers()
+    with image, audio:
+        samples = []
+        for i in range(3):
+            with mmproxy.sample_key(f"s{i}", skip=True):
+                jpeg = _undecodable(i) if i == 1 else _jpeg(i)
+                samples.append((image.proxy(np.frombuffer(jpeg, np.uint8)),
+                                audio.proxy(np.frombuffer(_wav(i), np.uint8)), i))
+        batch = default_collate(samples)
+        with pytest.raises(mmproxy.PipelineError,
+                           match=r"s1: pipeline failed.*\['audio'\] that are not resolved"):
+            image.produce_data(batch)
+        both = mmproxy.DataLoader([image, audio], [batch], batch_size=None)
+        (out,) = list(both)
+        assert out[2].tolist() == [0, 2] and out[0].shape[0] == 2 and out[1][0].data.shape[0] == 2
+
+
+@pipeline_def(exec_pipelined=False, exec_async=False)
+def _sync_double():
+    x = fn.external_source(name="x", no_copy=True, dtype=types.FLOAT)
+    return x * 2
+
+
+def test_the_classic_synchronous_executor_with_workers_on_clean_data():
+    server = mmproxy.DALIServer(_sync_double(batch_size=4, num_threads=1, device_id=None), name="sync",
+                                timeout=30)
+    with server:
+        for _ in range(3):
+            values = [v for x, _ in mmproxy.DataLoader(server, _Floats(server.proxy), batch_size=4,
+                                                       num_workers=2) for v in x[:, 0].tolist()]
+            assert sorted(values) == [2.0 * i for i in range(400)]
+
+
+def test_header_checks_accept_unusual_but_decodable_files():
+    import struct
+
+    from mmproxy.datasets.checks import check_header
+
+    wav = _wav(3)
+    listed = b"LIST" + struct.pack("<I", 70_000) + b"x" * 70_000  # metadata before 'fmt '
+    long_header = wav[:4] + struct.pack("<I", len(wav) - 8 + len(listed)) + wav[8:12] + listed + wav[12:]
+    at = wav.find(b"fmt ")
+    gsm = bytearray(wav)
+    gsm[at + 8:at + 10], gsm[at + 22:at + 24] = struct.pack("<H", 0x31), b"\0\0"  # GSM 6.10: 0 bits
+    tag, channels, rate, rate2, align, bits = struct.unpack("<HHIIHH", wav[at + 8:at + 24])
+    body = wav[wav.find(b"data") + 8:]
+    rifx = (b"RIFX" + struct.pack(">I", 36 + len(body)) + b"WAVE" + b"fmt " + struct.pack(">I", 16)
+            + struct.pack(">HHIIHH", tag, channels, rate, rate2, align, bits) + b"data"
+            + struct.pack(">I", len(body)) + body)
+    for ext, data in [("wav", long_header), ("wav", bytes(gsm)), ("wav", rifx),
+                      ("jpg", _jpeg(3, "PNG"))]:  # a PNG named .jpg: decoders go by the bytes
+        assert check_header(ext, memoryview(data)) is None
