@@ -26,7 +26,7 @@ import urllib.request
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-__all__ = ["Permanent", "Response", "Transient", "open_source"]
+__all__ = ["Permanent", "Response", "Transient", "open_source", "prepare_s3"]
 
 _RETRY_HTTP = frozenset({408, 425, 429})
 _RETRY_S3 = frozenset({"RequestTimeout", "SlowDown", "Throttling", "ThrottlingException",
@@ -138,30 +138,45 @@ def _oserror(err: object) -> str:
 
 
 class _Clients:
-    """This process's boto3 S3 clients (one per timeout pair and AWS environment: endpoint,
-    profile, credentials), made after any fork."""
+    """This process's boto3 S3 clients, one per timeout pair and AWS environment (endpoint,
+    profile, credentials), made after any fork from a session that a forked worker inherits
+    from its parent when :func:`prepare_s3` ran there (its service model and credentials loaded
+    once, not once per worker)."""
 
     def __init__(self) -> None:
         self.pid = -1
         self.lock = threading.Lock()
+        self.sessions: dict[tuple[Any, ...], tuple[Any, list[str]]] = {}
         self.clients: dict[tuple[Any, ...], tuple[Any, list[str]]] = {}
+
+    def session(self) -> tuple[Any, list[str]]:
+        """(boto3 session of this AWS environment, secrets never to show in a message)."""
+        if self.pid != os.getpid():
+            self.pid, self.lock, self.clients = os.getpid(), threading.Lock(), {}
+        env = tuple(sorted(kv for kv in os.environ.items() if kv[0].startswith("AWS_")))
+        with self.lock:
+            if env not in self.sessions:
+                self.sessions[env] = _make_session()
+            return self.sessions[env]
 
     def get(self, read_timeout: float, connect_timeout: float) -> tuple[Any, list[str]]:
         """(client, secrets never to show in a message)."""
-        if self.pid != os.getpid():
-            self.pid, self.lock, self.clients = os.getpid(), threading.Lock(), {}
+        session, secrets = self.session()
+        import botocore.config
+
         with self.lock:
-            key = (read_timeout, connect_timeout,
-                   *sorted(kv for kv in os.environ.items() if kv[0].startswith("AWS_")))
+            key = (id(session), read_timeout, connect_timeout)
             if key not in self.clients:
-                self.clients[key] = _make_client(read_timeout, connect_timeout)
-            return self.clients[key]
+                config = botocore.config.Config(read_timeout=read_timeout,
+                                                connect_timeout=connect_timeout,
+                                                retries={"total_max_attempts": 1})
+                self.clients[key] = session.client("s3", config=config)
+            return self.clients[key], secrets
 
 
-def _make_client(read_timeout: float, connect_timeout: float) -> tuple[Any, list[str]]:
+def _make_session() -> tuple[Any, list[str]]:
     try:
         import boto3
-        import botocore.config
     except ImportError:
         raise Permanent("s3:// shards need boto3: pip install 'mmproxy[s3]'") from None
     session = boto3.session.Session()
@@ -171,9 +186,17 @@ def _make_client(read_timeout: float, connect_timeout: float) -> tuple[Any, list
     if credentials is not None:
         frozen = credentials.get_frozen_credentials()
         secrets += [value for value in (frozen.secret_key, frozen.token) if value]
-    config = botocore.config.Config(read_timeout=read_timeout, connect_timeout=connect_timeout,
-                                    retries={"total_max_attempts": 1})
-    return session.client("s3", config=config), secrets
+    session.client("s3")  # loads the service model into the session's cache
+    return session, secrets
+
+
+def prepare_s3() -> None:
+    """Loads boto3, the S3 model and the credentials in this process, so that DataLoader workers
+    forked from it make their clients in milliseconds. Raises ImportError without boto3."""
+    try:
+        _clients.session()
+    except Permanent as err:
+        raise ImportError(str(err)) from None
 
 
 _clients = _Clients()
@@ -193,7 +216,14 @@ class _S3Body:
         from botocore.exceptions import BotoCoreError, ClientError
 
         bucket, key = _bucket_key(url)
-        client, self._secrets = _clients.get(read_timeout, connect_timeout)
+        self._secrets = [v for k, v in os.environ.items() if k.startswith("AWS_") and v
+                         and ("SECRET" in k or "TOKEN" in k)]
+        try:
+            client, self._secrets = _clients.get(read_timeout, connect_timeout)
+        except Permanent:
+            raise
+        except Exception as err:  # noqa: BLE001 - a profile, region or endpoint boto3 refuses
+            raise Permanent(self._text(f"{type(err).__name__}: {err}")) from None
         ask: dict[str, Any] = {"Bucket": bucket, "Key": key}
         if start:
             ask["Range"] = f"bytes={start}-"

@@ -40,6 +40,7 @@ from mmproxy.skips import SkippedSample
 from .checks import MAX_PIXELS
 from .fields import Field, FieldSpec, Skip, parse_field, process
 from .remote import RemoteOptions, redact
+from .remote import prepare as prepare_remote
 from .shards import (
     current_epoch,
     expand,
@@ -138,6 +139,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         self.max_pixels = max_pixels
         self.prefetch_next_epoch = prefetch_next_epoch
         self.remote = remote or RemoteOptions()
+        prepare_remote(self.urls)
         self._epoch: int | None = None
         self._ahead: tuple[int, Any, Iterator[Any]] | None = None
 

@@ -49,9 +49,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from mmproxy import worker
 
 from ._cache import NodeCache
-from ._sources import Permanent, Response, Transient, open_source
+from ._sources import Permanent, Response, Transient, open_source, prepare_s3
 
-__all__ = ["RemoteError", "RemoteOptions", "RemoteShard", "is_remote", "open_remote", "redact"]
+__all__ = ["RemoteError", "RemoteOptions", "RemoteShard", "is_remote", "open_remote", "prepare",
+           "redact"]
 
 SCHEMES = ("http", "https", "s3")
 _FIRST_CHUNK = 64 << 10  # the first read of a body; each next one is twice as big, up to:
@@ -108,6 +109,13 @@ class RemoteError(OSError):
 def is_remote(url: str) -> bool:
     """Whether ``url`` is an ``http://``, ``https://`` or ``s3://`` shard."""
     return url.split("://", 1)[0].lower() in SCHEMES and "://" in url
+
+
+def prepare(urls: list[str]) -> None:
+    """Readies this process for ``urls`` before DataLoader workers fork from it: with ``s3://``
+    shards, boto3 is loaded with the S3 model and the credentials (ImportError without boto3)."""
+    if any(url[:5].lower() == "s3://" for url in urls):
+        prepare_s3()
 
 
 def redact(url: str) -> str:

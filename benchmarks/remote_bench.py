@@ -1,0 +1,115 @@
+"""Remote shards against local ones, epochs interleaved: local, HTTP, S3 and cached in one process.
+
+``mmproxy bench --systems mmproxy,mmproxy-http,mmproxy-s3,mmproxy-cached`` runs the systems one
+after the other, so load from elsewhere on the machine lands on whichever system runs at the
+time. Here the four loaders share one image server (the bench's image pipeline and shards) and
+take turns epoch by epoch, in a rotating order, so every round holds one epoch of each and the
+ratio to local is taken within the round; the median over rounds is reported with its range.
+Before the rounds each system's first batch is timed from a fresh loader (workers starting, first
+shard fetched; the cache cold); the first of these rounds also fills the cache.
+
+    python benchmarks/remote_bench.py --samples 4096 --rounds 8 \
+        --json benchmarks/results/remote-cpu-2core.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mmproxy.apps.bench.pipes import proxied_pipeline
+from mmproxy.apps.bench.remote import serving
+from mmproxy.apps.bench.shards import write_shards
+from mmproxy.apps.bench.systems import Setup
+from mmproxy.apps.bench.timing import count_samples
+
+SYSTEMS = ("local", "http", "s3", "cached")
+
+
+def epoch(loader: Any) -> tuple[float, float, int]:
+    """(samples/s, seconds to the first batch, samples) of one epoch."""
+    start = time.perf_counter()
+    first, n = 0.0, 0
+    for batch in loader:
+        if not n:
+            first = time.perf_counter() - start
+        n += count_samples(batch)
+    return n / (time.perf_counter() - start), first, n
+
+
+def main() -> None:
+    from mmproxy.datasets import MultiModalDataset
+    from mmproxy.datasets.remote import RemoteOptions
+    from mmproxy.pipelines import resolve_device
+
+    import mmproxy
+    from mmproxy.testing import cache_dir
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    gpu, device_id = resolve_device(args.device)
+    folder = Path(args.data_dir or cache_dir() / "bench")
+    paths = write_shards(folder, "image", args.samples, args.workers)
+    bench_args = argparse.Namespace(threads=args.threads, prefetch=2, cpu_resize="torchvision")
+    setup = Setup(bench_args, "image", paths, folder, gpu, device_id,
+                  args.batch_size or (256 if gpu else 64))
+    server = mmproxy.DALIServer(proxied_pipeline(setup), name="image")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(server)
+        cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="mmproxy-cache-"))
+        urls = {"local": paths, "http": stack.enter_context(serving("http", paths)),
+                "s3": stack.enter_context(serving("s3", paths))}
+        urls["cached"] = urls["http"]
+
+        def loader(system: str) -> Any:
+            remote = RemoteOptions(cache_dir=cache if system == "cached" else None)
+            dataset = MultiModalDataset(urls[system], {"image": ("jpg", server.proxy)},
+                                        batch_size=setup.batch, shuffle_buffer=256,
+                                        keep_keys=False, on_error="skip", remote=remote,
+                                        prefetch_next_epoch=False)
+            return dataset.loader(server, num_workers=args.workers, persistent_workers=True)
+
+        epoch(loader("local"))  # the process's first pipeline runs pay for DALI's start
+        loaders, first = {}, {}
+        for system in SYSTEMS:
+            loaders[system] = loader(system)
+            rate, first[system], _ = epoch(loaders[system])
+            print(f"{system:7s} first batch {first[system]:.3f} s (fresh loader), {rate:.0f} "
+                  "samples/s (its first epoch)", flush=True)
+        rates: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+        for r in range(args.rounds):
+            order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)]
+            for system in order:
+                rates[system].append(epoch(loaders[system])[0])
+            print(f"round {r}: " + ", ".join(f"{s} {rates[s][-1]:.0f}" for s in SYSTEMS), flush=True)
+    out: dict[str, Any] = {"settings": vars(args), "batch_size": setup.batch, "gpu": gpu,
+                           "first_batch_s": first, "rates": rates, "systems": {}}
+    for system in SYSTEMS:
+        ratios = [a / b for a, b in zip(rates[system], rates["local"])]
+        out["systems"][system] = {
+            "median_samples_per_s": round(statistics.median(rates[system]), 1),
+            "best_samples_per_s": round(max(rates[system]), 1),
+            "median_vs_local": round(statistics.median(ratios), 3),
+            "range_vs_local": [round(min(ratios), 3), round(max(ratios), 3)],
+            "best_vs_best_local": round(max(rates[system]) / max(rates["local"]), 3)}
+        print(system, out["systems"][system])
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
