@@ -55,8 +55,7 @@ class ShardServer:
         self._always: dict[str, Fault] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._httpd = http.server.ThreadingHTTPServer((host, port), _handler(self))
-        self._httpd.daemon_threads = True
+        self._httpd = _Server((host, port), _handler(self))
         self.url = f"http://{host}:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="shard-server",
                                         daemon=True)
@@ -89,6 +88,11 @@ class ShardServer:
             self.requests[name] += 1
             queued = self._faults.get(name)
             return queued.popleft() if queued else self._always.get(name)
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    request_queue_size = 1024  # many workers connect at once (the default, 5, drops SYNs: 1 s)
+    daemon_threads = True
 
 
 def _handler(server: ShardServer) -> type[http.server.BaseHTTPRequestHandler]:
