@@ -17,6 +17,9 @@ one file and a lock dies with the process that held it.
   read), until finished + partial sizes + the new shard fit in ``cache_bytes``. A shard that does
   not fit is streamed without the cache. Evicting a shard that a process is still reading is safe:
   its mapping outlives the name.
+
+A shard is cached under its URL: the cache assumes that a shard never changes on the server (as
+WebDataset shards do not); after rewriting shards, empty the cache folder.
 """
 
 from __future__ import annotations

@@ -177,11 +177,11 @@ def _open(url: str, options: RemoteOptions) -> RemoteShard:
         lock = cache.lock(name)  # waits while another process downloads this shard
         try:
             fd = cache.lookup(name)
-            if fd is None:
-                return _stream(url, options, cache, name, lock)  # the download releases the lock
         except BaseException:
             cache.unlock(lock)
             raise
+        if fd is None:
+            return _stream(url, options, cache, name, lock)  # which owns the lock from here
         cache.unlock(lock)
     return RemoteShard(_map_readonly(fd))
 

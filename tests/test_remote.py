@@ -172,6 +172,12 @@ def test_streaming_yields_samples_before_the_whole_shard(tmp_path):
         assert server.requests["big.tar"] == 1
 
 
+def test_a_shard_of_unknown_length_is_read_whole_then_mapped(http, local):
+    http.fail("r-1.tar", Fault("unsized"))
+    remote = [s["__key__"] for s in read_remote_tar(http_urls(http)[1], RemoteOptions())]
+    assert remote == [s["__key__"] for s in read_local_tar(local[1])]
+
+
 def test_after_the_last_retry_skip_records_and_raise_names_the_url(http, image_server, caplog):
     urls = http_urls(http)
     http.fail("r-2.tar", Fault("status", status=500), times=None)
@@ -315,3 +321,14 @@ def test_cache_bound_is_respected_with_eviction(local, http, tmp_path):
     tiny = RemoteOptions(cache_dir=cache, cache_bytes=size // 2)  # too big for the cache:
     assert len(list(read_remote_tar(urls[1], tiny))) == PER_SHARD  # streamed past it
     assert http.requests["r-1.tar"] == 2 and cache_files(cache)[1] == []
+
+
+def test_cache_a_failed_download_leaves_nothing_and_frees_the_lock(http, tmp_path):
+    url, cache = http_urls(http)[0], str(tmp_path / "cache")
+    opts = RemoteOptions(cache_dir=cache, retries=1, backoff=0.01)
+    http.fail("r-0.tar", Fault("cut", after=0), times=2)  # no byte: no progress, no fresh count
+    with pytest.raises(RemoteError, match="gave up after 2 attempts"):
+        list(read_remote_tar(url, opts))
+    assert cache_files(cache) == ([], [])
+    assert len(list(read_remote_tar(url, opts))) == PER_SHARD  # the lock is free again
+    assert len(cache_files(cache)[0]) == 1 and http.requests["r-0.tar"] == 3

@@ -32,9 +32,10 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "mmproxy-bench", "AWS_SECRET_ACCESS_KEY": "mmprox
 
 class Fault(NamedTuple):
     """What a request for a file meets: an error ``status``, or its body ``cut`` (connection
-    closed) or ``stall``-ed (``seconds`` of silence) after ``after`` bytes."""
+    closed) or ``stall``-ed (``seconds`` of silence) after ``after`` bytes, or sent with no
+    ``Content-Length`` (``unsized``: the body ends when the connection closes)."""
 
-    kind: Literal["status", "cut", "stall"]
+    kind: Literal["status", "cut", "stall", "unsized"]
     after: int = 0
     status: int = 503
     seconds: float = 0.0
@@ -117,14 +118,15 @@ def _handler(server: ShardServer) -> type[http.server.BaseHTTPRequestHandler]:
                 start = int(match[1])
                 end = min(end, int(match[2]) + 1) if match[2] else end
             self.send_response(206 if match else 200)
-            self.send_header("Content-Length", str(end - start))
+            if fault is None or fault.kind != "unsized":
+                self.send_header("Content-Length", str(end - start))
             if match:
                 self.send_header("Content-Range", f"bytes {start}-{end - 1}/{st.st_size}")
             self.send_header("ETag", f'"{st.st_size:x}-{st.st_mtime_ns:x}"')
             self.send_header("Accept-Ranges", "bytes")
             self.end_headers()
             with open(path, "rb") as f, contextlib.suppress(OSError):
-                if fault is None:
+                if fault is None or fault.kind == "unsized":
                     self.wfile.flush()
                     self.connection.sendfile(f, start, end - start)
                     return
