@@ -14,10 +14,9 @@ From the socket to DALI, in a DataLoader worker (or the main process with ``num_
 The body lands once, in the mapping, straight from the socket (``readinto``); nothing is copied
 after that on the worker side. Bytes are published to the reader read by read (64 KB first, then
 twice as much each time up to 1 MB), so a sample is ready as soon as the read holding its last
-byte is in, not the whole shard.
-A cached shard is read like a local file. The download runs at network speed in its own thread
-(so a shard finishes for the cache even if the reader stops early), and the reader waits only
-for the bytes it needs.
+byte is in, not the whole shard. A cached shard is read like a local file. The download runs at
+network speed in its own thread (so a shard finishes for the cache even if the reader stops
+early), and the reader waits only for the bytes it needs.
 
 Retries: a reset or cut connection, a stall (no byte for ``read_timeout`` seconds), a 5xx or
 throttling answer is retried ``retries`` times with exponential backoff (``backoff`` seconds,
@@ -31,6 +30,10 @@ one, or at once for a missing shard or refused credentials, :class:`RemoteError`
 Memory: a streamed (uncached) shard is anonymous shared memory until the worker and the server
 let go of its mapping (the transport keeps the last few mappings of each); with large shards,
 set a ``cache_dir`` so that shards live in the page cache, which the kernel can reclaim.
+
+Modules: this one (options, opening a shard from the cache or the network), ``_download`` (the
+thread and the retry policy), ``_sources`` (one GET per scheme, failures sorted), ``_cache``
+(the node cache).
 """
 
 from __future__ import annotations
@@ -38,10 +41,8 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import random
 import re
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -49,15 +50,13 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from mmproxy import worker
 
 from ._cache import NodeCache
-from ._sources import Permanent, Response, Transient, open_source, prepare_s3
+from ._download import Attempts, Download, RemoteError, Waiting
+from ._sources import Response, prepare_s3
 
 __all__ = ["RemoteError", "RemoteOptions", "RemoteShard", "is_remote", "open_remote", "prepare",
            "redact"]
 
 SCHEMES = ("http", "https", "s3")
-_FIRST_CHUNK = 64 << 10  # the first read of a body; each next one is twice as big, up to:
-_CHUNK = 1 << 20
-_MAX_BACKOFF = 30.0
 _SECRET_PARAM = re.compile(r"sig|token|credential|secret|password|key", re.I)
 log = logging.getLogger(__name__)
 
@@ -102,10 +101,6 @@ class RemoteOptions:
             raise ValueError(f"cache_bytes must be positive, got {self.cache_bytes}")
 
 
-class RemoteError(OSError):
-    """A remote shard that cannot be read (missing, refused, or still failing after the retries)."""
-
-
 def is_remote(url: str) -> bool:
     """Whether ``url`` is an ``http://``, ``https://`` or ``s3://`` shard."""
     return url.split("://", 1)[0].lower() in SCHEMES and "://" in url
@@ -136,10 +131,10 @@ class RemoteShard:
     Pass ``members`` (a sequence over the same bytes that waits as it is sliced) to a tar parser.
     """
 
-    def __init__(self, view: memoryview, download: _Download | None = None) -> None:
+    def __init__(self, view: memoryview, download: Download | None = None) -> None:
         self.view = view
         self._download = download
-        self.members = _Waiting(view, self.wait) if download else view
+        self.members = Waiting(view, self.wait) if download else view
 
     def wait(self, end: int) -> None:
         if self._download is not None:
@@ -202,7 +197,7 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
             lock: int | None = None) -> RemoteShard:
     """Starts the download into a cache part (when it fits; ``lock`` is the shard's) or a memfd;
     returns once the shard's size is known."""
-    attempts = _Attempts(url, options)
+    attempts = Attempts(url, redact(url), options)
     response: Response | None = None
     fd: int | None = None
     try:
@@ -221,7 +216,7 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
         if fd is None:
             fd = os.memfd_create("mmproxy-shard", os.MFD_CLOEXEC)
         if size is None:  # no length given: the whole body first, then the mapping
-            _Download(url, attempts, response, None, fd).run()
+            Download(url, attempts, response, None, fd).run()
             response = None
             own, fd = fd, None
             return RemoteShard(_map_readonly(own))
@@ -239,7 +234,7 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
         if fd is not None:
             os.close(fd)
     done = _Finish(cache, name, lock) if cache is not None and lock is not None else None
-    download = _Download(url, attempts, response, memoryview(mapping), None, done)
+    download = Download(url, attempts, response, memoryview(mapping), None, done)
     download.start()
     return RemoteShard(memoryview(mapping).toreadonly(), download)
 
@@ -258,151 +253,3 @@ class _Finish:
                 self.cache.abandon(self.name)
         finally:
             self.cache.unlock(self.lock)
-
-
-class _Attempts:
-    """The retry policy of one shard: a count of failures since the last progress, backoff."""
-
-    def __init__(self, url: str, options: RemoteOptions) -> None:
-        self.url, self.options = url, options
-        self.failures = 0
-        self.stopped = threading.Event()
-        self.etag: str | None = None
-
-    def connect(self, start: int, size: int | None) -> Response:
-        """A response from byte ``start`` of the shard, retrying as the policy allows."""
-        while True:
-            try:
-                response = open_source(self.url, start, self.etag, self.options.read_timeout,
-                                       self.options.connect_timeout)
-            except Transient as err:
-                self.failed(err)
-                continue
-            except Permanent as err:
-                raise RemoteError(str(err)) from None
-            if size is not None and response.size not in (None, size):
-                response.close()
-                raise RemoteError(f"the shard changed on the server while it was read (size "
-                                  f"{size}, now {response.size})")
-            if self.etag is None:
-                self.etag = response.etag
-            return response
-
-    def failed(self, err: Transient) -> None:
-        """Counts a failure: sleeps before the next attempt, or raises after the last."""
-        self.failures += 1
-        if self.failures > self.options.retries:
-            raise RemoteError(f"{err} (gave up after {self.failures} attempts)") from None
-        delay = min(self.options.backoff * 2 ** (self.failures - 1), _MAX_BACKOFF)
-        delay *= random.uniform(0.5, 1.0)
-        log.warning("shard %s: %s; retry %d of %d in %.2f s", redact(self.url), err,
-                    self.failures, self.options.retries, delay)
-        if self.stopped.wait(delay):
-            raise _Stopped
-
-
-class _Stopped(Exception):
-    """The reader let go of an uncached shard: its download ends."""
-
-
-class _Download:
-    """Fills ``view`` (or, with no size known, appends to ``fd``) from the response, resuming
-    after failures; readers ``wait`` for the bytes they need."""
-
-    def __init__(self, url: str, attempts: _Attempts, response: Response,
-                 view: memoryview | None, fd: int | None = None,
-                 done: Callable[[bool], None] | None = None) -> None:
-        self.url, self.attempts, self.response = url, attempts, response
-        self.view, self.fd, self.done = view, fd, done
-        self.size = response.size
-        self.written = 0
-        self.error: BaseException | None = None
-        self.finished = False
-        self.changed = threading.Condition()
-
-    def start(self) -> None:
-        threading.Thread(target=self.run, name="mmproxy-download", daemon=True).start()
-
-    def run(self) -> None:
-        ok = False
-        try:
-            self._fill()
-            ok = True
-        except _Stopped:
-            pass
-        except BaseException as err:  # noqa: BLE001 - handed to the reader
-            self.error = err
-        finally:
-            self.response.close()
-            if self.done is not None:
-                try:
-                    self.done(ok)
-                except OSError as err:
-                    self.error = self.error or RemoteError(f"cannot finish the cached copy: {err}")
-            with self.changed:
-                self.finished = True
-                self.changed.notify_all()
-        if self.error is not None and self.view is None:
-            raise self.error
-
-    def _fill(self) -> None:
-        scratch = memoryview(bytearray(_CHUNK)) if self.view is None else None
-        chunk = _FIRST_CHUNK
-        while self.size is None or self.written < self.size:
-            if scratch is not None:
-                buffer = scratch
-            else:
-                buffer = self.view[self.written:self.written + chunk]  # type: ignore[index]
-                chunk = min(2 * chunk, _CHUNK)
-            try:
-                n = self.response.readinto(buffer)
-                if n == 0:
-                    if self.size is None:
-                        return
-                    raise Transient(f"the connection closed at byte {self.written} of {self.size}")
-            except Transient as err:
-                self.response.close()
-                self.attempts.failed(err)
-                self.response = self.attempts.connect(self.written, self.size)
-                continue
-            if self.fd is not None and scratch is not None:
-                os.write(self.fd, scratch[:n])
-            self.attempts.failures = 0
-            with self.changed:
-                self.written += n
-                self.changed.notify_all()
-            if self.attempts.stopped.is_set():
-                raise _Stopped
-
-    def wait(self, end: int) -> None:
-        """Blocks until bytes ``[0, end)`` are written (to the end: and the download is
-        finished, its cached copy in place); raises the download's error if they never will be."""
-        last = self.size is not None and end >= self.size
-        if self.written >= end and not last:
-            return
-        with self.changed:
-            while (self.written < end or last) and not self.finished:
-                self.changed.wait()
-        if self.written < end:
-            if self.error is not None:
-                raise self.error
-            raise RemoteError(f"the shard ended at byte {self.written}, before byte {end}")
-
-    def detach(self) -> None:
-        """The reader is done: an uncached download stops, a cached one completes."""
-        if self.done is None:
-            self.attempts.stopped.set()
-
-
-class _Waiting:
-    """A read-only sequence over a filling shard: slicing waits for the slice's bytes."""
-
-    def __init__(self, view: memoryview, wait: Callable[[int], None]) -> None:
-        self._view, self._wait = view, wait
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-    def __getitem__(self, item: slice) -> memoryview:
-        self._wait(min(item.stop, len(self._view)))
-        return self._view[item]
