@@ -12,7 +12,8 @@ from mmproxy.datasets.recipes import (
     image_text_dataset,
     load_tokenizer,
 )
+from mmproxy.datasets.remote import RemoteOptions
 from mmproxy.datasets.writer import make_shards
 
-__all__ = ["Field", "MultiModalDataset", "Tokenize", "audio_label_dataset", "check_header",
+__all__ = ["Field", "MultiModalDataset", "RemoteOptions", "Tokenize", "audio_label_dataset", "check_header",
            "image_text_dataset", "load_tokenizer", "make_shards"]

@@ -131,9 +131,11 @@ class RemoteShard:
     Pass ``members`` (a sequence over the same bytes that waits as it is sliced) to a tar parser.
     """
 
-    def __init__(self, view: memoryview, download: Download | None = None) -> None:
+    def __init__(self, view: memoryview, download: Download | None = None,
+                 streamed: mmap.mmap | None = None) -> None:
         self.view = view
         self._download = download
+        self._streamed = streamed  # a memfd's mapping: released when the shard is closed
         self.members = Waiting(view, self.wait) if download else view
 
     def wait(self, end: int) -> None:
@@ -141,9 +143,13 @@ class RemoteShard:
             self._download.wait(end)
 
     def close(self) -> None:
-        """Stops an uncached download; a cached one runs on to fill the cache."""
+        """Stops an uncached download (a cached one runs on to fill the cache) and releases a
+        streamed shard's registration, so its memory goes with the last sample that views it."""
         if self._download is not None:
             self._download.detach()
+        if self._streamed is not None:
+            worker.release_file_mapping(self._streamed)
+            self._streamed = None
 
 
 @contextmanager
@@ -236,7 +242,8 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
     done = _Finish(cache, name, lock) if cache is not None and lock is not None else None
     download = Download(url, attempts, response, memoryview(mapping), None, done)
     download.start()
-    return RemoteShard(memoryview(mapping).toreadonly(), download)
+    return RemoteShard(memoryview(mapping).toreadonly(), download,
+                       streamed=mapping if done is None else None)
 
 
 class _Finish:

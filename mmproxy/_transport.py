@@ -89,6 +89,14 @@ class _FileMappings:
                 os.close(self.entries.popitem(last=False)[1][1])
             self.starts = sorted(self.entries)
 
+    def remove(self, mapping: mmap.mmap) -> None:
+        start = _address(mapping)
+        with self.lock:
+            entry = self.entries.pop(start, None)
+            if entry is not None:
+                os.close(entry[1])
+                self.starts = sorted(self.entries)
+
     def find(self, address: int, nbytes: int) -> tuple[int, int] | None:
         """(descriptor, offset) of a registered file holding [address, address + nbytes)."""
         i = bisect.bisect_right(self.starts, address) - 1
@@ -106,6 +114,12 @@ class _FileMappings:
 
 _files = _FileMappings()
 _process.on_fork_in_child(_files.after_fork)
+
+
+def release_file_mapping(mapping: mmap.mmap) -> None:
+    """Stops sending bytes of ``mapping`` by reference (its registry entry and descriptor go, so
+    a memfd's memory is freed once nothing else maps it); views sent later are copied."""
+    _files.remove(mapping)
 
 
 def register_file_mapping(mapping: mmap.mmap, fd: int) -> None:
@@ -173,21 +187,25 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
 
 
 _mapped_files: OrderedDict[tuple[int, int, int, int], mmap.mmap] = OrderedDict()
+_mapped_memfds: OrderedDict[tuple[int, int, int, int], mmap.mmap] = OrderedDict()
 _mapped_lock = threading.Lock()
 
 
 def _map_file(fd: int) -> mmap.mmap:
-    """The server's read-only mapping of a shard, one per file version (the last 32 kept)."""
+    """The server's read-only mapping of a shard, one per file version: the last 32 files kept,
+    but only the last 4 memfds (streamed remote shards, whose memory a kept mapping would hold)."""
     st = os.fstat(fd)
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    memfd = os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+    cache, bound = (_mapped_memfds, 4) if memfd else (_mapped_files, 32)
     with _mapped_lock:
-        mapping = _mapped_files.get(key)
+        mapping = cache.get(key)
         if mapping is None:
-            mapping = _mapped_files[key] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            while len(_mapped_files) > 32:
-                _mapped_files.popitem(last=False)
+            mapping = cache[key] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            while len(cache) > bound:
+                cache.popitem(last=False)
         else:
-            _mapped_files.move_to_end(key)
+            cache.move_to_end(key)
     return mapping
 
 

@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--systems", default="mmproxy,torch,torch-tensor,dali-proxy,dali-reader",
                        help="comma-separated subset of mmproxy, torch (PIL decode + torchvision "
                        "v2 in workers), torch-tensor (torchvision.io.decode_jpeg + v2), dali-proxy "
-                       "(DALI's own proxy), dali-reader (fn.readers.webdataset, no Python)")
+                       "(DALI's own proxy), dali-reader (fn.readers.webdataset, no Python), "
+                       "mmproxy-http, mmproxy-s3, mmproxy-cached (the image shards served by a local "
+                       "HTTP or S3 server, or through the node cache)")
     bench.add_argument("--samples", type=int, default=1024, help="images (audio: clips / 4)")
     bench.add_argument("--batch-size", type=int, default=None, help="default: 256 images, 64 clips "
                        "on a GPU; 64 and 32 on CPU")

@@ -15,7 +15,7 @@ from mmproxy import _context, _transport
 from mmproxy._context import SampleId, sample_key
 
 __all__ = ["SampleId", "in_persistent_worker", "loader_epoch", "next_epoch", "register_file_mapping",
-           "sample_key"]
+           "release_file_mapping", "sample_key"]
 
 
 def loader_epoch() -> int | None:
@@ -42,3 +42,10 @@ def register_file_mapping(mapping: mmap.mmap, fd: int) -> None:
     reference: the file's descriptor and an offset, not a copy. ``fd`` is duplicated, so the
     caller may close its own. The file must not be rewritten in place while it is read."""
     _transport.register_file_mapping(mapping, fd)
+
+
+def release_file_mapping(mapping: mmap.mmap) -> None:
+    """Ends :func:`register_file_mapping` for ``mapping`` (e.g. a streamed shard read to its end):
+    its descriptor is closed, so its memory can be freed once samples already sent are done;
+    views of it sent later are copied."""
+    _transport.release_file_mapping(mapping)

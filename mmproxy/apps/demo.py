@@ -165,10 +165,19 @@ def _first_sample_fields(shards: list[str]) -> tuple[list[str], list[str]]:
                         break
                     key = match[1]
                     exts.append(match[2].lower())
+        elif first.startswith(("http://", "https://", "s3://")):
+            from mmproxy.datasets.remote import RemoteError, RemoteOptions
+            from mmproxy.datasets.shards import read_remote_tar
+
+            try:
+                sample: dict[str, Any] = next(iter(read_remote_tar(first, RemoteOptions())), {})
+            except RemoteError as err:
+                raise ValueError(str(err)) from err
+            exts = [k for k in sample if not k.startswith("__")]
         else:
             import webdataset as wds
 
-            sample: dict[str, Any] = next(iter(wds.WebDataset(first, shardshuffle=False)), {})
+            sample = next(iter(wds.WebDataset(first, shardshuffle=False)), {})
             exts = [k for k in sample if not k.startswith("__")]
     except (tarfile.TarError, OSError, ValueError) as err:
         raise ValueError(f"cannot read the first sample of {first}: {err}") from err
