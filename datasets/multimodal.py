@@ -35,7 +35,7 @@ import webdataset as wds
 from mmproxy import worker
 from mmproxy.collate import Collate
 from mmproxy.errors import SampleError, ShardError
-from mmproxy.skips import SkippedSample
+from mmproxy.skips import SKIPPED, SkippedSample
 
 from .checks import MAX_PIXELS
 from .fields import Field, FieldSpec, Skip, parse_field, process
@@ -57,7 +57,6 @@ from .shards import (
 __all__ = ["Field", "MultiModalDataset", "OnError"]
 
 OnError = Literal["raise", "skip"]
-SKIPPED = "__skipped__"
 
 
 class MultiModalDataset(torch.utils.data.IterableDataset):

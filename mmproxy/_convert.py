@@ -81,11 +81,3 @@ def tensors_of(output: Output) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
     return list(output)
-
-
-def batch_len(output: Output) -> int:
-    if isinstance(output, PaddedBatch):
-        return int(output.data.shape[0])
-    if isinstance(output, torch.Tensor):
-        return int(output.shape[0]) if output.dim() else 1
-    return len(output)

@@ -20,9 +20,7 @@ from mmproxy import _convert, _walk
 from mmproxy._runs import Run, RunTable
 from mmproxy.errors import PipelineError, ServerStateError
 from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, uncollated_error
-from mmproxy.skips import SkippedSample
-
-SKIPPED = "__skipped__"
+from mmproxy.skips import SKIPPED, SkippedSample
 
 
 class Resolved(NamedTuple):

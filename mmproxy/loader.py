@@ -25,11 +25,11 @@ from typing import Any
 import torch.utils.data
 
 from mmproxy import _context, _process, _walk
-from mmproxy._resolve import SKIPPED, claim, resolve_batch
+from mmproxy._resolve import claim, resolve_batch
 from mmproxy.errors import WorkerDiedError
 from mmproxy.refs import DALIOutputBatchRef
 from mmproxy.server import DALIServer
-from mmproxy.skips import SkipReport
+from mmproxy.skips import SKIPPED, SkipReport
 
 __all__ = ["DataLoader"]
 

@@ -27,8 +27,9 @@ from typing import NamedTuple
 
 from mmproxy.errors import EmptyEpochError, SkipLimitError
 
-__all__ = ["CHECK_EVERY", "EMPTY_AFTER", "SkipReport", "SkippedSample", "kind_of"]
+__all__ = ["CHECK_EVERY", "EMPTY_AFTER", "SKIPPED", "SkipReport", "SkippedSample", "kind_of"]
 
+SKIPPED = "__skipped__"  # the batch key that carries skip records
 EMPTY_AFTER = 1000  # skipped samples with none delivered before an epoch is called empty
 CHECK_EVERY = 10_000  # samples seen between two checks of the skipped fraction
 _KEEP = 10_000  # records kept per epoch (the counts stay exact)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -57,6 +59,16 @@ def add_server():
 @pytest.fixture
 def double_server():
     with mmproxy.DALIServer(cpu(double_pipe), name="double") as server:
+        yield server
+
+
+@contextlib.contextmanager
+def cpu_image_server(size, **kw):
+    """A running eval-pipeline image server on CPU threads (uint8 output, one thread)."""
+    from mmproxy.pipelines import image_eval_pipeline
+
+    pipe = image_eval_pipeline(batch_size=8, size=size, dtype="uint8", device="cpu", num_threads=1, **kw)
+    with mmproxy.DALIServer(pipe, name="image") as server:
         yield server
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import cpu, double_pipe
+from conftest import cpu, cpu_image_server, double_pipe
 from faults import huge_png
 from mmproxy.datasets import MultiModalDataset
 from mmproxy.pipelines import audio_pipeline, image_eval_pipeline
@@ -229,8 +229,7 @@ def good_shard(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def image_server():
-    pipe = image_eval_pipeline(batch_size=8, size=16, dtype="uint8", device="cpu", num_threads=1)
-    with mmproxy.DALIServer(pipe, name="image") as server:
+    with cpu_image_server(16) as server:
         yield server
 
 

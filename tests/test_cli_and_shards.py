@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import cpu_image_server
 from mmproxy.datasets import Tokenize, image_text_dataset, load_tokenizer, make_shards
-from mmproxy.pipelines import image_eval_pipeline
 
 import mmproxy
 from mmproxy import cli
@@ -173,9 +173,7 @@ def test_an_empty_source_says_why_nothing_was_written(tmp_path):
 
 @pytest.fixture(scope="module")
 def image_server():
-    pipe = image_eval_pipeline(batch_size=8, size=16, dtype="uint8", layout="HWC", device="cpu",
-                               num_threads=1)
-    with mmproxy.DALIServer(pipe, name="image") as server:
+    with cpu_image_server(16, layout="HWC") as server:
         yield server
 
 

@@ -8,13 +8,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import cpu_image_server
 from mmproxy.datasets import (
     MultiModalDataset,
     audio_label_dataset,
     image_text_dataset,
     make_shards,
 )
-from mmproxy.pipelines import audio_pipeline, image_eval_pipeline
+from mmproxy.pipelines import audio_pipeline
 
 import mmproxy
 from mmproxy.testing import audio_bytes, image_bytes, make_tokenizer, synth_speech, write_tar
@@ -51,9 +52,7 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def image_server():
-    pipe = image_eval_pipeline(batch_size=8, size=32, dtype="uint8", layout="HWC", device="cpu",
-                               num_threads=1)
-    with mmproxy.DALIServer(pipe, name="image") as server:
+    with cpu_image_server(32, layout="HWC") as server:
         yield server
 
 
