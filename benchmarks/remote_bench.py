@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mmproxy.apps.bench.pipes import proxied_pipeline
-from mmproxy.apps.bench.remote import serving
+from mmproxy.apps.bench.remote import SpreadEndpoints, s3_processes, serving
 from mmproxy.apps.bench.shards import write_shards
 from mmproxy.apps.bench.systems import Setup
 from mmproxy.apps.bench.timing import count_samples
@@ -78,7 +78,7 @@ def main() -> None:
         if "http" in systems or "cached" in systems:
             urls["http"] = urls["cached"] = stack.enter_context(serving("http", paths))
         if "s3" in systems:
-            urls["s3"] = stack.enter_context(serving("s3", paths))
+            urls["s3"] = stack.enter_context(serving("s3", paths, s3_processes(args.workers)))
 
         def loader(system: str) -> Any:
             remote = RemoteOptions(cache_dir=cache if system == "cached" else None)
@@ -86,7 +86,8 @@ def main() -> None:
                                         batch_size=setup.batch, shuffle_buffer=256,
                                         keep_keys=False, on_error="skip", remote=remote,
                                         prefetch_next_epoch=False)
-            return dataset.loader(server, num_workers=args.workers, persistent_workers=True)
+            return dataset.loader(server, num_workers=args.workers, persistent_workers=True,
+                                  worker_init_fn=SpreadEndpoints())
 
         epoch(loader("local"))  # the process's first pipeline runs pay for DALI's start
         loaders, first = {}, {}

@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-__all__ = ["Fault", "ShardServer", "s3_server", "serving"]
+__all__ = ["Fault", "ShardServer", "SpreadEndpoints", "s3_processes", "s3_server",
+           "serving"]
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 S3_ENV = {"AWS_ACCESS_KEY_ID": "mmproxy-bench", "AWS_SECRET_ACCESS_KEY": "mmproxy-bench-secret",
@@ -186,21 +187,39 @@ def _serve(kind: str, paths: list[str], conn: Any) -> None:
 
 
 @contextlib.contextmanager
-def serving(kind: Literal["http", "s3"], paths: list[str]) -> Iterator[list[str]]:
-    """Serves ``paths`` (shards of one folder) over ``kind`` from a process of its own, like a
-    remote server; yields their URLs, with the AWS environment in place for ``s3``."""
+def serving(kind: Literal["http", "s3"], paths: list[str], processes: int = 1) -> Iterator[list[str]]:
+    """Serves ``paths`` (shards of one folder) over ``kind`` from processes of their own, like a
+    remote server; yields their URLs, with the AWS environment in place for ``s3``.
+
+    ``processes > 1`` (S3 only) starts that many S3 servers, each holding every shard: one moto
+    process answers at most ~300 GETs of 700 KB per second (one core, ~2.3 ms of CPU each),
+    fewer than 15 workers ask for at GPU rates, while S3 spreads requests over its front ends.
+    The endpoints are in ``MMPROXY_BENCH_S3_ENDPOINTS``; :class:`SpreadEndpoints` gives each
+    DataLoader worker one of them.
+    """
+    if kind != "s3" and processes != 1:
+        raise ValueError("several server processes are for s3 only (one HTTP process serves "
+                         "with sendfile, 0.3-0.6 ms per shard)")
     ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=_serve, args=(kind, paths, child), name=f"{kind}-server",
-                          daemon=True)
-    process.start()
+    started: list[tuple[Any, Any]] = []
     saved: dict[str, str | None] = {}
     try:
-        while not parent.poll(0.1):
-            if not process.is_alive():
-                raise RuntimeError(f"the {kind} server process ended before serving "
-                                   f"(exit code {process.exitcode})")
-        urls, env = parent.recv()
+        for i in range(processes):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=_serve, args=(kind, paths, child),
+                                  name=f"{kind}-server-{i}", daemon=True)
+            process.start()
+            started.append((process, parent))
+        answers = []
+        for process, parent in started:
+            while not parent.poll(0.1):
+                if not process.is_alive():
+                    raise RuntimeError(f"the {kind} server process ended before serving "
+                                       f"(exit code {process.exitcode})")
+            answers.append(parent.recv())
+        urls, env = answers[0]
+        if kind == "s3":
+            env = {**env, ENDPOINTS: ",".join(e["AWS_ENDPOINT_URL"] for _, e in answers)}
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         yield urls
@@ -210,9 +229,30 @@ def serving(kind: Literal["http", "s3"], paths: list[str]) -> Iterator[list[str]
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        with contextlib.suppress(OSError):
-            parent.send("stop")
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=10)
+        for process, parent in started:
+            with contextlib.suppress(OSError):
+                parent.send("stop")
+        for process, _ in started:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+
+
+ENDPOINTS = "MMPROXY_BENCH_S3_ENDPOINTS"
+
+
+def s3_processes(workers: int) -> int:
+    """How many S3 server processes the bench starts for ``workers`` DataLoader workers: one per
+    three workers (each worker then has a server at <= 100 GETs/s)."""
+    return max(1, workers // 3)
+
+
+class SpreadEndpoints:
+    """A ``worker_init_fn``: worker ``i`` sends its S3 requests to endpoint ``i % n`` of
+    :func:`serving`'s S3 processes (no-op with one, or outside the bench)."""
+
+    def __call__(self, worker_id: int) -> None:
+        endpoints = [e for e in os.environ.get(ENDPOINTS, "").split(",") if e]
+        if endpoints:
+            os.environ["AWS_ENDPOINT_URL"] = endpoints[worker_id % len(endpoints)]

@@ -150,7 +150,7 @@ def _decode(data: bytes) -> str:
     return data.decode()
 
 
-def _mmproxy(setup: Setup, **options: Any) -> dict[str, Any]:
+def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[str, Any]:
     import mmproxy
     from mmproxy.datasets import MultiModalDataset, Tokenize
 
@@ -172,7 +172,8 @@ def _mmproxy(setup: Setup, **options: Any) -> dict[str, Any]:
                                         shuffle_buffer=256, keep_keys=False,
                                         batch_transform=transform, prefetch_next_epoch=a.next_epoch,
                                         on_error="skip", **options)
-            loader = dataset.loader(server, num_workers=a.workers, persistent_workers=True)
+            loader = dataset.loader(server, num_workers=a.workers, persistent_workers=True,
+                                    worker_init_fn=worker_init_fn)
         return time_epochs(lambda: loader, a.epochs, setup.gpu, server)
 
 
@@ -186,13 +187,16 @@ def _remote(name: str, setup: Setup) -> dict[str, Any]:
     """mmproxy on the shards served by a local HTTP or S3 server process."""
     import tempfile
 
-    from mmproxy.apps.bench.remote import serving
+    from mmproxy.apps.bench.remote import SpreadEndpoints, s3_processes, serving
     from mmproxy.datasets.remote import RemoteOptions
 
-    with serving("s3" if name == "mmproxy-s3" else "http", setup.paths) as urls, \
+    s3 = name == "mmproxy-s3"
+    with serving("s3" if s3 else "http", setup.paths,
+                 s3_processes(setup.args.workers) if s3 else 1) as urls, \
             tempfile.TemporaryDirectory(prefix="mmproxy-cache-") as cache:
         remote = RemoteOptions(cache_dir=cache if name == "mmproxy-cached" else None)
-        return _mmproxy(dataclasses.replace(setup, paths=urls), remote=remote)
+        return _mmproxy(dataclasses.replace(setup, paths=urls), remote=remote,
+                        worker_init_fn=SpreadEndpoints())
 
 
 SYSTEMS: dict[str, System] = {system.name: system for system in (
