@@ -5,7 +5,7 @@ through their proxies; a composite collate puts them into one batch per step.
 """
 
 from mmproxy.datasets.checks import check_header
-from mmproxy.datasets.multimodal import Field, MultiModalDataset
+from mmproxy.datasets.multimodal import Field, MultiModalDataset, Source
 from mmproxy.datasets.recipes import (
     Tokenize,
     audio_label_dataset,
@@ -15,5 +15,5 @@ from mmproxy.datasets.recipes import (
 from mmproxy.datasets.remote import RemoteOptions
 from mmproxy.datasets.writer import make_shards
 
-__all__ = ["Field", "MultiModalDataset", "RemoteOptions", "Tokenize", "audio_label_dataset", "check_header",
+__all__ = ["Field", "MultiModalDataset", "RemoteOptions", "Source", "Tokenize", "audio_label_dataset", "check_header",
            "image_text_dataset", "load_tokenizer", "make_shards"]

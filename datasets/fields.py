@@ -73,13 +73,13 @@ def parse_field(name: str, spec: FieldSpec) -> Parsed:
 
 
 def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: bool,
-            max_pixels: int, skip: bool) -> dict[str, Any]:
+            max_pixels: int, skip: bool, seed: int | None = None) -> dict[str, Any]:
     """The fields of one raw sample (``{ext: bytes}`` with ``__key__`` and ``__url__``); proxy
-    calls inside are named after the sample, with its skip policy."""
+    calls inside are named after the sample, with its skip policy and its own ``seed``."""
     key = sample.get("__key__", "?")
     url = sample.get("__url__", "?")
     out: dict[str, Any] = {"__key__": key, "__url__": url} if keep_keys else {}
-    with worker.sample_key(key, shard=url, skip=skip):
+    with worker.sample_key(key, shard=url, skip=skip, seed=seed):
         for name, (exts, fn, server) in fields.items():
             ext = next((e for e in exts if e in sample), None)
             if ext is None:

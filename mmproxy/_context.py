@@ -19,6 +19,7 @@ _loader_tag: tuple[str, Any] | None = None
 _persistent = False  # the worker outlives the epoch (persistent_workers=True)
 _ahead = 0  # 1 while a worker prepares the next epoch's first batch
 _sample_key = threading.local()
+_resume: dict[str, Any] | None = None  # where this worker starts one epoch (a loader's resume)
 
 
 def set_loader_tag(tag: tuple[str, Any] | None, persistent: bool = False) -> None:
@@ -54,12 +55,15 @@ class SampleId(NamedTuple):
     """Which sample a proxy call belongs to, and what to do when the pipeline cannot process it.
 
     ``skip``: the sample may be dropped from its batch and reported (a dataset in skip mode);
-    otherwise a pipeline failure on it raises, naming it.
+    otherwise a pipeline failure on it raises, naming it. ``seed``: the sample's own random seed
+    (a dataset derives it from its seed, the epoch and the key), from which a server's
+    sample-drawn inputs are drawn (:class:`mmproxy.proxy.SampleRandom`).
     """
 
     key: str
     shard: str | None = None
     skip: bool = False
+    seed: int | None = None
 
     def __str__(self) -> str:
         return f"{self.shard}:{self.key}" if self.shard else self.key
@@ -71,7 +75,8 @@ def current_key() -> SampleId | None:
 
 
 @contextlib.contextmanager
-def sample_key(key: str | None, *, shard: str | None = None, skip: bool = False) -> Iterator[None]:
+def sample_key(key: str | None, *, shard: str | None = None, skip: bool = False,
+               seed: int | None = None) -> Iterator[None]:
     """Names the sample being processed, so that proxy calls inside carry its key.
 
     Args:
@@ -79,10 +84,43 @@ def sample_key(key: str | None, *, shard: str | None = None, skip: bool = False)
         shard: Where it came from (a shard path or URL), if known.
         skip: Whether a pipeline failure on this sample drops it from its batch (reported in the
             loader's skip report and the batch's ``"__skipped__"``) instead of raising.
+        seed: The sample's random seed: a pipeline's sample-drawn inputs (a random crop window,
+            a flip) are drawn from it, so the sample gets the same augmentation whichever worker,
+            batch or run it lands in (exact resume).
     """
     previous = getattr(_sample_key, "value", None)
-    _sample_key.value = None if key is None else SampleId(str(key), shard, skip)
+    _sample_key.value = None if key is None else SampleId(str(key), shard, skip, seed)
     try:
         yield
     finally:
         _sample_key.value = previous
+
+
+class Stamped:
+    """A worker's item with the worker's position right after it: what a dataset yields (through
+    :func:`mmproxy.worker.stamp`) so that the loader can save where every worker stands."""
+
+    __slots__ = ("item", "worker", "state")
+
+    def __init__(self, item: Any, worker: int, state: Any) -> None:
+        self.item, self.worker, self.state = item, worker, state
+
+    def pin_memory(self) -> Stamped:  # torch's pin-memory thread calls this
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        return Stamped(pin_memory(self.item), self.worker, self.state)
+
+
+def set_resume(state: dict[str, Any] | None) -> None:
+    global _resume
+    _resume = state
+
+
+def take_resume(epoch: int) -> dict[str, Any] | None:
+    """The position the loader handed this worker for ``epoch``, once (later epochs start
+    fresh)."""
+    global _resume
+    if _resume is None or _resume.get("epoch") != epoch:
+        return None
+    state, _resume = _resume, None
+    return state

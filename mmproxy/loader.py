@@ -25,6 +25,8 @@ from typing import Any
 import torch.utils.data
 
 from mmproxy import _context, _process, _walk
+from mmproxy._context import Stamped
+from mmproxy._progress import VERSION, Progress, hand_out
 from mmproxy._resolve import claim, resolve_batch
 from mmproxy.errors import WorkerDiedError
 from mmproxy.refs import DALIOutputBatchRef
@@ -53,14 +55,17 @@ def _as_servers(servers: Servers) -> dict[str, DALIServer]:
 
 
 class _WorkerInit:
-    """Runs in each worker: tags the worker's runs with this loader's id and live epoch."""
+    """Runs in each worker: tags the worker's runs with this loader's id and live epoch, and
+    hands it its starting position when the loader resumes."""
 
     def __init__(self, loader_id: str, epoch: Any, user: Callable[[int], None] | None,
                  persistent: bool) -> None:
         self.loader_id, self.epoch, self.user, self.persistent = loader_id, epoch, user, persistent
+        self.resume: dict[int, dict[str, Any]] | None = None
 
     def __call__(self, worker_id: int) -> None:
         _context.set_loader_tag((self.loader_id, self.epoch), self.persistent)
+        _context.set_resume(None if self.resume is None else self.resume.get(worker_id))
         if self.user is not None:
             self.user(worker_id)
 
@@ -86,11 +91,13 @@ class DataLoader(torch.utils.data.DataLoader):
         self._servers = _as_servers(dali_server)
         self._loader_id = os.urandom(6).hex()
         self._epoch = multiprocessing.RawValue("q", 0)
-        arguments["worker_init_fn"] = _WorkerInit(self._loader_id, self._epoch,
-                                                  arguments.get("worker_init_fn"),
-                                                  bool(arguments.get("persistent_workers")))
+        self._init = _WorkerInit(self._loader_id, self._epoch, arguments.get("worker_init_fn"),
+                                 bool(arguments.get("persistent_workers")))
+        arguments["worker_init_fn"] = self._init
         super().__init__(**arguments)
         self._report = SkipReport()
+        self._progress: Progress | None = None
+        self._resume: list[Mapping[str, Any]] | None = None
         check = getattr(self.dataset, "check_loader", None)
         if check is not None:
             check(self)  # e.g. a dataset that batches itself refuses batch_size, before any batch
@@ -109,10 +116,55 @@ class DataLoader(torch.utils.data.DataLoader):
         for server in self._servers.values():
             server.start_thread()
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands (torchdata ``StatefulDataLoader``'s meaning): after k batches
+        of an epoch, a loader built the same way and given this state continues with batch k+1;
+        after the epoch's last batch (or before the first), with the next epoch. Small and
+        picklable: the epoch, the batches delivered, and per worker the position of the dataset
+        (:func:`mmproxy.worker.stamp`). In a multi-rank job each rank saves its own."""
+        if self._progress is None:
+            return {"version": VERSION, "epoch": int(self._epoch.value), "done": True}
+        return self._progress.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continues from :meth:`state_dict` at the next ``iter(loader)``.
+
+        ``state`` is this rank's state, or the list of every rank's states (gathered, e.g. with
+        ``torch.distributed.all_gather_object``). With the same number of ranks and workers the
+        batches are those of the uninterrupted run; with other numbers (elastic) the dataset
+        redistributes what the epoch has left (``dataset.reshard``): every remaining sample once,
+        in a new order.
+        """
+        states = [state] if isinstance(state, Mapping) else list(state)
+        if not states or any(s.get("version") != VERSION for s in states):
+            raise ValueError(f"not a state of this mmproxy.DataLoader (version {VERSION}): "
+                             f"{[s.get('version') for s in states]}")
+        epochs = {int(s["epoch"]) for s in states}
+        if len(epochs) > 1:
+            raise ValueError(f"the ranks' states are from different epochs: {sorted(epochs)}")
+        epoch = epochs.pop()
+        if self._iterator is not None:  # persistent workers start over from the state
+            _LoaderIter.shutdown(self._iterator)
+            self._iterator = None
+        self._progress = None
+        if all(s["done"] for s in states):
+            self._epoch.value, self._resume = epoch, None
+        else:
+            self._epoch.value, self._resume = epoch - 1, states
+
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         self.ensure_server_listening()
         self._epoch.value += 1
-        self._report = SkipReport(self._epoch.value)
+        workers = max(1, self.num_workers)
+        self._init.resume = None
+        self._progress = Progress(int(self._epoch.value), workers)
+        if self._resume is not None:
+            hand, self._progress = hand_out(self._resume, self.dataset, workers)
+            self._resume = None
+            self._init.resume = hand
+            if self.num_workers == 0:
+                _context.set_resume(hand[0])
+        self._report = self._progress.report
         for server in self._servers.values():
             server.table.begin_epoch(self._loader_id, self._epoch.value)
         return _LoaderIter(self, super().__iter__())
@@ -125,8 +177,10 @@ class _LoaderIter:
         self._tables = {uid: server.table for uid, server in loader._servers.items()}
         self._in_main = loader.num_workers == 0
         self._ahead = any(t.deterministic for t in self._tables.values())
-        self._next: list[Any] = []  # the batch fetched one step ahead (deterministic mode)
+        self._next: list[tuple[Any, Any]] = []  # (batch, stamp) fetched one step ahead
         self._report = loader._report
+        self._progress = loader._progress
+        self._seq = 0  # items taken from torch's iterator
         self._checked = hasattr(loader.dataset, "max_skipped")
         self._max_skipped = getattr(loader.dataset, "max_skipped", None)
         _live_iterators.add(self)
@@ -141,7 +195,12 @@ class _LoaderIter:
         """Shuts this iterator's workers down now, instead of when it is garbage-collected."""
         if self._loader._iterator is self._it:
             self._loader._iterator = None  # persistent workers: the next epoch starts new ones
-        shutdown = getattr(self._it, "_shutdown_workers", None)
+        self.shutdown(self._it)
+
+    @staticmethod
+    def shutdown(it: Any) -> None:
+        """Shuts down the workers of torch's iterator ``it``."""
+        shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is None:
             return
         try:
@@ -152,15 +211,25 @@ class _LoaderIter:
             if "DataLoader worker" not in str(err):
                 raise
 
-    def _fetch(self) -> Any:
-        """The next batch from torch's iterator; records sent on their own are taken on the way."""
+    def _fetch(self) -> tuple[Any, tuple[int, Stamped] | None]:
+        """The next batch from torch's iterator with its worker's stamp (if any); records sent on
+        their own are taken on the way."""
         while True:
             batch = self._fetch_any()
+            self._seq += 1
+            stamp = None
+            if isinstance(batch, Stamped):
+                stamp, batch = (self._seq, batch), batch.item
             if isinstance(batch, dict) and batch.keys() == {SKIPPED}:
+                self._took(stamp)
                 self._report.add(0, batch[SKIPPED])
                 self._check()
                 continue
-            return batch
+            return batch, stamp
+
+    def _took(self, stamp: tuple[int, Stamped] | None) -> None:
+        if stamp is not None and self._progress is not None:
+            self._progress.took(*stamp)
 
     def _fetch_any(self) -> Any:
         if self._in_main:
@@ -197,15 +266,21 @@ class _LoaderIter:
         try:
             while True:
                 try:
-                    raw = self._step()
+                    raw: Any = self._step()
                 except StopIteration:
                     raw = _END
                 if raw is _END:  # outside the except: an error here is not "during StopIteration"
                     if self._checked:
                         self._report.check(self._max_skipped, final=True)
+                    if self._progress is not None:
+                        self._progress.done = True
                     raise StopIteration
+                raw, stamp = raw
                 batch = self._resolve(raw)
+                self._took(stamp)
                 if batch is not None:
+                    if self._progress is not None:
+                        self._progress.batches += 1
                     return batch
         except StopIteration:
             raise
@@ -215,12 +290,12 @@ class _LoaderIter:
             self.close()
             raise
 
-    def _step(self) -> Any:
+    def _step(self) -> tuple[Any, tuple[int, Stamped] | None]:
         if not self._ahead:
             return self._fetch()
         if not self._next:
             batch = self._fetch()
-            self._claim(batch)
+            self._claim(batch[0])
         else:
             batch = self._next.pop()
         try:
@@ -228,7 +303,7 @@ class _LoaderIter:
         except StopIteration:
             pass
         else:
-            self._claim(upcoming)
+            self._claim(upcoming[0])
             self._next.append(upcoming)
         return batch
 

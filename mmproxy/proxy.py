@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -22,7 +22,35 @@ from mmproxy import _context, _process, _transport
 from mmproxy.errors import BatchSizeError, ProxyArgumentError
 from mmproxy.refs import DALIOutputSampleRef, _Call
 
-__all__ = ["DALIProxy"]
+__all__ = ["DALIProxy", "SampleRandom", "sample_random_of"]
+
+
+class SampleRandom(Protocol):
+    """Inputs of a pipeline that the proxy draws itself, per sample, from the sample's seed.
+
+    A pipeline whose randomness comes in through such inputs (a crop window, a flip; see
+    :func:`mmproxy.pipelines.image_train_pipeline`) gives every sample the same augmentation in
+    whichever worker, batch or run it lands: what exact resume needs, and what DALI's own
+    random operators (one generator per batch slot, advanced run after run) cannot give. Attach
+    one to a pipeline as ``pipeline.mmproxy_sample_random``; the server's proxy then takes only
+    the other inputs.
+    """
+
+    names: tuple[str, ...]  # the inputs it fills
+
+    def __call__(self, given: dict[str, np.ndarray], rng: np.random.Generator
+                 ) -> dict[str, np.ndarray]:
+        """The drawn inputs of one sample, from the inputs given to the proxy."""
+        ...
+
+
+def sample_random_of(pipeline: Any) -> SampleRandom | None:
+    """The :class:`SampleRandom` attached to ``pipeline``, if any."""
+    return getattr(pipeline, "mmproxy_sample_random", None)
+
+
+_unseeded = np.random.default_rng()  # samples named without a seed: drawn, not reproducible
+
 
 # The element types DALI's feed_input can take; anything else is refused by the proxy call, which
 # can name the server and the input, instead of failing the pipeline or being misread by it.
@@ -97,22 +125,31 @@ class DALIProxy:
         num_outputs: How many outputs the pipeline has.
         max_batch_size: The pipeline's ``batch_size``.
         address: Path of the server's socket.
+        sample_random: Inputs the proxy draws itself from each sample's seed (not arguments).
     """
 
     def __init__(self, server_name: str, server_uid: str, input_names: tuple[str, ...],
-                 num_outputs: int, max_batch_size: int, address: str) -> None:
+                 num_outputs: int, max_batch_size: int, address: str,
+                 sample_random: SampleRandom | None = None) -> None:
         self.server_name = server_name
         self.server_uid = server_uid
         self.input_names = input_names
         self.num_outputs = num_outputs
         self.max_batch_size = max_batch_size
         self.address = address
+        self.sample_random = sample_random
+        drawn = set(sample_random.names) if sample_random is not None else set()
+        if not drawn <= set(input_names):
+            raise ValueError(f"server {server_name!r}: the pipeline's sample-drawn inputs "
+                             f"{sorted(drawn - set(input_names))} are not among its inputs "
+                             f"{list(input_names)}")
+        self.argument_names = tuple(n for n in input_names if n not in drawn)
         self._recent: OrderedDict[tuple[str, ...], str] = OrderedDict()
 
     @property
     def __signature__(self) -> inspect.Signature:
         params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                  for n in self.input_names]
+                  for n in self.argument_names]
         return inspect.Signature(params)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -124,7 +161,7 @@ class DALIProxy:
         return f"DALIProxy(server={self.server_name!r}, signature={self.__signature__})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        names = self.input_names
+        names = self.argument_names
         if kwargs or len(args) != len(names):
             try:
                 bound = self.__signature__.bind(*args, **kwargs)
@@ -136,10 +173,23 @@ class DALIProxy:
                     f"got proxy({got}): {err}") from None
             args = tuple(bound.arguments[n] for n in names)
         inputs = tuple(_as_array(v, n, self.server_name) for v, n in zip(args, names))
-        call = _Call(self, _process.new_id(), inputs, _context.current_key())
+        key = _context.current_key()
+        if self.sample_random is not None:
+            inputs = self._draw(dict(zip(names, inputs)), key)
+        call = _Call(self, _process.new_id(), inputs, key)
         if self.num_outputs == 1:
             return DALIOutputSampleRef(call, 0)
         return tuple(DALIOutputSampleRef(call, i) for i in range(self.num_outputs))
+
+    def _draw(self, given: dict[str, np.ndarray], key: _context.SampleId | None
+              ) -> tuple[np.ndarray, ...]:
+        """All the pipeline's inputs: ``given`` and the ones drawn from the sample's seed."""
+        assert self.sample_random is not None
+        seed = key.seed if key is not None else None
+        rng = _unseeded if seed is None else np.random.default_rng(seed)
+        drawn = self.sample_random(given, rng)
+        return tuple(given[n] if n in given else _as_array(drawn[n], n, self.server_name)
+                     for n in self.input_names)
 
     def submit(self, calls: list[_Call]) -> str:
         """Sends the inputs of ``calls`` (in order) to the server as one run; returns its id.

@@ -40,7 +40,7 @@ from mmproxy._resolve import resolve
 from mmproxy._runner import Runner
 from mmproxy._runs import Run, RunState, RunTable, ServerState
 from mmproxy.errors import ServerFailedError, ServerStateError, with_remote_cause
-from mmproxy.proxy import DALIProxy
+from mmproxy.proxy import DALIProxy, sample_random_of
 
 __all__ = ["DALIServer", "RunState", "ServerState"]
 
@@ -105,7 +105,8 @@ class DALIServer:
         # The socket's private directory exists only while the server runs.
         self._sockdir = os.path.join(tempfile.gettempdir(), f"mmproxy-{self.uid}")
         self._proxy = DALIProxy(self.name, self.uid, self._pipe.input_names, self._pipe.num_outputs,
-                                self._pipe.max_batch_size, os.path.join(self._sockdir, "inputs.sock"))
+                                self._pipe.max_batch_size, os.path.join(self._sockdir, "inputs.sock"),
+                                sample_random_of(self._pipe.pipeline))
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: _transport.Listener | None = None

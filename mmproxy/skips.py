@@ -80,6 +80,21 @@ class SkipReport:
             if len(self.records) < _KEEP:
                 self.records.append(record)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The counts and the first records (at most 100), for a resumed epoch to go on from."""
+        return {"epoch": self.epoch, "delivered": self.delivered, "skipped": self.skipped,
+                "by_kind": dict(self.by_kind), "first": [tuple(r) for r in self._first.values()],
+                "records": [tuple(r) for r in self.records[:100]]}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> SkipReport:
+        report = cls(state["epoch"])
+        report.delivered, report.skipped = state["delivered"], state["skipped"]
+        report.by_kind.update(state["by_kind"])
+        report._first = {kind_of(r[2]): SkippedSample(*r) for r in state["first"]}
+        report.records = [SkippedSample(*r) for r in state["records"]]
+        return report
+
     @property
     def seen(self) -> int:
         return self.delivered + self.skipped

@@ -8,14 +8,16 @@ reference instead of copying them.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from mmproxy import _context, _transport
-from mmproxy._context import SampleId, sample_key
+from mmproxy._context import SampleId, Stamped, sample_key
 
-__all__ = ["SampleId", "in_persistent_worker", "loader_epoch", "next_epoch", "register_file_mapping",
-           "release_file_mapping", "sample_key"]
+__all__ = ["SampleId", "Stamped", "in_persistent_worker", "loader_epoch", "next_epoch",
+           "register_file_mapping", "release_file_mapping", "resume_state", "sample_key", "stamp",
+           "wants_state"]
 
 
 def loader_epoch() -> int | None:
@@ -49,3 +51,27 @@ def release_file_mapping(mapping: mmap.mmap) -> None:
     its descriptor is closed, so its memory can be freed once samples already sent are done;
     views of it sent later are copied."""
     _transport.release_file_mapping(mapping)
+
+
+def wants_state() -> bool:
+    """Whether this process serves an mmproxy DataLoader, which keeps the dataset's position
+    (:func:`stamp`) for :meth:`mmproxy.DataLoader.state_dict`."""
+    return _context.current_tag() is not None
+
+
+def stamp(item: Any, worker: int, state: Callable[[], Any]) -> Any:
+    """``item`` with this worker's position right after it (``state()``, small and picklable),
+    for the loader to keep; ``item`` itself outside an mmproxy DataLoader. ``worker`` is the
+    worker whose samples these are (the one :func:`resume_state` named, or this worker's id)."""
+    return Stamped(item, worker, state()) if wants_state() else item
+
+
+def resume_state(epoch: int) -> dict[str, Any] | None:
+    """Where this worker starts ``epoch`` when the loader resumes from a saved state, else None.
+
+    A dict with ``"worker"`` (whose samples to read: the loader may hand one worker's position
+    to another, to keep the order of batches), ``"state"`` (that worker's last stamped state,
+    None for its start), and for an elastic resume the dataset's own ``"plan"`` entries
+    (:meth:`mmproxy.datasets.MultiModalDataset.reshard`). Given once: later epochs start fresh.
+    """
+    return _context.take_resume(epoch)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["external_pipeline"]
@@ -11,7 +11,8 @@ __all__ = ["external_pipeline"]
 
 def external_pipeline(graph: Callable[[Any], Any], *, input_name: str, batch_size: int,
                       num_threads: int = 4, device_id: int | None = None,
-                      prefetch_queue_depth: int = 2, seed: int | None = None) -> Any:
+                      prefetch_queue_depth: int = 2, seed: int | None = None,
+                      more_inputs: Sequence[str] = ()) -> Any:
     """Builds a pipeline whose outputs are ``graph(data)``, ``data`` being the bytes the proxy is
     given (``fn.external_source(name=input_name)``, uint8, one 1-D array per sample).
 
@@ -23,12 +24,15 @@ def external_pipeline(graph: Callable[[Any], Any], *, input_name: str, batch_siz
         device_id: The GPU (from :func:`~mmproxy.pipelines.resolve_device`); None for CPU only.
         prefetch_queue_depth: Runs the server keeps in flight.
         seed: DALI's random seed (None: random).
+        more_inputs: Names of further ``external_source`` inputs, given to ``graph`` as keyword
+            arguments (e.g. the sample-drawn inputs of :class:`mmproxy.proxy.SampleRandom`).
     """
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def
     def pipe() -> Any:
-        return graph(fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8))
+        more = {name: fn.external_source(name=name, no_copy=True) for name in more_inputs}
+        return graph(fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8), **more)
 
     return pipe(batch_size=batch_size, num_threads=num_threads, device_id=device_id, seed=seed,
                 prefetch_queue_depth=prefetch_queue_depth)

@@ -25,15 +25,18 @@ torchvision inside the DALI pipeline (``fn.python_function``, antialiased biline
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, Literal
 
+import numpy as np
+
 from mmproxy.pipelines._device import Device, resolve_device
 from mmproxy.pipelines.external import external_pipeline
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "image_eval_graph", "image_eval_pipeline",
-           "image_train_graph", "image_train_pipeline", "resize"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "RandomResizedCrop", "image_eval_graph",
+           "image_eval_pipeline", "image_train_graph", "image_train_pipeline", "resize"]
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -87,22 +90,86 @@ def _normalize(images: Any, *, size: int, layout: Layout, dtype: DType, mean: Se
                                     mean=list(mean), std=list(std), **kwargs)
 
 
+class RandomResizedCrop:
+    """The training pipeline's random draws, made per sample from the sample's seed (a
+    :class:`~mmproxy.proxy.SampleRandom`): a crop window like torchvision's RandomResizedCrop
+    (``scale`` of the area, aspect ``ratio`` drawn log-uniformly, 10 attempts, then the centre
+    crop of the nearest allowed ratio) and a flip.
+
+    The window needs the image's size, read from its header (JPEG, PNG); for other formats the
+    window is drawn as if the image were square (its relative area is still within ``scale``).
+    """
+
+    names = ("crop_anchor", "crop_shape", "flip")
+
+    def __init__(self, input_name: str, scale: tuple[float, float], ratio: tuple[float, float],
+                 flip_probability: float) -> None:
+        self.input_name, self.scale, self.ratio = input_name, scale, ratio
+        self.flip_probability = flip_probability
+
+    def __call__(self, given: dict[str, np.ndarray], rng: np.random.Generator
+                 ) -> dict[str, np.ndarray]:
+        from mmproxy.datasets.checks import image_size
+
+        data = memoryview(given[self.input_name]).cast("B")  # the header reader takes bytes
+        size = image_size("png" if data[:4] == b"\x89PNG" else "jpg", data)
+        width, height = size if size and min(size) > 0 else (1024, 1024)
+        x, y, w, h = self.window(width, height, rng)
+        flip = rng.random() < self.flip_probability
+        return {"crop_anchor": np.array([x / width, y / height], np.float32),
+                "crop_shape": np.array([w / width, h / height], np.float32),
+                "flip": np.array(flip, np.int32)}
+
+    def window(self, width: int, height: int, rng: np.random.Generator
+               ) -> tuple[int, int, int, int]:
+        """(x, y, w, h) of the crop in pixels."""
+        area = width * height
+        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):
+            target = area * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(*log_ratio))
+            w = round(math.sqrt(target * aspect))
+            h = round(math.sqrt(target / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                return int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1)), w, h
+        aspect = width / height
+        if aspect < min(self.ratio):
+            w, h = width, round(width / min(self.ratio))
+        elif aspect > max(self.ratio):
+            w, h = round(height * max(self.ratio)), height
+        else:
+            w, h = width, height
+        return (width - w) // 2, (height - h) // 2, w, h
+
+
 def image_train_graph(encoded: Any, *, gpu: bool, size: int = 224,
                       scale: tuple[float, float] = (0.08, 1.0),
                       ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_probability: float = 0.5,
                       mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                       layout: Layout = "CHW", dtype: DType = "float32",
-                      cpu_resize: CpuResize = "torchvision") -> Any:
+                      cpu_resize: CpuResize = "torchvision", crop_anchor: Any = None,
+                      crop_shape: Any = None, flip: Any = None) -> Any:
     """The training graph: encoded images (a DALI node) to random-resized, flipped, normalized
     crops. Call it inside a ``pipeline_def``; arguments as in :func:`image_train_pipeline`, with
-    ``gpu`` from :func:`~mmproxy.pipelines.resolve_device`."""
+    ``gpu`` from :func:`~mmproxy.pipelines.resolve_device`.
+
+    With ``crop_anchor``, ``crop_shape`` (relative, x then y) and ``flip`` (DALI nodes: the
+    inputs :class:`RandomResizedCrop` draws), the crop and flip are those; without them DALI
+    draws them (``fn.decoders.image_random_crop``, ``fn.random.coin_flip``), as behind a reader.
+    """
     from nvidia.dali import fn, types
 
-    images = fn.decoders.image_random_crop(
-        encoded, device="mixed" if gpu else "cpu", output_type=types.RGB,
-        random_area=list(scale), random_aspect_ratio=list(ratio))
+    device = "mixed" if gpu else "cpu"
+    if crop_anchor is None:
+        images = fn.decoders.image_random_crop(
+            encoded, device=device, output_type=types.RGB, random_area=list(scale),
+            random_aspect_ratio=list(ratio))
+        flip = fn.random.coin_flip(probability=flip_probability)
+    else:
+        images = fn.decoders.image_slice(
+            encoded, crop_anchor, crop_shape, device=device, output_type=types.RGB,
+            normalized_anchor=True, normalized_shape=True, axis_names="WH")
     images = resize(images, size, gpu=gpu, cpu_resize=cpu_resize)
-    flip = fn.random.coin_flip(probability=flip_probability)
     return _normalize(images, size=size, layout=layout, dtype=dtype, mean=mean, std=std,
                       mirror=flip)
 
@@ -128,8 +195,14 @@ def image_train_pipeline(*, batch_size: int, size: int = 224,
                          layout: Layout = "CHW", dtype: DType = "float32", device: Device = "auto",
                          device_id: int | None = None, num_threads: int = 4, seed: int | None = None,
                          prefetch_queue_depth: int = 2, input_name: str = "images",
-                         cpu_resize: CpuResize = "torchvision") -> Any:
+                         cpu_resize: CpuResize = "torchvision", sample_seeded: bool = True) -> Any:
     """Training: random-resized crop (like torchvision's RandomResizedCrop), flip, normalize.
+
+    With ``sample_seeded`` (the default) the crop window and the flip are drawn by the proxy from
+    each sample's seed (:class:`RandomResizedCrop`; a :class:`~mmproxy.datasets.MultiModalDataset`
+    derives it from its seed, the epoch and the key) and the decoder decodes that window: a
+    sample's augmentation does not depend on the worker, batch or run it lands in, so a resumed
+    run repeats the uninterrupted one exactly. Without it DALI draws them from its ``seed``.
 
     Args:
         batch_size: The largest batch the server will be asked to run.
@@ -149,14 +222,19 @@ def image_train_pipeline(*, batch_size: int, size: int = 224,
         input_name: Name of the ``external_source`` (the proxy's argument).
         cpu_resize: On CPU, resize with "torchvision" (inside the DALI pipeline; about 2x the
             pipeline's throughput) or with DALI's own "dali" ``fn.resize``. Ignored on a GPU.
+        sample_seeded: Draw the crop and flip per sample from its seed (above).
     """
     gpu, dev_id = resolve_device(device, device_id)
     graph = partial(image_train_graph, gpu=gpu, size=size, scale=scale, ratio=ratio,
                     flip_probability=flip_probability, mean=mean, std=std, layout=layout,
                     dtype=dtype, cpu_resize=cpu_resize)
-    return external_pipeline(graph, input_name=input_name, batch_size=batch_size,
+    drawn = RandomResizedCrop(input_name, scale, ratio, flip_probability) if sample_seeded else None
+    pipe = external_pipeline(graph, input_name=input_name, batch_size=batch_size,
                              num_threads=num_threads, device_id=dev_id, seed=seed,
-                             prefetch_queue_depth=prefetch_queue_depth)
+                             prefetch_queue_depth=prefetch_queue_depth,
+                             more_inputs=drawn.names if drawn else ())
+    pipe.mmproxy_sample_random = drawn
+    return pipe
 
 
 def image_eval_pipeline(*, batch_size: int, size: int = 224, resize_size: int | None = None,

@@ -1,0 +1,101 @@
+"""Progress: where a loader stands in its epoch, as the state that resumes it.
+
+Workers yield :class:`~mmproxy._context.Stamped` items (a batch with the worker's position right
+after it). torch's DataLoader hands out items round-robin over its workers (a worker that has
+run out is passed over), so the loader keeps, per worker, the position after the last item it
+took from that worker, and which worker comes next. A loader resuming from that state starts
+worker ``j`` at the position of worker ``(next + j) % workers``: its round-robin then deals the
+same items in the same order as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mmproxy._context import Stamped
+from mmproxy.skips import SkipReport
+
+__all__ = ["Progress", "VERSION", "rank_and_world"]
+
+VERSION = 1
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and world size: torch.distributed's, else ``RANK``/``WORLD_SIZE``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class Progress:
+    """One epoch's progress: batches delivered, each worker's last position, the next worker.
+
+    ``start`` holds what each worker was handed at the start of this epoch (a resume), kept
+    for workers that have delivered nothing since.
+    """
+
+    def __init__(self, epoch: int, workers: int, start: Mapping[int, dict[str, Any]] | None = None,
+                 next_worker: int = 0, batches: int = 0, report: SkipReport | None = None) -> None:
+        self.epoch, self.workers = epoch, workers
+        self.report = report or SkipReport(epoch)
+        self.rank, self.world = rank_and_world()
+        self.batches, self.done = batches, False
+        self.positions: dict[int, dict[str, Any]] = dict(start or {})
+        self._seq: dict[int, int] = {}
+        self._last = (-1, next_worker - 1)  # (sequence number, worker) of the last item taken
+
+    def took(self, seq: int, item: Stamped) -> None:
+        """Item number ``seq`` of torch's iterator was taken (delivered, or used up on the way)."""
+        if seq <= self._seq.get(item.worker, -1):
+            return
+        self._seq[item.worker] = seq
+        state = item.state
+        self.positions[item.worker] = {"worker": item.worker, "state": state,
+                                       "workers": state.get("workers"), "quota": state.get("quota")}
+        self._last = max(self._last, (seq, item.worker))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": VERSION, "epoch": self.epoch, "done": self.done, "rank": self.rank,
+                "world": self.world, "workers": self.workers, "batches": self.batches,
+                "next": (self._last[1] + 1) % self.workers, "states": dict(self.positions),
+                "report": self.report.state_dict()}
+
+
+def hand_out(saved: Sequence[Mapping[str, Any]], dataset: Any, workers: int
+             ) -> tuple[dict[int, dict[str, Any]], Progress]:
+    """What each of this loader's ``workers`` starts from, given the saved state of this rank
+    (exact) or of every rank (elastic, through ``dataset.reshard``); and the progress so far."""
+    rank, world = rank_and_world()
+    epoch = int(saved[0]["epoch"])
+    mine = [s for s in saved if s["rank"] == rank and s["world"] == world]
+    if mine and mine[0]["workers"] == workers:
+        state = mine[0]
+        first = int(state["next"])
+        hand = {}
+        for j in range(workers):
+            logical = (first + j) % workers
+            entry = state["states"].get(logical) or {"worker": logical, "state": None}
+            hand[j] = {**entry, "epoch": epoch}
+        progress = Progress(epoch, workers, state["states"], first, int(state["batches"]),
+                            SkipReport.from_state(state["report"]))
+        return hand, progress
+    reshard = getattr(dataset, "reshard", None)
+    if reshard is None:
+        raise ValueError(f"the state was saved with {saved[0]['workers']} workers on "
+                         f"{saved[0]['world']} ranks, this loader has {workers} workers on "
+                         f"{world} ranks, and {type(dataset).__name__} cannot redistribute "
+                         "its samples (it has no reshard method)")
+    plans = reshard(saved, rank=rank, world=world, workers=workers)
+    hand = {w: {**plan, "epoch": epoch} for w, plan in enumerate(plans)}
+    batches = max(int(s["batches"]) for s in saved)
+    report = SkipReport(epoch)  # every rank's counts together
+    for s in saved:
+        part = SkipReport.from_state(s["report"])
+        report.add(part.delivered, part.records)
+        report.skipped += part.skipped - len(part.records)
+    return hand, Progress(epoch, workers, {w: dict(p) for w, p in enumerate(plans)}, 0, batches,
+                          report)

@@ -1,0 +1,362 @@
+"""Sample order as state: exact and elastic resume, cheap skipping, weighted mixing of sources."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from mmproxy.datasets import MultiModalDataset, Source
+from mmproxy.pipelines import image_train_pipeline
+
+import mmproxy
+from mmproxy.testing import image_bytes, write_tar
+
+pytestmark = pytest.mark.timeout(240)
+
+SHARDS, PER_SHARD, BATCH = 6, 10, 4
+
+
+def _image(i: int) -> bytes:
+    rng = np.random.default_rng(i)
+    h, w = 24 + i % 4 * 8, 32 + i % 3 * 8  # sizes vary, so crop windows do too
+    return image_bytes(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    for s in range(SHARDS):
+        write_tar(root / f"r-{s:02d}.tar",
+                  [{"__key__": f"k{s * PER_SHARD + k:03d}", "jpg": _image(s * PER_SHARD + k),
+                    "txt": f"t{s * PER_SHARD + k}"} for k in range(PER_SHARD)])
+    return str(root / "r-{00..05}.tar")
+
+
+@pytest.fixture(scope="module")
+def server():
+    pipe = image_train_pipeline(batch_size=BATCH, size=16, dtype="uint8", device="cpu",
+                                num_threads=1, scale=(0.2, 1.0))
+    with mmproxy.DALIServer(pipe, name="train") as srv:
+        yield srv
+
+
+def _dataset(shards, server, **kw):
+    options = {"batch_size": BATCH, "seed": 7, "shuffle_buffer": 8, **kw}
+    return MultiModalDataset(shards, {"image": ("jpg", server.proxy),
+                                      "text": ("txt", bytes.decode)}, **options)
+
+
+def _record(batch):
+    return list(batch["__key__"]), batch["image"].clone()
+
+
+def _same(a, b):
+    assert [keys for keys, _ in a] == [keys for keys, _ in b]
+    for (keys, x), (_, y) in zip(a, b):
+        assert torch.equal(x, y), f"batch {keys}: augmentation differs"
+
+
+def _epochs(loader, epochs, stop_after=None):
+    """Batches of ``epochs`` epochs; with ``stop_after``, the state after that many batches of
+    the first epoch (and the batches until then)."""
+    out = []
+    for _ in range(epochs):
+        for batch in loader:
+            out.append(_record(batch))
+            if stop_after is not None and len(out) == stop_after:
+                return out, pickle.loads(pickle.dumps(loader.state_dict()))
+    return out, None
+
+
+CASES = {
+    "0 workers": dict(num_workers=0),
+    "2 workers": dict(num_workers=2),
+    "2 persistent workers": dict(num_workers=2, persistent_workers=True),
+    "3 workers, no buffer": dict(num_workers=3, data=dict(shuffle_buffer=0)),
+    "epoch_length": dict(num_workers=2, data=dict(epoch_length=5)),
+    "resampled": dict(num_workers=2, data=dict(resampled=True, epoch_length=6)),
+    "no shard shuffle, 1 worker": dict(num_workers=1, data=dict(shuffle_shards=False)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("where", ["mid-epoch", "epoch boundary"])
+def test_resume_repeats_the_uninterrupted_run(shards, server, case, where):
+    opts = dict(CASES[case])
+    data = opts.pop("data", {})
+    whole, _ = _epochs(_dataset(shards, server, **data).loader(server, **opts), 2)
+    per_epoch = len(whole) // 2
+    k = per_epoch if where == "epoch boundary" else per_epoch // 2 + 1
+    before, state = _epochs(_dataset(shards, server, **data).loader(server, **opts), 1, k)
+    assert state is not None and len(pickle.dumps(state)) < 20_000
+    resumed_loader = _dataset(shards, server, **data).loader(server, **opts)
+    resumed_loader.load_state_dict(state)
+    after, _ = _epochs(resumed_loader, 2)  # the rest of epoch 1 (nothing at its end), epoch 2
+    _same(before + after, whole)
+
+
+def test_resume_in_a_new_process(shards, server, tmp_path):
+    """A state saved here, loaded by a fresh Python process that builds the loader the same way."""
+    whole, _ = _epochs(_dataset(shards, server).loader(server, num_workers=2), 1)
+    before, state = _epochs(_dataset(shards, server).loader(server, num_workers=2), 1, 5)
+    torch.save(state, tmp_path / "state.pt")
+    script = textwrap.dedent(f"""
+        import json, torch, mmproxy
+        from mmproxy.datasets import MultiModalDataset
+        from mmproxy.pipelines import image_train_pipeline
+        pipe = image_train_pipeline(batch_size={BATCH}, size=16, dtype="uint8", device="cpu",
+                                    num_threads=1, scale=(0.2, 1.0))
+        with mmproxy.DALIServer(pipe, name="train") as server:
+            ds = MultiModalDataset({shards!r}, {{"image": ("jpg", server.proxy),
+                                   "text": ("txt", bytes.decode)}}, batch_size={BATCH}, seed=7,
+                                   shuffle_buffer=8)
+            loader = ds.loader(server, num_workers=2)
+            loader.load_state_dict(torch.load({str(tmp_path / "state.pt")!r}, weights_only=False))
+            out = [(list(b["__key__"]), b["image"].flatten().tolist()) for b in loader]
+        print(json.dumps(out))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180, check=True)
+    after = [(keys, torch.tensor(pixels, dtype=torch.uint8).reshape(-1, 3, 16, 16))
+             for keys, pixels in json.loads(done.stdout.strip().splitlines()[-1])]
+    _same(before + after, whole)
+
+
+def test_resume_with_two_servers(shards, server):
+    """Two servers (a second image view at another size): both outputs repeat."""
+    pipe = image_train_pipeline(batch_size=BATCH, size=8, dtype="uint8", device="cpu",
+                                num_threads=1)
+    with mmproxy.DALIServer(pipe, name="small") as small:
+        def build():
+            ds = MultiModalDataset(shards, {"image": ("jpg", server.proxy),
+                                            "small": ("jpg", small.proxy)},
+                                   batch_size=BATCH, seed=3, shuffle_buffer=8)
+            return ds.loader([server, small], num_workers=2)
+
+        def run(loader, stop=None):
+            out = []
+            for batch in loader:
+                out.append((list(batch["__key__"]), batch["image"].clone(), batch["small"].clone()))
+                if stop and len(out) == stop:
+                    return out, loader.state_dict()
+            return out, None
+
+        whole, _ = run(build())
+        before, state = run(build(), 4)
+        resumed = build()
+        resumed.load_state_dict(state)
+        after, _ = run(resumed)
+    assert [b[0] for b in before + after] == [b[0] for b in whole]
+    for x, y in zip(before + after, whole):
+        assert torch.equal(x[1], y[1]) and torch.equal(x[2], y[2])
+
+
+def _keys(loader, stop=None):
+    keys = []
+    for n, batch in enumerate(loader, 1):
+        keys += batch["__key__"]
+        if stop and n == stop:
+            return keys, loader.state_dict()
+    return keys, None
+
+
+ALL_KEYS = [f"k{i:03d}" for i in range(SHARDS * PER_SHARD)]
+
+
+@pytest.mark.parametrize("workers,resumed_workers", [(2, 3), (3, 1), (0, 2)])
+def test_elastic_workers_deliver_every_remaining_sample_once(shards, server, workers,
+                                                             resumed_workers):
+    before, state = _keys(_dataset(shards, server).loader(server, num_workers=workers), 5)
+    loader = _dataset(shards, server).loader(server, num_workers=resumed_workers)
+    loader.load_state_dict(state)
+    after, _ = _keys(loader)
+    assert not set(before) & set(after)
+    assert collections.Counter(before + after) == collections.Counter(ALL_KEYS)
+
+
+def _as_rank(rank, world, fn):
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    try:
+        return fn()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.parametrize("world,new_world", [(2, 3), (2, 2), (3, 1)])
+def test_ranks_resume_exactly_or_elastically(shards, server, world, new_world):
+    """Ranks simulated one after the other (RANK / WORLD_SIZE), 1 worker each."""
+    saved, before = [], []
+    for rank in range(world):
+        keys, state = _as_rank(rank, world, lambda: _keys(
+            _dataset(shards, server).loader(server, num_workers=1), 2))
+        before += keys
+        saved.append(state)
+    after = []
+    for rank in range(new_world):
+        def rest():
+            loader = _dataset(shards, server).loader(server, num_workers=1)
+            loader.load_state_dict(saved)
+            return _keys(loader)[0]
+        after += _as_rank(rank, new_world, rest)
+    assert collections.Counter(before + after) == collections.Counter(ALL_KEYS)
+    if world == new_world:  # exact: each rank continues its own samples in its own order
+        whole = []
+        for rank in range(world):
+            whole += _as_rank(rank, world, lambda: _keys(
+                _dataset(shards, server).loader(server, num_workers=1))[0])
+        assert sorted(before + after) == sorted(whole)
+
+
+def test_elastic_resume_needs_every_rank(shards, server):
+    _, state = _as_rank(0, 2, lambda: _keys(
+        _dataset(shards, server).loader(server, num_workers=1), 1))
+    loader = _dataset(shards, server).loader(server, num_workers=2)
+    with pytest.raises(ValueError, match="states of all 2 ranks"):
+        loader.load_state_dict([state])
+        next(iter(loader))
+
+
+def test_resuming_late_processes_only_what_it_delivers(shards, server):
+    """Skipped samples are passed over: no field function, nothing sent to a server."""
+    calls = collections.Counter()
+
+    def text(data):
+        calls[data.decode()] += 1
+        return data.decode()
+
+    def build():
+        return MultiModalDataset(shards, {"image": ("jpg", server.proxy), "text": ("txt", text)},
+                                 batch_size=BATCH, seed=7, shuffle_buffer=8).loader(server,
+                                                                                  num_workers=0)
+
+    _, state = _keys(build(), 13)  # 52 of 60 samples
+    calls.clear()
+    before = server.samples
+    loader = build()
+    loader.load_state_dict(state)
+    first = next(iter(loader))
+    assert len(first["__key__"]) == BATCH
+    assert sum(calls.values()) == BATCH
+    assert server.samples - before == BATCH
+
+
+def test_state_of_a_finished_epoch_starts_the_next(shards, server):
+    loader = _dataset(shards, server).loader(server, num_workers=1)
+    first, _ = _keys(loader)
+    state = loader.state_dict()
+    assert state["done"] and state["epoch"] == 1
+    resumed = _dataset(shards, server).loader(server, num_workers=1)
+    resumed.load_state_dict(state)
+    again, _ = _keys(resumed)
+    assert sorted(again) == ALL_KEYS and again != first  # epoch 2 is reshuffled
+    second, _ = _keys(loader)
+    assert again == second
+
+
+def test_state_from_another_loader_kind_is_refused(shards, server):
+    loader = _dataset(shards, server).loader(server, num_workers=0)
+    with pytest.raises(ValueError, match="not a state"):
+        loader.load_state_dict({"epoch": 1})
+
+
+# -- mixing -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_sources(tmp_path_factory):
+    """Two sources of different shapes: .txt captions in A, .json metadata in B."""
+    root = tmp_path_factory.mktemp("mix")
+    for s in range(8):
+        write_tar(root / f"a-{s}.tar", [{"__key__": f"a{s}-{k:04d}", "txt": f"a {s} {k}"}
+                                        for k in range(1000)])
+        write_tar(root / f"b-{s}.tar", [{"__key__": f"b{s}-{k:04d}",
+                                         "json": json.dumps({"caption": f"b {s} {k}"})}
+                                        for k in range(250)])
+    return str(root / "a-{0..7}.tar"), str(root / "b-{0..7}.tar")
+
+
+def _caption(data):
+    return json.loads(data)["caption"]
+
+
+def _mixed(text_sources, weights=(3, 1), **kw):
+    a, b = text_sources
+    sources = [Source(a, {"text": ("txt", bytes.decode)}, weights[0], "A"),
+               Source(b, {"text": ("json", _caption)}, weights[1], "B")]
+    return MultiModalDataset(sources=sources, batch_size=50, **{"seed": 5, "shuffle_buffer": 100,
+                                                                **kw})
+
+
+def _sources(loader, limit=None):
+    out = []
+    for batch in loader:
+        assert all(t.startswith(s.lower()) for t, s in zip(batch["text"], batch["__source__"]))
+        out += batch["__source__"]
+        if limit and len(out) >= limit:
+            break
+    return out
+
+
+def test_mixing_follows_the_weights_and_the_seed(text_sources, server):
+    drawn = _sources(_mixed(text_sources).loader(server, num_workers=2), 10_000)[:10_000]
+    share = drawn.count("A") / len(drawn)
+    assert abs(share - 0.75) <= 0.02, share
+    again = _sources(_mixed(text_sources).loader(server, num_workers=2), 10_000)[:10_000]
+    assert again == drawn
+    other = _sources(_mixed(text_sources, seed=6).loader(server, num_workers=2), 10_000)[:10_000]
+    assert other != drawn
+
+
+def test_a_source_that_runs_out_stops_or_restarts(text_sources, server):
+    # B holds 2,000 samples; at weight 1:1 it runs out after about 4,000 samples.
+    stopped = _sources(_mixed(text_sources, (1, 1)).loader(server, num_workers=1))
+    assert stopped.count("B") <= 2000 and len(stopped) < 4500
+    restarted = _sources(_mixed(text_sources, (1, 1), on_exhausted="restart").loader(
+        server, num_workers=1))
+    assert restarted.count("A") >= 8000 and restarted.count("B") > 2000  # B went round again
+
+
+def test_mixing_resumes_exactly_and_with_epoch_length(text_sources, server):
+    def build():
+        return _mixed(text_sources, epoch_length=30).loader(server, num_workers=2)
+
+    def run(loader, stop=None):
+        out = []
+        for batch in loader:
+            out.append(list(zip(batch["__source__"], batch["text"])))
+            if stop and len(out) == stop:
+                return out, loader.state_dict()
+        return out, None
+
+    whole, _ = run(build())
+    assert len(whole) == 30
+    before, state = run(build(), 11)
+    loader = build()
+    loader.load_state_dict(state)
+    after, _ = run(loader)
+    assert before + after == whole
+
+
+def test_sources_must_give_the_same_fields(text_sources):
+    a, b = text_sources
+    with pytest.raises(ValueError, match="same fields"):
+        MultiModalDataset(sources=[Source(a, {"text": ("txt", bytes.decode)}),
+                                   Source(b, {"caption": ("json", _caption)})], batch_size=4)
+    with pytest.raises(TypeError, match="either urls and fields, or sources"):
+        MultiModalDataset(a, {"text": ("txt", bytes.decode)}, batch_size=4,
+                          sources=[Source(b, {"text": ("json", _caption)})])
+    with pytest.raises(ValueError, match="weights"):
+        MultiModalDataset(sources=[Source(a, {"text": ("txt", bytes.decode)}, -1)], batch_size=4)
