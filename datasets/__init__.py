@@ -15,5 +15,6 @@ from mmproxy.datasets.recipes import (
 from mmproxy.datasets.remote import RemoteOptions
 from mmproxy.datasets.writer import make_shards
 
-__all__ = ["Field", "MultiModalDataset", "RemoteOptions", "Source", "Tokenize", "audio_label_dataset", "check_header",
-           "image_text_dataset", "load_tokenizer", "make_shards"]
+__all__ = ["Field", "MultiModalDataset", "RemoteOptions", "Source", "Tokenize",
+           "audio_label_dataset", "check_header", "image_text_dataset", "load_tokenizer",
+           "make_shards"]

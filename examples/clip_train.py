@@ -1,9 +1,13 @@
 """CLIP-style image-text training: images through an image server, captions tokenized in workers.
 
 Run: python examples/clip_train.py [--data 'shards-{0000..0009}.tar' --tokenizer FOLDER]
+Checkpoint and resume (the model, the optimizer and the loader's position):
+    python examples/clip_train.py --steps 6 --checkpoint ckpt.pt    # saves after every step
+    python examples/clip_train.py --steps 12 --checkpoint ckpt.pt   # goes on from step 6
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -23,6 +27,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--image-size", type=int, default=96)
+    parser.add_argument("--checkpoint", help="save here after every step; resume from it if it exists")
     args = parser.parse_args()
     urls = args.data or demo_shards(128)
     tok = load_tokenizer(args.tokenizer or demo_tokenizer())
@@ -32,15 +37,27 @@ def main():
                                                     num_threads=2), name="image")
     dataset = image_text_dataset(urls, image, tok, batch_size=args.batch_size, max_length=32,
                                  shuffle_buffer=64, on_error="skip", partial=False)
+    torch.manual_seed(0)
     model = TinyCLIP(len(tok)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = dataset.loader(image, num_workers=args.workers)
     step, start = 0, time.perf_counter()
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        saved = torch.load(args.checkpoint, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        loader.load_state_dict(saved["loader"])  # the next batch is the one after the last step
+        step = saved["step"]
+        print(f"resumed at step {step} (epoch {saved['loader']['epoch']})")
     with image:
         while step < args.steps:
-            for batch in dataset.loader(image, num_workers=args.workers):
+            for batch in loader:
                 loss = clip_step(model, opt, batch, device)
                 step += 1
                 print(f"step {step}: loss {loss.item():.3f}")
+                if args.checkpoint:
+                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                "loader": loader.state_dict(), "step": step}, args.checkpoint)
                 if step == args.steps:
                     break
     print(f"clip: {step} steps in {time.perf_counter() - start:.1f} s")

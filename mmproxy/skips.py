@@ -23,7 +23,7 @@ Each error gives the counts and the first record of each kind of failure.
 from __future__ import annotations
 
 from collections import Counter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from mmproxy.errors import EmptyEpochError, SkipLimitError
 

@@ -14,6 +14,7 @@ from mmproxy.pipelines.external import external_pipeline
 from mmproxy.pipelines.image import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    RandomResizedCrop,
     image_eval_graph,
     image_eval_pipeline,
     image_train_graph,
@@ -21,6 +22,7 @@ from mmproxy.pipelines.image import (
     resize,
 )
 
-__all__ = ["Device", "IMAGENET_MEAN", "IMAGENET_STD", "audio_graph", "audio_pipeline",
+__all__ = ["Device", "IMAGENET_MEAN", "IMAGENET_STD", "RandomResizedCrop", "audio_graph",
+           "audio_pipeline",
            "external_pipeline", "image_eval_graph", "image_eval_pipeline", "image_train_graph",
            "image_train_pipeline", "resize", "resolve_device"]

@@ -31,7 +31,6 @@ from functools import partial
 from typing import Any, Literal
 
 import numpy as np
-
 from mmproxy.pipelines._device import Device, resolve_device
 from mmproxy.pipelines.external import external_pipeline
 

@@ -34,6 +34,20 @@ def test_example_runs(script, expect, tmp_path):
     assert expect in run([f"examples/{script}"], tmp_path)
 
 
+def test_clip_example_resumes_where_it_stopped(tmp_path):
+    """3 steps with a checkpoint, then on to 10 (past the end of the demo's first epoch, 128
+    samples in batches of 16): the losses are those of one uninterrupted 10-step run."""
+    def losses(out):
+        return [line for line in out.splitlines() if line.startswith("step ")]
+
+    whole = losses(run(["examples/clip_train.py", "--steps", "10"], tmp_path))
+    ckpt = str(tmp_path / "ckpt.pt")
+    first = run(["examples/clip_train.py", "--steps", "3", "--checkpoint", ckpt], tmp_path)
+    second = run(["examples/clip_train.py", "--steps", "10", "--checkpoint", ckpt], tmp_path)
+    assert "resumed at step 3" in second
+    assert losses(first) + losses(second) == whole
+
+
 def test_ddp_two_ranks_disjoint_cover_and_equal_batches(tmp_path):
     keys = tmp_path / "keys"
     out = run(["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",

@@ -103,7 +103,8 @@ def test_cpu_resize_with_torchvision_matches_dali_resize():
 
 def _train_crops(seed):
     jpegs = [image_bytes(synth_image(i)) for i in range(8)]
-    pipe = image_train_pipeline(batch_size=8, size=32, device="cpu", num_threads=1, seed=seed)
+    pipe = image_train_pipeline(batch_size=8, size=32, device="cpu", num_threads=1, seed=seed,
+                                sample_seeded=False)
     with mmproxy.DALIServer(pipe) as server:
         return run(server, jpegs)
 
@@ -112,6 +113,45 @@ def test_train_crops_and_flips_follow_the_seed():
     a, b, c = _train_crops(1), _train_crops(1), _train_crops(2)
     assert torch.equal(a, b)
     assert not torch.allclose(a, c)
+
+
+def test_sample_seeded_crops_follow_each_samples_seed_not_its_batch():
+    """The default train pipeline: a sample's crop and flip come from its own seed, so the same
+    sample gets the same output alone, in another batch position, or in another server."""
+    from mmproxy.worker import sample_key
+
+    jpegs = [image_bytes(synth_image(i)) for i in range(6)]
+
+    def crops(order, seeds):
+        pipe = image_train_pipeline(batch_size=8, size=32, device="cpu", num_threads=1)
+        with mmproxy.DALIServer(pipe) as server:
+            refs = []
+            for i in order:
+                with sample_key(f"s{i}", seed=seeds[i]):
+                    refs.append(server.proxy(np.frombuffer(jpegs[i], np.uint8)))
+            return dict(zip(order, server.produce_data(default_collate(refs))))
+
+    seeds = [11, 12, 13, 14, 15, 16]
+    a = crops([0, 1, 2, 3, 4, 5], seeds)
+    b = crops([5, 3, 1], seeds)
+    for i in (5, 3, 1):
+        assert torch.equal(a[i], b[i])
+    other = crops([0, 1, 2, 3, 4, 5], [s + 100 for s in seeds])
+    assert sum(not torch.equal(a[i], other[i]) for i in range(6)) >= 5
+
+
+def test_random_resized_crop_windows_stay_in_scale_and_ratio():
+    from mmproxy.pipelines import RandomResizedCrop
+
+    crop = RandomResizedCrop("images", (0.08, 1.0), (3 / 4, 4 / 3), 0.5)
+    rng = np.random.default_rng(0)
+    for width, height in [(640, 480), (100, 1000), (33, 17)]:
+        for _ in range(200):
+            x, y, w, h = crop.window(width, height, rng)
+            assert 0 <= x and x + w <= width and 0 <= y and y + h <= height
+            if (width, height) == (640, 480):  # a feasible image: the draw, not the fallback
+                assert 0.07 <= w * h / (width * height) <= 1.0
+                assert 0.7 <= w / h <= 1.4
 
 
 def tone(freq, rate, seconds=0.5):
