@@ -110,7 +110,7 @@ class RandomResizedCrop:
                  ) -> dict[str, np.ndarray]:
         from mmproxy.datasets.checks import image_size
 
-        data = memoryview(given[self.input_name]).cast("B")  # the header reader takes bytes
+        data = given[self.input_name].data.cast("B")  # the header reader takes bytes
         size = image_size("png" if data[:4] == b"\x89PNG" else "jpg", data)
         width, height = size if size and min(size) > 0 else (1024, 1024)
         x, y, w, h = self.window(width, height, rng)
