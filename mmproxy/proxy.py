@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import random
 from collections import OrderedDict
 from typing import Any, Protocol
 
@@ -38,9 +39,10 @@ class SampleRandom(Protocol):
 
     names: tuple[str, ...]  # the inputs it fills
 
-    def __call__(self, given: dict[str, np.ndarray], rng: np.random.Generator
+    def __call__(self, given: dict[str, np.ndarray], rng: random.Random
                  ) -> dict[str, np.ndarray]:
-        """The drawn inputs of one sample, from the inputs given to the proxy."""
+        """The drawn inputs of one sample, from the inputs given to the proxy (``rng`` is
+        seeded by the sample's seed; Python's generator: seeding it costs ~4 us, numpy's ~9)."""
         ...
 
 
@@ -49,7 +51,7 @@ def sample_random_of(pipeline: Any) -> SampleRandom | None:
     return getattr(pipeline, "mmproxy_sample_random", None)
 
 
-_unseeded = np.random.default_rng()  # samples named without a seed: drawn, not reproducible
+_unseeded = random.Random()  # samples named without a seed: drawn, not reproducible
 
 
 # The element types DALI's feed_input can take; anything else is refused by the proxy call, which
@@ -186,7 +188,7 @@ class DALIProxy:
         """All the pipeline's inputs: ``given`` and the ones drawn from the sample's seed."""
         assert self.sample_random is not None
         seed = key.seed if key is not None else None
-        rng = _unseeded if seed is None else np.random.default_rng(seed)
+        rng = _unseeded if seed is None else random.Random(seed)
         drawn = self.sample_random(given, rng)
         return tuple(given[n] if n in given else _as_array(drawn[n], n, self.server_name)
                      for n in self.input_names)

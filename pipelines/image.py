@@ -26,6 +26,7 @@ torchvision inside the DALI pipeline (``fn.python_function``, antialiased biline
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, Literal
@@ -89,6 +90,9 @@ def _normalize(images: Any, *, size: int, layout: Layout, dtype: DType, mean: Se
                                     mean=list(mean), std=list(std), **kwargs)
 
 
+_FLIP = (np.array(0, np.int32), np.array(1, np.int32))  # shared, never written to
+
+
 class RandomResizedCrop:
     """The training pipeline's random draws, made per sample from the sample's seed (a
     :class:`~mmproxy.proxy.SampleRandom`): a crop window like torchvision's RandomResizedCrop
@@ -106,7 +110,7 @@ class RandomResizedCrop:
         self.input_name, self.scale, self.ratio = input_name, scale, ratio
         self.flip_probability = flip_probability
 
-    def __call__(self, given: dict[str, np.ndarray], rng: np.random.Generator
+    def __call__(self, given: dict[str, np.ndarray], rng: random.Random
                  ) -> dict[str, np.ndarray]:
         from mmproxy.datasets.checks import image_size
 
@@ -115,12 +119,11 @@ class RandomResizedCrop:
         width, height = size if size and min(size) > 0 else (1024, 1024)
         x, y, w, h = self.window(width, height, rng)
         flip = rng.random() < self.flip_probability
-        return {"crop_anchor": np.array([x / width, y / height], np.float32),
-                "crop_shape": np.array([w / width, h / height], np.float32),
-                "flip": np.array(flip, np.int32)}
+        return {"crop_anchor": np.array((x / width, y / height), np.float32),
+                "crop_shape": np.array((w / width, h / height), np.float32),
+                "flip": _FLIP[flip]}
 
-    def window(self, width: int, height: int, rng: np.random.Generator
-               ) -> tuple[int, int, int, int]:
+    def window(self, width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
         """(x, y, w, h) of the crop in pixels."""
         area = width * height
         log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
@@ -130,7 +133,7 @@ class RandomResizedCrop:
             w = round(math.sqrt(target * aspect))
             h = round(math.sqrt(target / aspect))
             if 0 < w <= width and 0 < h <= height:
-                return int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1)), w, h
+                return rng.randint(0, width - w), rng.randint(0, height - h), w, h
         aspect = width / height
         if aspect < min(self.ratio):
             w, h = width, round(width / min(self.ratio))

@@ -143,8 +143,10 @@ def test_sample_seeded_crops_follow_each_samples_seed_not_its_batch():
 def test_random_resized_crop_windows_stay_in_scale_and_ratio():
     from mmproxy.pipelines import RandomResizedCrop
 
+    import random
+
     crop = RandomResizedCrop("images", (0.08, 1.0), (3 / 4, 4 / 3), 0.5)
-    rng = np.random.default_rng(0)
+    rng = random.Random(0)
     for width, height in [(640, 480), (100, 1000), (33, 17)]:
         for _ in range(200):
             x, y, w, h = crop.window(width, height, rng)
