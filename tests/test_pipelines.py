@@ -141,9 +141,9 @@ def test_sample_seeded_crops_follow_each_samples_seed_not_its_batch():
 
 
 def test_random_resized_crop_windows_stay_in_scale_and_ratio():
-    from mmproxy.pipelines import RandomResizedCrop
-
     import random
+
+    from mmproxy.pipelines import RandomResizedCrop
 
     crop = RandomResizedCrop("images", (0.08, 1.0), (3 / 4, 4 / 3), 0.5)
     rng = random.Random(0)
