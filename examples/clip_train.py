@@ -33,8 +33,9 @@ def main():
     tok = load_tokenizer(args.tokenizer or demo_tokenizer())
     device = "cuda" if resolve_device()[0] else "cpu"
 
+    # sample_seeded: crops drawn from each sample's seed, so a resumed run repeats them exactly
     image = mmproxy.DALIServer(image_train_pipeline(batch_size=args.batch_size, size=args.image_size,
-                                                    num_threads=2), name="image")
+                                                    num_threads=2, sample_seeded=True), name="image")
     dataset = image_text_dataset(urls, image, tok, batch_size=args.batch_size, max_length=32,
                                  shuffle_buffer=64, on_error="skip", partial=False)
     torch.manual_seed(0)

@@ -197,14 +197,16 @@ def image_train_pipeline(*, batch_size: int, size: int = 224,
                          layout: Layout = "CHW", dtype: DType = "float32", device: Device = "auto",
                          device_id: int | None = None, num_threads: int = 4, seed: int | None = None,
                          prefetch_queue_depth: int = 2, input_name: str = "images",
-                         cpu_resize: CpuResize = "torchvision", sample_seeded: bool = True) -> Any:
+                         cpu_resize: CpuResize = "torchvision", sample_seeded: bool = False) -> Any:
     """Training: random-resized crop (like torchvision's RandomResizedCrop), flip, normalize.
 
-    With ``sample_seeded`` (the default) the crop window and the flip are drawn by the proxy from
-    each sample's seed (:class:`RandomResizedCrop`; a :class:`~mmproxy.datasets.MultiModalDataset`
+    With ``sample_seeded=True`` the crop window and the flip are drawn by the proxy from each
+    sample's seed (:class:`RandomResizedCrop`; a :class:`~mmproxy.datasets.MultiModalDataset`
     derives it from its seed, the epoch and the key) and the decoder decodes that window: a
     sample's augmentation does not depend on the worker, batch or run it lands in, so a resumed
-    run repeats the uninterrupted one exactly. Without it DALI draws them from its ``seed``.
+    run repeats the uninterrupted one exactly. It costs throughput (0.80-0.83x on an H200, 1.01x
+    on 2 CPU cores: ``benchmarks/resume_bench.py``), so by default DALI draws them from its
+    ``seed`` (a resumed run then repeats the order, not the augmentation).
 
     Args:
         batch_size: The largest batch the server will be asked to run.

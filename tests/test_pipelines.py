@@ -103,8 +103,7 @@ def test_cpu_resize_with_torchvision_matches_dali_resize():
 
 def _train_crops(seed):
     jpegs = [image_bytes(synth_image(i)) for i in range(8)]
-    pipe = image_train_pipeline(batch_size=8, size=32, device="cpu", num_threads=1, seed=seed,
-                                sample_seeded=False)
+    pipe = image_train_pipeline(batch_size=8, size=32, device="cpu", num_threads=1, seed=seed)
     with mmproxy.DALIServer(pipe) as server:
         return run(server, jpegs)
 
@@ -116,14 +115,15 @@ def test_train_crops_and_flips_follow_the_seed():
 
 
 def test_sample_seeded_crops_follow_each_samples_seed_not_its_batch():
-    """The default train pipeline: a sample's crop and flip come from its own seed, so the same
-    sample gets the same output alone, in another batch position, or in another server."""
+    """sample_seeded=True: a sample's crop and flip come from its own seed, so the same sample
+    gets the same output alone, in another batch position, or in another server."""
     from mmproxy.worker import sample_key
 
     jpegs = [image_bytes(synth_image(i)) for i in range(6)]
 
     def crops(order, seeds):
-        pipe = image_train_pipeline(batch_size=8, size=32, device="cpu", num_threads=1)
+        pipe = image_train_pipeline(batch_size=8, size=32, device="cpu", num_threads=1,
+                                    sample_seeded=True)
         with mmproxy.DALIServer(pipe) as server:
             refs = []
             for i in order:

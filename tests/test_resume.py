@@ -43,7 +43,7 @@ def shards(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server():
     pipe = image_train_pipeline(batch_size=BATCH, size=16, dtype="uint8", device="cpu",
-                                num_threads=1, scale=(0.2, 1.0))
+                                num_threads=1, scale=(0.2, 1.0), sample_seeded=True)
     with mmproxy.DALIServer(pipe, name="train") as srv:
         yield srv
 
@@ -113,7 +113,7 @@ def test_resume_in_a_new_process(shards, server, tmp_path):
         from mmproxy.datasets import MultiModalDataset
         from mmproxy.pipelines import image_train_pipeline
         pipe = image_train_pipeline(batch_size={BATCH}, size=16, dtype="uint8", device="cpu",
-                                    num_threads=1, scale=(0.2, 1.0))
+                                    num_threads=1, scale=(0.2, 1.0), sample_seeded=True)
         with mmproxy.DALIServer(pipe, name="train") as server:
             ds = MultiModalDataset({shards!r}, {{"image": ("jpg", server.proxy),
                                    "text": ("txt", bytes.decode)}}, batch_size={BATCH}, seed=7,
@@ -133,7 +133,7 @@ def test_resume_in_a_new_process(shards, server, tmp_path):
 def test_resume_with_two_servers(shards, server):
     """Two servers (a second image view at another size): both outputs repeat."""
     pipe = image_train_pipeline(batch_size=BATCH, size=8, dtype="uint8", device="cpu",
-                                num_threads=1)
+                                num_threads=1, sample_seeded=True)
     with mmproxy.DALIServer(pipe, name="small") as small:
         def build():
             ds = MultiModalDataset(shards, {"image": ("jpg", server.proxy),
