@@ -124,7 +124,13 @@ class DataLoader(torch.utils.data.DataLoader):
         (:func:`mmproxy.worker.stamp`). In a multi-rank job each rank saves its own."""
         if self._progress is None:
             return {"version": VERSION, "epoch": int(self._epoch.value), "done": True}
-        return self._progress.state_dict()
+        progress = self._progress
+        if not progress.done and progress.batches and not progress.positions:
+            raise TypeError(
+                f"{type(self.dataset).__name__} does not say where its workers stand (its batches "
+                "carry no mmproxy.worker.stamp), so this loader cannot resume it mid-epoch; "
+                "MultiModalDataset does, or save the state at an epoch's end")
+        return progress.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Continues from :meth:`state_dict` at the next ``iter(loader)``.

@@ -360,3 +360,16 @@ def test_sources_must_give_the_same_fields(text_sources):
                           sources=[Source(b, {"text": ("json", _caption)})])
     with pytest.raises(ValueError, match="weights"):
         MultiModalDataset(sources=[Source(a, {"text": ("txt", bytes.decode)}, -1)], batch_size=4)
+
+
+def test_a_dataset_without_positions_is_not_resumed_silently(add_server):
+    from datasets_for_tests import AddDataset
+
+    loader = mmproxy.DataLoader(add_server, AddDataset(add_server.proxy), batch_size=4)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(TypeError, match="cannot resume it mid-epoch"):
+        loader.state_dict()
+    for _ in it:
+        pass
+    assert loader.state_dict()["done"]
