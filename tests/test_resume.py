@@ -198,26 +198,26 @@ def _as_rank(rank, world, fn):
 @pytest.mark.parametrize("world,new_world", [(2, 3), (2, 2), (3, 1)])
 def test_ranks_resume_exactly_or_elastically(shards, server, world, new_world):
     """Ranks simulated one after the other (RANK / WORLD_SIZE), 1 worker each."""
-    saved, before = [], []
+    saved, before = [], {}
     for rank in range(world):
         keys, state = _as_rank(rank, world, lambda: _keys(
             _dataset(shards, server).loader(server, num_workers=1), 2))
-        before += keys
+        before[rank] = keys
         saved.append(state)
-    after = []
+    after = {}
     for rank in range(new_world):
         def rest():
             loader = _dataset(shards, server).loader(server, num_workers=1)
             loader.load_state_dict(saved)
             return _keys(loader)[0]
-        after += _as_rank(rank, new_world, rest)
-    assert collections.Counter(before + after) == collections.Counter(ALL_KEYS)
+        after[rank] = _as_rank(rank, new_world, rest)
+    delivered = [k for keys in (*before.values(), *after.values()) for k in keys]
+    assert collections.Counter(delivered) == collections.Counter(ALL_KEYS)
     if world == new_world:  # exact: each rank continues its own samples in its own order
-        whole = []
         for rank in range(world):
-            whole += _as_rank(rank, world, lambda: _keys(
+            whole = _as_rank(rank, world, lambda: _keys(
                 _dataset(shards, server).loader(server, num_workers=1))[0])
-        assert sorted(before + after) == sorted(whole)
+            assert before[rank] + after[rank] == whole
 
 
 def test_elastic_resume_needs_every_rank(shards, server):
@@ -373,3 +373,26 @@ def test_a_dataset_without_positions_is_not_resumed_silently(add_server):
     for _ in it:
         pass
     assert loader.state_dict()["done"]
+
+
+def test_mixing_sources_of_different_formats_through_one_server(tmp_path, server):
+    """Source A: .jpg images with .txt captions; source B: .webp images with .json metadata."""
+    for s in range(2):
+        write_tar(tmp_path / f"a-{s}.tar", [{"__key__": f"a{s}-{k}", "jpg": _image(k),
+                                              "txt": f"a caption {k}"} for k in range(8)])
+        write_tar(tmp_path / f"b-{s}.tar", [
+            {"__key__": f"b{s}-{k}", "webp": image_bytes(np.full((20, 30, 3), k * 9, np.uint8),
+                                                         "WEBP"),
+             "json": json.dumps({"caption": f"b caption {k}", "width": 30})} for k in range(8)])
+    sources = [Source(str(tmp_path / "a-{0..1}.tar"), {"image": ("jpg", server.proxy),
+                                                      "text": ("txt", bytes.decode)}, 1, "A"),
+               Source(str(tmp_path / "b-{0..1}.tar"), {"image": ("webp", server.proxy),
+                                                      "text": ("json", _caption)}, 1, "B")]
+    ds = MultiModalDataset(sources=sources, batch_size=BATCH, on_exhausted="restart", seed=2)
+    seen = collections.Counter()
+    for batch in ds.loader(server, num_workers=2):
+        assert batch["image"].shape[1:] == (3, 16, 16)
+        for source, text, key in zip(batch["__source__"], batch["text"], batch["__key__"]):
+            assert text.startswith(f"{source.lower()} caption") and key.startswith(source.lower())
+            seen[source] += 1
+    assert seen["A"] >= 16 and seen["B"] >= 16
