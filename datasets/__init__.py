@@ -11,10 +11,12 @@ from mmproxy.datasets.recipes import (
     audio_label_dataset,
     image_text_dataset,
     load_tokenizer,
+    video_label_dataset,
+    video_text_dataset,
 )
 from mmproxy.datasets.remote import RemoteOptions
 from mmproxy.datasets.writer import make_shards
 
 __all__ = ["Field", "MultiModalDataset", "RemoteOptions", "Source", "Tokenize",
            "audio_label_dataset", "check_header", "image_text_dataset", "load_tokenizer",
-           "make_shards"]
+           "make_shards", "video_label_dataset", "video_text_dataset"]

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
-__all__ = ["MAX_PIXELS", "SIGNATURES", "check_header", "image_size"]
+__all__ = ["MAX_PIXELS", "SIGNATURES", "VIDEO_EXTS", "VideoInfo", "check_header", "image_size",
+           "video_info"]
 
 MAX_PIXELS = 64 * 2**20  # 64 megapixels
 Data = bytes | memoryview  # a field: bytes, or a view of a mapped shard
@@ -193,11 +195,113 @@ def _image_format(data: Data) -> str | None:
                 None)
 
 
+VIDEO_EXTS = ("mp4", "m4v", "mov", "webm", "mkv", "avi")
+
+
+class VideoInfo(NamedTuple):
+    """What a video's container says: ``container`` ("mp4", "matroska" or "avi"), the video
+    ``codec`` ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg"; None when not found) and the
+    number of ``frames`` (None when the container does not say it cheaply: Matroska / WebM)."""
+
+    container: str
+    codec: str | None
+    frames: int | None
+
+
+_MP4_CODECS = {b"avc1": "h264", b"avc3": "h264", b"hvc1": "hevc", b"hev1": "hevc",
+               b"vp09": "vp9", b"vp08": "vp8", b"av01": "av1", b"mp4v": "mpeg4",
+               b"jpeg": "mjpeg", b"mjpa": "mjpeg", b"mjpb": "mjpeg"}
+_MKV_CODECS = {b"V_MPEG4/ISO/AVC": "h264", b"V_MPEGH/ISO/HEVC": "hevc", b"V_VP9": "vp9",
+               b"V_VP8": "vp8", b"V_AV1": "av1", b"V_MJPEG": "mjpeg", b"V_MPEG4/ISO/": "mpeg4"}
+_AVI_CODECS = {b"mjpg": "mjpeg", b"h264": "h264", b"avc1": "h264", b"xvid": "mpeg4",
+               b"divx": "mpeg4", b"fmp4": "mpeg4", b"vp80": "vp8", b"vp90": "vp9"}
+_MP4_PARENTS = {b"moov", b"trak", b"mdia", b"minf", b"stbl"}
+_MP4_TOP = {b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip", b"pnot", b"uuid"}
+
+
+def _mp4_boxes(data: Data, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+    """(type, payload start, payload end) of the boxes in ``data[start:end]``."""
+    at = start
+    while at + 8 <= end:
+        size, kind = struct.unpack(">I4s", data[at:at + 8])
+        head = 8
+        if size == 1 and at + 16 <= end:
+            (size,) = struct.unpack(">Q", data[at + 8:at + 16])
+            head = 16
+        elif size == 0:
+            size = end - at
+        if size < head:
+            return
+        yield bytes(kind), at + head, min(at + size, end)
+        at += size
+
+
+def _mp4_video(data: Data, start: int, end: int, found: dict[str, object]) -> None:
+    """Fills ``found`` with the first video track's codec and sample count."""
+    for kind, begin, stop in _mp4_boxes(data, start, end):
+        if kind == b"trak":
+            track: dict[str, object] = {}
+            _mp4_video(data, begin, stop, track)
+            if track.get("handler") == b"vide" and "codec" not in found:
+                found.update(track)
+        elif kind in _MP4_PARENTS:
+            _mp4_video(data, begin, stop, found)
+        elif kind == b"hdlr" and stop - begin >= 12:
+            found["handler"] = bytes(data[begin + 8:begin + 12])
+        elif kind == b"stsd" and stop - begin >= 16:
+            fourcc = bytes(data[begin + 12:begin + 16])
+            found["codec"] = _MP4_CODECS.get(fourcc.lower(), fourcc.decode("latin-1").strip())
+        elif kind == b"stsz" and stop - begin >= 12:
+            (found["frames"],) = struct.unpack(">I", data[begin + 8:begin + 12])
+        if kind == b"moov":
+            found["moov"] = True
+
+
+def video_info(data: Data) -> VideoInfo | None:
+    """The container, codec and frame count of an MP4/MOV, Matroska/WebM or AVI file, from its
+    header (no decoding); None when ``data`` is none of these."""
+    head = bytes(data[:12])
+    if head[4:8] in _MP4_TOP:
+        found: dict[str, object] = {}
+        _mp4_video(data, 0, len(data), found)
+        frames = found.get("frames")
+        return VideoInfo("mp4", found.get("codec"),  # type: ignore[arg-type]
+                         frames if isinstance(frames, int) and frames > 0 else None)
+    if head[:4] == b"\x1aE\xdf\xa3":
+        start = bytes(data[:1 << 16])
+        codec = next((name for key, name in _MKV_CODECS.items() if key in start), None)
+        return VideoInfo("matroska", codec, None)
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        start = bytes(data[:1 << 16])
+        codec, frames = None, None
+        at = start.find(b"vids")
+        if at >= 0:
+            codec = _AVI_CODECS.get(start[at + 4:at + 8].lower())
+        at = start.find(b"avih")
+        if at >= 0 and at + 28 <= len(start):
+            (frames,) = struct.unpack("<I", start[at + 24:at + 28])
+        return VideoInfo("avi", codec, frames or None)
+    return None
+
+
+def _video_problem(data: Data) -> str | None:
+    info = video_info(data)
+    if info is None:
+        return f"is not an MP4, WebM/Matroska or AVI video (first bytes {bytes(data[:8])!r})"
+    if info.container == "mp4" and info.codec is None:
+        if bytes(data[:1 << 20]).find(b"moov") < 0 and bytes(data[-(1 << 20):]).find(b"moov") < 0:
+            return "is truncated (no moov box: the file was cut, or never finished)"
+        return "holds no video track"
+    return None
+
+
 def check_header(ext: str, data: Data, max_pixels: int = MAX_PIXELS) -> str | None:
     """Returns why ``data`` is not a usable ``ext`` file, or None if it looks right."""
     if not data:
         return "is empty"
     ext = ext.lower()
+    if ext in VIDEO_EXTS:
+        return _video_problem(data)
     if ext in _IMAGE_EXTS:  # a PNG named .jpg decodes: check it as what it is
         ext = _image_format(data) or ext
     check = SIGNATURES.get(ext)

@@ -13,10 +13,12 @@ from mmproxy.server import DALIServer
 
 from .multimodal import MultiModalDataset
 
-__all__ = ["Tokenize", "audio_label_dataset", "image_text_dataset", "load_tokenizer"]
+__all__ = ["Tokenize", "audio_label_dataset", "image_text_dataset", "load_tokenizer",
+           "video_label_dataset", "video_text_dataset"]
 
 IMAGE_EXTS = "jpg;jpeg;png;webp;bmp;tif;tiff"  # every format make_shards writes
 AUDIO_EXTS = "flac;wav;ogg"
+VIDEO_EXTS = "mp4;mov;webm;mkv;avi"
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
@@ -182,14 +184,18 @@ def image_text_dataset(urls: str | Sequence[str], image_server: DALIServer, toke
         batch_size=batch_size, batch_transform=Tokenize(tokenizer, max_length, padding), **kwargs)
 
 
-class _SplitAudio:
-    """Batch transform: the audio server's two outputs become ``audio`` and ``audio_length``."""
+class _SplitOutputs:
+    """Batch transform: a server's two outputs (data, length) become ``name`` and
+    ``name_length``; then, if given, ``then`` (e.g. tokenization)."""
+
+    def __init__(self, name: str, then: Any = None) -> None:
+        self.name, self.then = name, then
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        audio = batch["audio"]
-        if isinstance(audio, (tuple, list)) and len(audio) == 2:
-            batch["audio"], batch["audio_length"] = audio
-        return batch
+        data = batch[self.name]
+        if isinstance(data, (tuple, list)) and len(data) == 2:
+            batch[self.name], batch[f"{self.name}_length"] = data
+        return batch if self.then is None else self.then(batch)
 
 
 def _label(data: bytes) -> int:
@@ -206,6 +212,36 @@ def audio_label_dataset(urls: str | Sequence[str], audio_server: DALIServer, *, 
     """
     return MultiModalDataset(
         urls, {"audio": (audio_exts, audio_server.proxy), "label": (label_exts, _label)},
-        batch_size=batch_size, batch_transform=_SplitAudio(), **kwargs)
+        batch_size=batch_size, batch_transform=_SplitOutputs("audio"), **kwargs)
+
+
+def video_label_dataset(urls: str | Sequence[str], video_server: DALIServer, *, batch_size: int,
+                        video_exts: str = VIDEO_EXTS, label_exts: str = "cls",
+                        **kwargs: Any) -> MultiModalDataset:
+    """Videos with integer labels (Kinetics-style): clips through ``video_server`` (a
+    :func:`~mmproxy.pipelines.video_pipeline`).
+
+    Batches are dicts: ``video`` (NCTHW or NTHWC), ``video_length`` when the server decodes
+    every frame, ``label`` (int64), ``__key__``, ``__url__``, ``__skipped__``.
+    """
+    return MultiModalDataset(
+        urls, {"video": (video_exts, video_server.proxy), "label": (label_exts, _label)},
+        batch_size=batch_size, batch_transform=_SplitOutputs("video"), **kwargs)
+
+
+def video_text_dataset(urls: str | Sequence[str], video_server: DALIServer, tokenizer: Any, *,
+                       batch_size: int, max_length: int = 77,
+                       padding: Literal["longest", "max_length"] = "longest",
+                       video_exts: str = VIDEO_EXTS, text_exts: str = "txt;caption",
+                       **kwargs: Any) -> MultiModalDataset:
+    """Video-text pairs (WebVid-style): clips through ``video_server``, captions tokenized in
+    workers. Batches: ``video``, ``input_ids``, ``attention_mask``, ``__key__``, ``__url__``,
+    ``__skipped__`` (and ``video_length`` when the server decodes every frame)."""
+    if padding not in ("longest", "max_length"):
+        raise ValueError(f"padding must be 'longest' or 'max_length', got {padding!r}")
+    return MultiModalDataset(
+        urls, {"video": (video_exts, video_server.proxy), "text": (text_exts, _caption)},
+        batch_size=batch_size,
+        batch_transform=_SplitOutputs("video", Tokenize(tokenizer, max_length, padding)), **kwargs)
 
 

@@ -1,14 +1,17 @@
-"""Writer: turn a folder of images (with captions) or audio files (with labels) into shards.
+"""Writer: turn a folder of images or videos (with captions or labels) or audio files (with
+labels) into shards.
 
-Each sample of a shard holds the media (``jpg``, ``png``, ``webp``, ``bmp``, ``tiff``; or
-``flac``, ``wav``, ``ogg``), its caption (``txt``, image-text) and class index (``cls``, when the
-file is in a class folder), and ``src``: the file's path relative to the source folder, so that an
-error naming ``shard-000001.tar:00000010`` can be traced back to the file. Beside the shards go
+Each sample of a shard holds the media (``jpg``, ``png``, ``webp``, ``bmp``, ``tiff``; ``flac``,
+``wav``, ``ogg``; or ``mp4``, ``mov``, ``webm``, ``mkv``, ``avi``), its caption (``txt``,
+image-text and video-text) and class index (``cls``, when the file is in a class folder), and
+``src``: the file's path relative to the source folder, so that an error naming
+``shard-000001.tar:00000010`` can be traced back to the file. Beside the shards go
 ``classes.json`` (class names, sorted; ``cls`` indexes it) and ``manifest.jsonl`` (one line per
 sample: ``key``, ``shard``, ``source``, ``caption`` = "txt" | "folder" | null).
 
-Every suffix written is one the recipes read by default (``IMAGE_EXTS``, ``AUDIO_EXTS`` of
-:mod:`mmproxy.datasets.recipes`); other files are left out and reported, never silently.
+Every suffix written is one the recipes read by default (``IMAGE_EXTS``, ``AUDIO_EXTS``,
+``VIDEO_EXTS`` of :mod:`mmproxy.datasets.recipes`); other files are left out and reported, never
+silently.
 """
 
 from __future__ import annotations
@@ -29,8 +32,17 @@ __all__ = ["WrittenShards", "make_shards"]
 IMAGE_SUFFIXES = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp", ".bmp": "bmp",
                   ".tif": "tiff", ".tiff": "tiff"}
 AUDIO_SUFFIXES = {".flac": "flac", ".wav": "wav", ".ogg": "ogg"}
+VIDEO_SUFFIXES = {".mp4": "mp4", ".m4v": "mp4", ".mov": "mov", ".webm": "webm", ".mkv": "mkv",
+                  ".avi": "avi"}
 CLASSES, MANIFEST = "classes.json", "manifest.jsonl"
-Kind = Literal["image-text", "audio-label"]
+Kind = Literal["image-text", "audio-label", "video-text", "video-label"]
+# kind -> (the media it reads, what they are called, whether each needs a caption)
+KINDS: dict[str, tuple[dict[str, str], str, bool]] = {
+    "image-text": (IMAGE_SUFFIXES, "image", True),
+    "audio-label": (AUDIO_SUFFIXES, "audio", False),
+    "video-text": (VIDEO_SUFFIXES, "video", True),
+    "video-label": (VIDEO_SUFFIXES, "video", False),
+}
 
 
 class WrittenShards(list[str]):
@@ -101,11 +113,11 @@ def _caption(path: Path, class_name: str | None) -> tuple[str | None, str]:
     return None, "no caption: no .txt beside it and no class folder to take one from"
 
 
-def _plan(source: Path, output: Path, image: bool,
+def _plan(source: Path, output: Path, kind: str,
           left_out: list[tuple[str, str]]) -> list[_Planned]:
     """The files to write, in name order; the others go to ``left_out`` with the reason."""
-    suffixes = IMAGE_SUFFIXES if image else AUDIO_SUFFIXES
-    what = "an image" if image else "an audio"
+    suffixes, media, image = KINDS[kind]  # `image`: captioned media (images, videos)
+    what = "an audio" if media == "audio" else f"a {media}"
     readable = " ".join(sorted(suffixes))
     out_dir = output.resolve()
     planned: list[_Planned] = []
@@ -136,7 +148,8 @@ def _plan(source: Path, output: Path, image: bool,
                              f"({suffix or 'no suffix'}; it reads {readable})"))
     for path in captions:
         if path.with_suffix("") not in stems:
-            left_out.append((path.relative_to(source).as_posix(), "a caption with no image beside it"))
+            left_out.append((path.relative_to(source).as_posix(),
+                             f"a caption with no {media} beside it"))
     return planned
 
 
@@ -148,7 +161,8 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     ``image-text``: an ImageFolder tree (``class/xxx.jpg``) or a flat folder; each image's
     caption is the ``.txt`` file beside it (``xxx.txt``), else its class folder's name (counted
     in ``captions_from_folder``); an image at the top of ``source`` with neither is left out.
-    ``audio-label``: audio files in class folders; files at the top are left out. Both write
+    ``audio-label``: audio files in class folders; files at the top are left out.
+    ``video-text`` and ``video-label``: the same for videos (mp4, mov, webm, mkv, avi). All write
     ``cls`` (the class index, classes sorted by name) for files in class folders, ``src`` (the
     path relative to ``source``), and ``classes.json`` and ``manifest.jsonl`` beside the shards.
     Files of other formats, empty or unreadable captions and files whose header
@@ -157,7 +171,7 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     Args:
         source: The folder to read.
         output: The folder to write to; created if missing.
-        kind: "image-text" or "audio-label".
+        kind: "image-text", "audio-label", "video-text" or "video-label".
         max_count: Samples per shard at most.
         max_size: Bytes per shard (roughly) at most.
         prefix: Shard file names start with it.
@@ -172,8 +186,8 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
         >>> print(written.summary())                          # doctest: +SKIP
     """
     source, output = Path(source), Path(output)
-    if kind not in ("image-text", "audio-label"):
-        raise ValueError(f"kind must be 'image-text' or 'audio-label', got {kind!r}")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if max_count < 1 or max_size <= 0:
         raise ValueError(f"max_count and max_size must be positive, got {max_count}, {max_size}")
     if not source.is_dir():
@@ -185,7 +199,7 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
                               "pass overwrite=True (--overwrite) to replace them, or write to "
                               "an empty folder")
     written = WrittenShards()
-    planned = _plan(source, output, kind == "image-text", written.left_out)
+    planned = _plan(source, output, kind, written.left_out)
     classes = sorted({p.class_name for p in planned if p.class_name is not None})
     index = {name: i for i, name in enumerate(classes)}
     manifest: list[dict[str, Any]] = []
@@ -216,14 +230,12 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
         if sink is not None:
             sink.close()
     if not manifest:
-        what = "image" if kind == "image-text" else "audio"
+        what = KINDS[kind][1]
         reasons = "; ".join(f"{p}: {w}" for p, w in written.left_out[:3])
-        other = AUDIO_SUFFIXES if kind == "image-text" else IMAGE_SUFFIXES
-        hint = ""
-        if any(p.suffix.lower() in other for p in source.rglob("*")):
-            hint = (f"; it holds {'audio' if kind == 'image-text' else 'image'} files: use kind="
-                    f"{'audio-label' if kind == 'image-text' else 'image-text'!r} "
-                    f"(--kind {'audio-label' if kind == 'image-text' else 'image-text'})")
+        present = {p.suffix.lower() for p in source.rglob("*")}
+        hint = next((f"; it holds {media} files: use kind={other!r} (--kind {other})"
+                     for other, (suffixes, media, _) in KINDS.items()
+                     if media != what and present & set(suffixes)), "")
         raise FileNotFoundError(f"no {what} files to write under {source}"
                                 + (f" ({len(written.left_out)} left out: {reasons})"
                                    if reasons else "") + hint)

@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "which files were left out and why.")
     shards.add_argument("source", help="the folder to read")
     shards.add_argument("output", help="the folder to write PREFIX-NNNNNN.tar files to")
-    shards.add_argument("--kind", choices=["image-text", "audio-label"], default="image-text",
+    shards.add_argument("--kind", choices=["image-text", "audio-label", "video-text", "video-label"],
+                        default="image-text",
                         help="image-text: images with captions (default); audio-label: audio files "
-                        "in class folders")
+                        "in class folders; video-text, video-label: the same for videos")
     shards.add_argument("--max-count", type=int, default=1000, help="samples per shard")
     shards.add_argument("--max-size", type=float, default=1e9, help="bytes per shard")
     shards.add_argument("--prefix", default="shard", help="shard names start with it (default shard)")

@@ -38,6 +38,9 @@ class SampleRandom(Protocol):
     """
 
     names: tuple[str, ...]  # the inputs it fills
+    # The proxy's arguments, when they are not simply the other inputs (optional attribute): e.g.
+    # encoded video that the worker decodes into the pipeline's ``frames`` input.
+    # arguments: tuple[str, ...]
 
     def __call__(self, given: dict[str, np.ndarray], rng: random.Random
                  ) -> dict[str, np.ndarray]:
@@ -145,7 +148,11 @@ class DALIProxy:
             raise ValueError(f"server {server_name!r}: the pipeline's sample-drawn inputs "
                              f"{sorted(drawn - set(input_names))} are not among its inputs "
                              f"{list(input_names)}")
-        self.argument_names = tuple(n for n in input_names if n not in drawn)
+        rest = tuple(n for n in input_names if n not in drawn)
+        self.argument_names: tuple[str, ...] = getattr(sample_random, "arguments", None) or rest
+        if not set(rest) <= set(self.argument_names):
+            raise ValueError(f"server {server_name!r}: inputs {sorted(set(rest) - set(self.argument_names))} "
+                             "are neither drawn nor arguments")
         self._recent: OrderedDict[tuple[str, ...], str] = OrderedDict()
 
     @property
@@ -190,7 +197,7 @@ class DALIProxy:
         seed = key.seed if key is not None else None
         rng = _unseeded if seed is None else random.Random(seed)
         drawn = self.sample_random(given, rng)
-        return tuple(given[n] if n in given else _as_array(drawn[n], n, self.server_name)
+        return tuple(_as_array(drawn[n], n, self.server_name) if n in drawn else given[n]
                      for n in self.input_names)
 
     def submit(self, calls: list[_Call]) -> str:

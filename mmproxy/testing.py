@@ -19,7 +19,7 @@ import numpy as np
 
 __all__ = ["WORDS", "audio_bytes", "cache_dir", "caption", "damage_jpeg", "demo_shards",
            "demo_tokenizer", "image_bytes", "image_folder", "make_tokenizer", "synth_image",
-           "synth_speech", "write_tar"]
+           "synth_speech", "synth_video", "video_bytes", "write_tar"]
 
 WORDS = ("a red circle on a blue field", "green stripes over a yellow sky",
          "a small square in the corner", "waves of orange and purple light",
@@ -81,6 +81,53 @@ def damage_jpeg(data: bytes, kind: str) -> bytes:
     length = int.from_bytes(out[at + 2:at + 4], "big")
     out[at + 5:at + 4 + length] = b"\xff" * (length - 1)
     return bytes(out)
+
+
+def synth_video(seed: int, frames: int = 50, height: int = 64, width: int = 96) -> np.ndarray:
+    """RGB uint8 frames ``[T, H, W, 3]`` of a scene that moves: a textured background panning
+    sideways (a camera pan), a lit gradient, and a shape crossing the frame."""
+    rng = np.random.default_rng(seed)
+    texture = rng.normal(0, 1, (height, 4 * width, 3))
+    kernel = np.ones(5) / 5  # smooth it, like natural texture rather than pixel noise
+    for axis in (0, 1):
+        texture = np.apply_along_axis(np.convolve, axis, texture, kernel, mode="same")
+    texture = texture / texture.std() * 25
+    base = synth_image(seed, height, width).astype(np.float32)
+    y, x = np.mgrid[0:height, 0:width]
+    colour, r = rng.uniform(0, 255, 3), rng.uniform(6, 14)
+    out = np.empty((frames, height, width, 3), np.uint8)
+    for t in range(frames):
+        pan = int(t * 2) % (3 * width)
+        frame = base * 0.7 + texture[:, pan:pan + width]
+        cx, cy = (t * 3) % (width + 2 * r) - r, height / 2 + height / 4 * np.sin(t / 7)
+        frame[(y - cy) ** 2 + (x - cx) ** 2 < r * r] = colour
+        out[t] = np.clip(frame, 0, 255).astype(np.uint8)
+    return out
+
+
+def video_bytes(frames: np.ndarray, codec: str = "libx264", container: str = "mp4", fps: int = 25,
+                gop: int = 12, crf: int = 18) -> bytes:
+    """Encodes RGB frames with PyAV (``codec``: libx264, libvpx-vp9, mjpeg, mpeg4, ...;
+    ``container``: mp4, webm, avi, ...); a key frame every ``gop`` frames."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+        stream.gop_size = gop
+        if codec == "libx264":
+            stream.options = {"crf": str(crf), "preset": "veryfast"}
+        elif codec == "libvpx-vp9":
+            stream.options = {"crf": str(crf + 12), "b:v": "0", "deadline": "realtime",
+                              "cpu-used": "8"}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
 
 
 def synth_speech(seed: int, seconds: float, rate: int = 16000, channels: int = 1) -> np.ndarray:

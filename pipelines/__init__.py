@@ -21,8 +21,10 @@ from mmproxy.pipelines.image import (
     image_train_pipeline,
     resize,
 )
+from mmproxy.pipelines.video import ClipDraw, decode_clip, video_graph, video_pipeline
 
 __all__ = ["Device", "IMAGENET_MEAN", "IMAGENET_STD", "RandomResizedCrop", "audio_graph",
            "audio_pipeline",
            "external_pipeline", "image_eval_graph", "image_eval_pipeline", "image_train_graph",
-           "image_train_pipeline", "resize", "resolve_device"]
+           "image_train_pipeline", "resize", "resolve_device", "ClipDraw", "decode_clip",
+           "video_graph", "video_pipeline"]

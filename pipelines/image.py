@@ -56,15 +56,18 @@ class _TorchvisionResize:
         import torch
         from torchvision.transforms.v2 import functional as F
 
+        if image.ndim == 4:  # a sequence of frames, FHWC
+            fchw = torch.from_numpy(image).permute(0, 3, 1, 2)
+            return F.resize(fchw, self.size, antialias=True).permute(0, 2, 3, 1).contiguous().numpy()
         chw = torch.from_numpy(image).permute(2, 0, 1)
         return F.resize(chw, self.size, antialias=True).permute(1, 2, 0).contiguous().numpy()
 
 
 def resize(images: Any, size: int, *, gpu: bool, cpu_resize: CpuResize = "torchvision",
-           shorter: bool = False) -> Any:
-    """Antialiased bilinear resize of decoded HWC images (DALI nodes) to ``size x size``, or of
-    their shorter side to ``size``: DALI's ``fn.resize`` on a GPU or with ``cpu_resize="dali"``,
-    else torchvision inside the pipeline."""
+           shorter: bool = False, layout: Literal["HWC", "FHWC"] = "HWC") -> Any:
+    """Antialiased bilinear resize of decoded HWC images, or FHWC frame sequences (DALI nodes),
+    to ``size x size``, or of their shorter side to ``size``: DALI's ``fn.resize`` on a GPU or
+    with ``cpu_resize="dali"``, else torchvision inside the pipeline."""
     from nvidia.dali import fn, types
 
     if cpu_resize not in ("torchvision", "dali"):
@@ -73,7 +76,7 @@ def resize(images: Any, size: int, *, gpu: bool, cpu_resize: CpuResize = "torchv
         target: dict[str, Any] = {"resize_shorter": size} if shorter else {"size": [size, size]}
         return fn.resize(images, interp_type=types.INTERP_LINEAR, antialias=True, **target)
     return fn.python_function(images, function=_TorchvisionResize(size if shorter else (size, size)),
-                              num_outputs=1, output_layouts="HWC")
+                              num_outputs=1, output_layouts=layout)
 
 
 def _normalize(images: Any, *, size: int, layout: Layout, dtype: DType, mean: Sequence[float],
