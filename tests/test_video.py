@@ -1,0 +1,178 @@
+"""Video: clips decoded by DALI (VP9, MJPEG on CPU; NVDEC on a GPU) or by PyAV in the workers
+(H.264 on CPU), compared with PyAV's own decode; clip sampling; damaged videos; recipes and
+make-shards."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from mmproxy.datasets import make_shards, video_label_dataset, video_text_dataset
+from mmproxy.pipelines import video_pipeline
+from torch.utils.data import default_collate
+
+import mmproxy
+from mmproxy.testing import make_tokenizer, synth_video, video_bytes, write_tar
+from mmproxy.worker import sample_key
+
+av = pytest.importorskip("av")
+pytestmark = pytest.mark.timeout(240)
+
+# Decoders convert YUV to RGB differently (chroma upsampling, rounding): on these textured clips
+# DALI's frames differ from PyAV's by ~4 levels on average in RGB and ~1.2 in luma; the
+# neighbouring frame (off by one in time) differs by ~14. So: mean |RGB error| <= 6, mean |luma
+# error| <= 2, and the neighbour must be clearly worse.
+MEAN_TOLERANCE, LUMA_TOLERANCE = 6.0, 2.0
+
+
+def _luma(x):
+    return 0.299 * x[..., 0] + 0.587 * x[..., 1] + 0.114 * x[..., 2]
+
+CODECS = {"h264": ("libx264", "mp4"), "vp9": ("libvpx-vp9", "webm"), "mjpeg": ("mjpeg", "avi")}
+
+
+def _encode(codec, seed=0, frames=50, **kw):
+    name, container = CODECS[codec]
+    return video_bytes(synth_video(seed, frames), name, container, **kw)
+
+
+def _reference(data):
+    with av.open(io.BytesIO(data)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def _run(server, videos, seeds=None):
+    refs = []
+    for i, data in enumerate(videos):
+        with sample_key(f"v{i}", seed=(seeds or list(range(len(videos))))[i]):
+            refs.append(server.proxy(np.frombuffer(data, np.uint8)))
+    return server.produce_data(default_collate(refs))
+
+
+def _server(decoder, **kw):
+    options = dict(batch_size=4, frames=4, stride=3, size=64, resize_size=64, train=False,
+                   decoder=decoder, device="cpu", num_threads=1, dtype="uint8", layout="THWC")
+    return mmproxy.DALIServer(video_pipeline(**{**options, **kw}), name=f"video-{decoder}")
+
+
+@pytest.mark.parametrize("decoder,codec", [("dali", "vp9"), ("dali", "mjpeg"), ("pyav", "h264"),
+                                           ("pyav", "vp9")])
+def test_centred_clips_match_pyav_frame_for_frame(decoder, codec):
+    data = _encode(codec)
+    with _server(decoder) as server:
+        clip = _run(server, [data])[0].numpy()
+    frames = _reference(data)
+    start = (len(frames) - 10) // 2  # 4 frames at stride 3 span 10 frames, centred
+    expected = frames[start:start + 10:3, :, 16:80]  # a 96x64 video, its centre 64x64
+    assert clip.shape == expected.shape == (4, 64, 64, 3)
+    errors = np.abs(clip.astype(int) - expected).mean(axis=(1, 2, 3))
+    assert errors.max() <= MEAN_TOLERANCE, errors
+    assert np.abs(_luma(clip.astype(float)) - _luma(expected)).mean() <= LUMA_TOLERANCE
+    shifted = np.abs(clip[1:].astype(int) - frames[start + 1:start + 10:3, :, 16:80][:3]).mean()
+    assert shifted > 2 * errors.max() + 1  # the comparison can tell a frame from its neighbour
+
+
+def test_h264_on_the_cpu_decoder_is_refused_by_codec_name():
+    with _server("dali") as server:
+        with pytest.raises(ValueError, match="H.264 video: DALI's CPU video decoder decodes only"):
+            _run(server, [_encode("h264")])
+
+
+def test_training_clips_follow_the_sample_seed_and_the_layouts():
+    data = _encode("vp9", frames=60)
+    with _server("dali", train=True, layout="CTHW", dtype="float32") as server:
+        a = _run(server, [data, data], seeds=[1, 2])
+        b = _run(server, [data], seeds=[1])
+    assert a.shape == (2, 3, 4, 64, 64) and a.dtype == torch.float32
+    assert torch.equal(a[0], b[0])  # the same seed, the same clip, crop and flip
+    assert not torch.equal(a[0], a[1])
+
+
+def test_every_frame_pads_clips_and_says_their_lengths():
+    short, long = _encode("mjpeg", frames=20), _encode("mjpeg", seed=1, frames=33)
+    with _server("dali", every_frame=True, batch_size=2) as server:
+        clips, lengths = _run(server, [short, long])
+    assert lengths.tolist() == [20, 33]
+    assert clips.shape == (2, 33, 64, 64, 3)
+    assert clips[0, 20:].abs().sum() == 0 and clips[0, :20].float().mean() > 10
+
+
+@pytest.fixture(scope="module")
+def video_shards(tmp_path_factory):
+    """Two shards of H.264 clips with labels; three damaged ones among them."""
+    root = tmp_path_factory.mktemp("video")
+    good = [_encode("h264", seed=i, frames=30 + i) for i in range(10)]
+    damaged = {
+        "cut": good[0][: len(good[0]) // 2],  # an interrupted download: no moov box
+        "garbage": bytes(np.random.default_rng(0).integers(0, 255, 5000, dtype=np.uint8)),
+        "mdat": good[1][:200] + bytes(4000) + good[1][4200:],  # zeros over the video data
+    }
+    samples = [{"__key__": f"clip{i:02d}", "mp4": v, "cls": str(i % 3), "txt": f"clip {i}"}
+               for i, v in enumerate(good)]
+    samples += [{"__key__": f"bad-{k}", "mp4": v, "cls": "0", "txt": "bad"}
+                for k, v in damaged.items()]
+    write_tar(root / "v-0.tar", samples[::2])
+    write_tar(root / "v-1.tar", samples[1::2])
+    return str(root / "v-{0..1}.tar")
+
+
+def test_video_label_shards_with_damaged_clips_in_skip_mode(video_shards):
+    with _server("pyav", train=True, batch_size=4) as server:
+        ds = video_label_dataset(video_shards, server, batch_size=4, on_error="skip",
+                                 max_skipped=None)
+        loader = ds.loader(server, num_workers=2)
+        keys = []
+        for batch in loader:
+            assert batch["video"].shape[1:] == (4, 64, 64, 3)
+            assert batch["label"].dtype == torch.int64 and len(batch["label"]) == len(batch["__key__"])
+            keys += batch["__key__"]
+    assert sorted(k for k in keys if k.startswith("clip")) == [f"clip{i:02d}" for i in range(10)]
+    skipped = {r.key: r.reason for r in loader.skipped.records}
+    assert "no moov box" in skipped["bad-cut"] and "not an MP4" in skipped["bad-garbage"]
+    assert keys.count("bad-mdat") + ("bad-mdat" in skipped) == 1  # decoded (concealed) or skipped
+
+
+def test_h264_shards_on_a_cpu_dali_decoder_fail_fast_naming_the_codec(video_shards):
+    with _server("dali", batch_size=4) as server:
+        ds = video_label_dataset(video_shards, server, batch_size=4, on_error="skip")
+        with pytest.raises(mmproxy.EmptyEpochError, match="H.264 video: DALI's CPU video decoder"):
+            for _ in ds.loader(server, num_workers=1):
+                pass
+
+
+def test_video_text_dataset_and_make_shards_from_a_folder(tmp_path):
+    src = tmp_path / "videos"
+    for label in ("cats", "dogs"):
+        (src / label).mkdir(parents=True)
+        for i in range(3):
+            (src / label / f"{i}.mp4").write_bytes(_encode("h264", seed=i + len(label), frames=24))
+    (src / "dogs" / "2.txt").write_text("a dog runs across the lawn")
+    (src / "cats" / "notes.md").write_text("not a video")
+    written = make_shards(src, tmp_path / "shards", kind="video-text", max_count=4)
+    assert written.samples == 6 and written.captions_from_txt == 1
+    assert any("notes.md" in path for path, _ in written.left_out)
+    tok = make_tokenizer(tmp_path / "tok", ["cats", "dogs", "a dog runs across the lawn"])
+    from mmproxy.datasets import load_tokenizer
+
+    with _server("pyav", batch_size=4) as server:
+        ds = video_text_dataset(list(written), server, load_tokenizer(tok), batch_size=4)
+        batches = list(ds.loader(server, num_workers=1))
+    assert sum(len(b["__key__"]) for b in batches) == 6
+    assert all(b["input_ids"].shape[0] == b["video"].shape[0] for b in batches)
+    labels = make_shards(src, tmp_path / "labels", kind="video-label")
+    assert labels.samples == 6
+
+
+@pytest.mark.gpu
+def test_nvdec_decodes_h264_like_pyav():
+    data = _encode("h264")
+    pipe = video_pipeline(batch_size=2, frames=4, stride=3, size=64, resize_size=64, train=False,
+                          device="gpu", dtype="uint8", layout="THWC")
+    with mmproxy.DALIServer(pipe, name="nvdec") as server:
+        clip = _run(server, [data])[0].cpu().numpy()
+    frames = _reference(data)
+    start = (len(frames) - 10) // 2
+    errors = np.abs(clip.astype(int) - frames[start:start + 10:3, :, 16:80]).mean(axis=(1, 2, 3))
+    assert errors.max() <= MEAN_TOLERANCE, errors
