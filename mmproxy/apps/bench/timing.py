@@ -15,7 +15,7 @@ def count_samples(batch: Any) -> int:
     """Samples in a batch of any system: a tensor, a (data, lengths) pair, a padded batch, or
     mmproxy's dict (its image or audio field)."""
     if isinstance(batch, dict):
-        batch = batch["image"] if "image" in batch else batch["audio"]
+        batch = next(batch[k] for k in ("image", "audio", "video") if k in batch)
     if isinstance(batch, (tuple, list)):
         batch = batch[0]
     if hasattr(batch, "lengths"):  # a PaddedBatch

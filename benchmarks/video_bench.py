@@ -1,0 +1,234 @@
+"""Video: clips per second of mmproxy against PyTorch workers decoding with PyAV, DALI's own
+video reader on the same files, and DALI's proxy; each system in turn, same process.
+
+The workload: ``--clips`` H.264 clips of 5-10 s (25 fps, 320x240, a key frame every 12 frames,
+written once under the cache folder as shards for mmproxy and as .mp4 files for the reader), a
+training clip of 16 frames at stride 4 from a random start, the shorter side resized to 256, a
+random 224 crop, a flip, normalized to float32 NCTHW. The systems:
+
+- ``mmproxy``: ``video_label_dataset`` on the shards; the worker reads the container header and
+  draws the start, crop and flip; the server decodes (NVDEC on a GPU, PyAV in the workers on CPU).
+- ``torch``: a ``torch.utils.data.DataLoader`` over the files; each worker decodes the clip with
+  PyAV (seeking to the key frame before the start), resizes with torchvision, crops, flips and
+  normalizes (what a PyTorch video pipeline does without DALI).
+- ``dali-reader``: ``fn.readers.video`` on the files (GPU only: DALI's video reader decodes with
+  NVDEC), one 16-frame sequence per file (``step`` past the end), shuffled, then the same graph.
+- ``dali-proxy``: DALI's own proxy feeding encoded clips to ``fn.decoders.video`` (GPU only), start
+  frames drawn by DALI.
+
+    python benchmarks/video_bench.py --clips 2048 --workers 15 --threads 8 --epochs 3 \
+        --json benchmarks/results/video-gpu-h200/video-1.json
+    python benchmarks/video_bench.py --clips 128 --workers 2 --threads 2 --epochs 2 \
+        --systems mmproxy,torch --json benchmarks/results/video-cpu-2core/video-1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FRAMES, STRIDE, SIZE, RESIZE = 16, 4, 224, 256
+MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1, 1) * 255
+STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1, 1) * 255
+
+
+def _clip(i: int) -> bytes:
+    from mmproxy.testing import synth_video, video_bytes
+
+    seconds = 5 + (i * 7919 % 1000) / 200  # 5-10 s
+    return video_bytes(synth_video(i, int(25 * seconds), 240, 320), "libx264", "mp4", crf=23)
+
+
+def write_clips(folder: Path, count: int) -> tuple[list[str], list[str]]:
+    """(shards, files) of ``count`` clips under ``folder``, written once."""
+    from mmproxy.testing import write_tar
+
+    where = folder / f"video-{count}"
+    files = [str(where / "files" / f"{i:05d}.mp4") for i in range(count)]
+    shards = [str(where / f"shard-{s:04d}.tar") for s in range((count + 15) // 16)]
+    if not Path(shards[-1]).exists():
+        (where / "files").mkdir(parents=True, exist_ok=True)
+        with multiprocessing.get_context("spawn").Pool(os.cpu_count()) as pool:
+            clips = pool.map(_clip, range(count), chunksize=4)
+        for path, data in zip(files, clips):
+            Path(path).write_bytes(data)
+        for s, shard in enumerate(shards):
+            write_tar(shard + ".part", [{"__key__": f"clip{i:05d}", "mp4": clips[i],
+                                         "cls": str(i % 400)}
+                                        for i in range(s * 16, min(count, s * 16 + 16))])
+            os.replace(shard + ".part", shard)
+    return shards, files
+
+
+class TorchClips(torch.utils.data.Dataset):
+    """Files decoded with PyAV in the worker, then torchvision: the PyTorch-only system."""
+
+    def __init__(self, files: list[str]) -> None:
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from mmproxy.datasets.checks import video_info
+        from mmproxy.pipelines.video import clip_start, decode_clip
+        from torchvision.transforms.v2 import functional as F
+
+        data = Path(self.files[i]).read_bytes()
+        rng = random.Random()
+        info = video_info(data)
+        start = clip_start(info.frames if info else None, FRAMES, STRIDE, True, rng)
+        clip = torch.from_numpy(decode_clip(data, start, FRAMES, STRIDE)).permute(0, 3, 1, 2)
+        clip = F.resize(clip, RESIZE, antialias=True)
+        h, w = clip.shape[-2:]
+        y, x = rng.randint(0, h - SIZE), rng.randint(0, w - SIZE)
+        clip = clip[..., y:y + SIZE, x:x + SIZE]
+        if rng.random() < 0.5:
+            clip = clip.flip(-1)
+        return ((clip.permute(1, 0, 2, 3).float() - MEAN) / STD), i % 400
+
+
+def _graph(video: Any, gpu: bool, train_draws: bool) -> Any:
+    from mmproxy.pipelines import video_graph
+    from nvidia.dali import fn
+
+    draws = {"crop_x": fn.random.uniform(range=(0.0, 1.0)), "crop_y": fn.random.uniform(
+        range=(0.0, 1.0)), "flip": fn.random.coin_flip()} if train_draws else {}
+    return video_graph(video, gpu=gpu, size=SIZE, resize_size=RESIZE, **draws)
+
+
+def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str]) -> Any:
+    from mmproxy.datasets import video_label_dataset
+    from mmproxy.pipelines import video_pipeline
+
+    import mmproxy
+    from mmproxy.apps.bench.timing import time_epochs
+
+    pipe = video_pipeline(batch_size=args.batch_size, frames=FRAMES, stride=STRIDE, size=SIZE,
+                          resize_size=RESIZE, device="gpu" if gpu else "cpu", device_id=device_id,
+                          num_threads=args.threads)
+    with mmproxy.DALIServer(pipe, name="video") as server:
+        ds = video_label_dataset(shards, server, batch_size=args.batch_size, shuffle_buffer=64,
+                                 keep_keys=False, on_error="skip")
+        loader = ds.loader(server, num_workers=args.workers, persistent_workers=True)
+        return time_epochs(lambda: loader, args.epochs, gpu, server)
+
+
+def _torch(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str]) -> Any:
+    from mmproxy.apps.bench.timing import time_epochs
+
+    loader = torch.utils.data.DataLoader(TorchClips(files), batch_size=args.batch_size, shuffle=True,
+                                         num_workers=args.workers, pin_memory=gpu,
+                                         persistent_workers=True)
+    return time_epochs(lambda: ((b[0].cuda(non_blocking=True) if gpu else b[0]) for b in loader),
+                       args.epochs, gpu)
+
+
+def _dali_reader(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str]) -> Any:
+    from nvidia.dali import fn, pipeline_def
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    from mmproxy.apps.bench.timing import time_epochs
+
+    @pipeline_def
+    def reader() -> Any:
+        video = fn.readers.video(device="gpu", filenames=files, sequence_length=FRAMES,
+                                 stride=STRIDE, step=100_000, random_shuffle=True,
+                                 initial_fill=64, name="reader")
+        return _graph(video, True, True)
+
+    it = DALIGenericIterator(reader(batch_size=args.batch_size, num_threads=args.threads,
+                                    device_id=device_id), ["video"], reader_name="reader",
+                             auto_reset=True, last_batch_policy=LastBatchPolicy.PARTIAL)
+    return time_epochs(lambda: (b[0]["video"] for b in it), args.epochs, gpu)
+
+
+def _dali_proxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str]) -> Any:
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch.experimental import proxy as dali_proxy
+
+    from mmproxy.apps.bench.timing import time_epochs
+
+    @pipeline_def
+    def proxied() -> Any:
+        encoded = fn.external_source(name="videos", no_copy=True, dtype=types.UINT8)
+        start = fn.cast(fn.random.uniform(range=(0.0, 100.0)), dtype=types.INT32)
+        video = fn.decoders.video(encoded, device="mixed", start_frame=start,
+                                  sequence_length=FRAMES, stride=STRIDE, pad_mode="edge")
+        return _graph(video, True, True)
+
+    with dali_proxy.DALIServer(proxied(batch_size=args.batch_size, num_threads=args.threads,
+                                       device_id=device_id)) as server:
+        loader = dali_proxy.DataLoader(server, ProxyFiles(files, server.proxy),
+                                       batch_size=args.batch_size, shuffle=True,
+                                       num_workers=args.workers, persistent_workers=True)
+        return time_epochs(lambda: (b[0] for b in loader), args.epochs, gpu)
+
+
+SYSTEMS = {"mmproxy": _mmproxy, "torch": _torch, "dali-reader": _dali_reader,
+           "dali-proxy": _dali_proxy}
+
+
+def main() -> None:
+    from mmproxy.pipelines import resolve_device
+
+    from mmproxy.testing import cache_dir
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clips", type=int, default=2048)
+    parser.add_argument("--workers", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--systems", default="mmproxy,torch,dali-reader,dali-proxy")
+    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    gpu, device_id = resolve_device(args.device)
+    shards, files = write_clips(Path(args.data_dir or cache_dir() / "bench"), args.clips)
+    results: dict[str, Any] = {}
+
+    for system in args.systems.split(","):
+        if system in ("dali-reader", "dali-proxy") and not gpu:
+            print(f"{system}: GPU only (DALI decodes H.264 with NVDEC), skipped", flush=True)
+            continue
+        if system not in SYSTEMS:
+            raise SystemExit(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+        results[system] = SYSTEMS[system](args, gpu, device_id, shards, files)
+        r = results[system]
+        print(f"{system:12s} best epoch {r['samples_per_s']:.1f} clips/s, sustained "
+              f"{r['sustained_samples_per_s'] or 0:.1f}, epochs {r['epochs']}", flush=True)
+    if "mmproxy" in results:
+        for system, r in results.items():
+            ratio = results["mmproxy"]["samples_per_s"] / r["samples_per_s"]
+            print(f"mmproxy / {system}: {ratio:.2f} (best epochs)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"settings": vars(args), "gpu": gpu,
+                                               "systems": results}, indent=2))
+
+
+class ProxyFiles(torch.utils.data.Dataset):
+    """The files' bytes through DALI's proxy."""
+
+    def __init__(self, files: list[str], proxy: Any) -> None:
+        self.files, self.proxy = files, proxy
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        return self.proxy(np.frombuffer(Path(self.files[i]).read_bytes(), np.uint8)), i % 400
+
+
+if __name__ == "__main__":
+    main()
