@@ -1,13 +1,16 @@
 """Video: clips per second of mmproxy against PyTorch workers decoding with PyAV, DALI's own
 video reader on the same files, and DALI's proxy; each system in turn, same process.
 
-The workload: ``--clips`` H.264 clips of 5-10 s (25 fps, 320x240, a key frame every 12 frames,
+The workload: ``--clips`` H.264 clips of 5-10 s (25 fps, ``--resolution`` 320x240 by default,
+a key frame every 12 frames,
 written once under the cache folder as shards for mmproxy and as .mp4 files for the reader), a
 training clip of 16 frames at stride 4 from a random start, the shorter side resized to 256, a
 random 224 crop, a flip, normalized to float32 NCTHW. The systems:
 
 - ``mmproxy``: ``video_label_dataset`` on the shards; the worker reads the container header and
   draws the start, crop and flip; the server decodes (NVDEC on a GPU, PyAV in the workers on CPU).
+- ``mmproxy-pyav``: the same with ``decoder="pyav"``: the workers decode the clip's frames with
+  PyAV, the server resizes, crops and normalizes (on the GPU when there is one).
 - ``torch``: a ``torch.utils.data.DataLoader`` over the files; each worker decodes the clip with
   PyAV (seeking to the key frame before the start), resizes with torchvision, crops, flips and
   normalizes (what a PyTorch video pipeline does without DALI).
@@ -29,6 +32,7 @@ import json
 import multiprocessing
 import os
 import random
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,24 +44,25 @@ MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1, 1) * 255
 
 
-def _clip(i: int) -> bytes:
+def _clip(job: tuple[int, int, int]) -> bytes:
     from mmproxy.testing import synth_video, video_bytes
 
+    i, width, height = job
     seconds = 5 + (i * 7919 % 1000) / 200  # 5-10 s
-    return video_bytes(synth_video(i, int(25 * seconds), 240, 320), "libx264", "mp4", crf=23)
+    return video_bytes(synth_video(i, int(25 * seconds), height, width), "libx264", "mp4", crf=23)
 
 
-def write_clips(folder: Path, count: int) -> tuple[list[str], list[str]]:
+def write_clips(folder: Path, count: int, width: int, height: int) -> tuple[list[str], list[str]]:
     """(shards, files) of ``count`` clips under ``folder``, written once."""
     from mmproxy.testing import write_tar
 
-    where = folder / f"video-{count}"
+    where = folder / f"video-{count}-{width}x{height}"
     files = [str(where / "files" / f"{i:05d}.mp4") for i in range(count)]
     shards = [str(where / f"shard-{s:04d}.tar") for s in range((count + 15) // 16)]
     if not Path(shards[-1]).exists():
         (where / "files").mkdir(parents=True, exist_ok=True)
         with multiprocessing.get_context("spawn").Pool(os.cpu_count()) as pool:
-            clips = pool.map(_clip, range(count), chunksize=4)
+            clips = pool.map(_clip, [(i, width, height) for i in range(count)], chunksize=4)
         for path, data in zip(files, clips):
             Path(path).write_bytes(data)
         for s, shard in enumerate(shards):
@@ -105,7 +110,8 @@ def _graph(video: Any, gpu: bool, train_draws: bool) -> Any:
     return video_graph(video, gpu=gpu, size=SIZE, resize_size=RESIZE, **draws)
 
 
-def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str]) -> Any:
+def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str],
+             decoder: str = "auto") -> Any:
     from mmproxy.datasets import video_label_dataset
     from mmproxy.pipelines import video_pipeline
 
@@ -114,7 +120,7 @@ def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: lis
 
     pipe = video_pipeline(batch_size=args.batch_size, frames=FRAMES, stride=STRIDE, size=SIZE,
                           resize_size=RESIZE, device="gpu" if gpu else "cpu", device_id=device_id,
-                          num_threads=args.threads)
+                          num_threads=args.threads, decoder=decoder)  # type: ignore[arg-type]
     with mmproxy.DALIServer(pipe, name="video") as server:
         ds = video_label_dataset(shards, server, batch_size=args.batch_size, shuffle_buffer=64,
                                  keep_keys=False, on_error="skip")
@@ -173,8 +179,8 @@ def _dali_proxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: 
         return time_epochs(lambda: (b[0] for b in loader), args.epochs, gpu)
 
 
-SYSTEMS = {"mmproxy": _mmproxy, "torch": _torch, "dali-reader": _dali_reader,
-           "dali-proxy": _dali_proxy}
+SYSTEMS = {"mmproxy": _mmproxy, "mmproxy-pyav": partial(_mmproxy, decoder="pyav"),
+           "torch": _torch, "dali-reader": _dali_reader, "dali-proxy": _dali_proxy}
 
 
 def main() -> None:
@@ -191,10 +197,13 @@ def main() -> None:
     parser.add_argument("--systems", default="mmproxy,torch,dali-reader,dali-proxy")
     parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
     parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--resolution", default="320x240", help="WIDTHxHEIGHT of the clips")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    width, height = (int(v) for v in args.resolution.split("x"))
     gpu, device_id = resolve_device(args.device)
-    shards, files = write_clips(Path(args.data_dir or cache_dir() / "bench"), args.clips)
+    shards, files = write_clips(Path(args.data_dir or cache_dir() / "bench"), args.clips, width,
+                                height)
     results: dict[str, Any] = {}
 
     for system in args.systems.split(","):
@@ -207,14 +216,14 @@ def main() -> None:
         r = results[system]
         print(f"{system:12s} best epoch {r['samples_per_s']:.1f} clips/s, sustained "
               f"{r['sustained_samples_per_s'] or 0:.1f}, epochs {r['epochs']}", flush=True)
+        if args.json:  # after every system: a run cut short keeps what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"settings": vars(args), "gpu": gpu,
+                                                   "systems": results}, indent=2))
     if "mmproxy" in results:
         for system, r in results.items():
             ratio = results["mmproxy"]["samples_per_s"] / r["samples_per_s"]
             print(f"mmproxy / {system}: {ratio:.2f} (best epochs)")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "gpu": gpu,
-                                               "systems": results}, indent=2))
 
 
 class ProxyFiles(torch.utils.data.Dataset):
