@@ -7,10 +7,12 @@ written once under the cache folder as shards for mmproxy and as .mp4 files for 
 training clip of 16 frames at stride 4 from a random start, the shorter side resized to 256, a
 random 224 crop, a flip, normalized to float32 NCTHW. The systems:
 
-- ``mmproxy``: ``video_label_dataset`` on the shards; the worker reads the container header and
-  draws the start, crop and flip; the server decodes (NVDEC on a GPU, PyAV in the workers on CPU).
-- ``mmproxy-pyav``: the same with ``decoder="pyav"``: the workers decode the clip's frames with
-  PyAV, the server resizes, crops and normalizes (on the GPU when there is one).
+- ``mmproxy-pyav`` (the default decoder): ``video_label_dataset`` on the shards; the worker reads
+  the container header, draws the start, crop and flip, and decodes the clip's frames with PyAV;
+  the server resizes, crops and normalizes (on the GPU when there is one).
+- ``mmproxy-nvdec`` (GPU only): the same with ``decoder="dali"``: the server decodes with DALI's
+  in-memory NVDEC decoder (``fn.decoders.video``, ``mixed``). In the first results
+  (``video-320x240-2048.txt``, ``video-596x336-512.json``) this system was named ``mmproxy``.
 - ``torch``: a ``torch.utils.data.DataLoader`` over the files; each worker decodes the clip with
   PyAV (seeking to the key frame before the start), resizes with torchvision, crops, flips and
   normalizes (what a PyTorch video pipeline does without DALI).
@@ -22,7 +24,7 @@ random 224 crop, a flip, normalized to float32 NCTHW. The systems:
     python benchmarks/video_bench.py --clips 2048 --workers 15 --threads 8 --epochs 3 \
         --json benchmarks/results/video-gpu-h200/video-1.json
     python benchmarks/video_bench.py --clips 128 --workers 2 --threads 2 --epochs 2 \
-        --systems mmproxy,torch --json benchmarks/results/video-cpu-2core/video-1.json
+        --systems mmproxy-pyav,torch --json benchmarks/results/video-cpu-2core/video-1.json
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def _graph(video: Any, gpu: bool, train_draws: bool) -> Any:
 
 
 def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str],
-             decoder: str = "auto") -> Any:
+             decoder: str) -> Any:
     from mmproxy.datasets import video_label_dataset
     from mmproxy.pipelines import video_pipeline
 
@@ -179,7 +181,8 @@ def _dali_proxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: 
         return time_epochs(lambda: (b[0] for b in loader), args.epochs, gpu)
 
 
-SYSTEMS = {"mmproxy": _mmproxy, "mmproxy-pyav": partial(_mmproxy, decoder="pyav"),
+SYSTEMS = {"mmproxy-pyav": partial(_mmproxy, decoder="pyav"),
+           "mmproxy-nvdec": partial(_mmproxy, decoder="dali"),
            "torch": _torch, "dali-reader": _dali_reader, "dali-proxy": _dali_proxy}
 
 
@@ -194,7 +197,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--systems", default="mmproxy,torch,dali-reader,dali-proxy")
+    parser.add_argument("--systems", default="mmproxy-pyav,mmproxy-nvdec,torch,dali-reader,dali-proxy")
     parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--resolution", default="320x240", help="WIDTHxHEIGHT of the clips")
@@ -207,7 +210,7 @@ def main() -> None:
     results: dict[str, Any] = {}
 
     for system in args.systems.split(","):
-        if system in ("dali-reader", "dali-proxy") and not gpu:
+        if system in ("dali-reader", "dali-proxy", "mmproxy-nvdec") and not gpu:
             print(f"{system}: GPU only (DALI decodes H.264 with NVDEC), skipped", flush=True)
             continue
         if system not in SYSTEMS:
@@ -220,10 +223,11 @@ def main() -> None:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps({"settings": vars(args), "gpu": gpu,
                                                    "systems": results}, indent=2))
-    if "mmproxy" in results:
+    for mine in ("mmproxy-pyav", "mmproxy-nvdec"):
         for system, r in results.items():
-            ratio = results["mmproxy"]["samples_per_s"] / r["samples_per_s"]
-            print(f"mmproxy / {system}: {ratio:.2f} (best epochs)")
+            if mine in results and system != mine:
+                ratio = results[mine]["samples_per_s"] / r["samples_per_s"]
+                print(f"{mine} / {system}: {ratio:.2f} (best epochs)")
 
 
 class ProxyFiles(torch.utils.data.Dataset):

@@ -45,8 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--data", help="your shards: a brace pattern, a path, a folder of .tar files or "
                       "a quoted glob (default: synthetic "
                       "set); the fields of its first sample pick the servers: image (jpg, png, "
-                      "webp, bmp, tiff), audio (flac, wav, ogg), text (txt), label (cls)")
+                      "webp, bmp, tiff), audio (flac, wav, ogg), video (mp4, mov, webm, mkv, avi), "
+                      "text (txt), label (cls)")
     demo.add_argument("--samples", type=int, default=256, help="size of the synthetic set (default 256)")
+    demo.add_argument("--video", action="store_true",
+                      help="add an H.264 clip to every synthetic sample, and a video server "
+                      "(needs PyAV: pip install 'mmproxy[video]')")
     demo.add_argument("--batch-size", type=int, default=32, help="samples per batch (default 32)")
     demo.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
     demo.add_argument("--threads", type=int, default=2, help="DALI threads per server (default 2)")

@@ -111,7 +111,7 @@ def video_bytes(frames: np.ndarray, codec: str = "libx264", container: str = "mp
 
     buf = io.BytesIO()
     with av.open(buf, "w", format=container) as out:
-        stream = out.add_stream(codec, rate=fps)
+        stream: Any = out.add_stream(codec, rate=fps)
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
         stream.gop_size = gop
@@ -183,29 +183,37 @@ def write_tar(path: str | os.PathLike[str], samples: Iterable[dict[str, Any]]) -
 
 
 def demo_shards(samples: int = 128, per_shard: int = 16,
-                folder: str | os.PathLike[str] | None = None) -> str:
+                folder: str | os.PathLike[str] | None = None, video: bool = False) -> str:
     """Writes (once) the demo's multi-modal shards: per sample a JPEG, its :func:`caption`, FLAC
-    speech and a label (``cls``); keys ``demo000000`` on. Returns their brace pattern.
+    speech and a label (``cls``), and with ``video`` an H.264 clip (``mp4``, 2 s, needs PyAV);
+    keys ``demo000000`` on. Returns their brace pattern.
 
     Args:
         samples: How many samples.
         per_shard: Samples per shard.
-        folder: Where; default ``cache_dir()/demo/shards-SAMPLES-PER_SHARD``.
+        folder: Where; default ``cache_dir()/demo/shards-SAMPLES-PER_SHARD[-video]``.
+        video: Add a video field.
     """
-    where = Path(folder or cache_dir() / "demo" / f"shards-{samples}-{per_shard}")
+    name = f"shards-{samples}-{per_shard}" + ("-video" if video else "")
+    where = Path(folder or cache_dir() / "demo" / name)
     where.mkdir(parents=True, exist_ok=True)
     shards = (samples + per_shard - 1) // per_shard
     for s in range(shards):
         path = where / f"demo-{s:04d}.tar"
         if not path.exists():
-            write_tar(path, map(_demo_sample, range(s * per_shard, min(samples, (s + 1) * per_shard))))
+            write_tar(path, (_demo_sample(i, video)
+                             for i in range(s * per_shard, min(samples, (s + 1) * per_shard))))
     return str(where / f"demo-{{0000..{shards - 1:04d}}}.tar")
 
 
-def _demo_sample(i: int) -> dict[str, Any]:
+def _demo_sample(i: int, video: bool = False) -> dict[str, Any]:
     speech = synth_speech(i, 1.0 + (i % 5) * 0.4, 22050)
-    return {"__key__": f"demo{i:06d}", "jpg": image_bytes(synth_image(i, 240, 320)),
-            "txt": caption(i), "flac": audio_bytes(speech, 22050, "FLAC"), "cls": str(i % len(WORDS))}
+    sample = {"__key__": f"demo{i:06d}", "jpg": image_bytes(synth_image(i, 240, 320)),
+              "txt": caption(i), "flac": audio_bytes(speech, 22050, "FLAC"),
+              "cls": str(i % len(WORDS))}
+    if video:
+        sample["mp4"] = video_bytes(synth_video(i, 50, 120, 160))
+    return sample
 
 
 def image_folder(root: str | os.PathLike[str], per_class: int = 8) -> str:

@@ -169,7 +169,7 @@ def test_video_text_dataset_and_make_shards_from_a_folder(tmp_path):
 def test_nvdec_decodes_h264_like_pyav():
     data = _encode("h264")
     pipe = video_pipeline(batch_size=2, frames=4, stride=3, size=64, resize_size=64, train=False,
-                          device="gpu", dtype="uint8", layout="THWC")
+                          device="gpu", dtype="uint8", layout="THWC", decoder="dali")
     with mmproxy.DALIServer(pipe, name="nvdec") as server:
         clip = _run(server, [data])[0].cpu().numpy()
     frames = _reference(data)

@@ -1,7 +1,7 @@
-"""Demo app: ``mmproxy demo``, multi-modal shards through an image and an audio server.
+"""Demo app: ``mmproxy demo``, multi-modal shards through image, audio and video servers.
 
 Without ``--data`` it writes the synthetic demo set (:func:`mmproxy.testing.demo_shards`) first.
-The fields of the first sample choose the servers (image, audio) and what stays in PyTorch (text,
+The fields of the first sample choose the servers (image, audio, video) and what stays in PyTorch (text,
 tokenized in the workers; label); it prints samples/s per field, how long the main loop waited on
 each server, and the samples skipped.
 """
@@ -21,7 +21,7 @@ __all__ = ["run"]
 
 def run(args: argparse.Namespace) -> int:
     """Runs the demo; returns the exit code."""
-    from mmproxy.datasets.recipes import AUDIO_EXTS, IMAGE_EXTS
+    from mmproxy.datasets.recipes import AUDIO_EXTS, IMAGE_EXTS, VIDEO_EXTS
     from mmproxy.pipelines import resolve_device
     from mmproxy.testing import cache_dir, demo_shards
 
@@ -29,17 +29,20 @@ def run(args: argparse.Namespace) -> int:
         urls = _expand_data(args.data)
     else:
         print(f"mmproxy demo: writing {args.samples} synthetic samples (image, caption, audio, "
-              f"label) to {cache_dir() / 'demo'} (once)")
+              f"label{', video' if args.video else ''}) to {cache_dir() / 'demo'} (once)")
         urls = _expand_data(demo_shards(args.samples,
-                                        max(1, min(64, args.samples // (2 * max(1, args.workers))))))
+                                        max(1, min(64, args.samples // (2 * max(1, args.workers)))),
+                                        video=args.video))
     shards, exts = _first_sample_fields(urls)
     first = shards[0]
-    wanted = {"image": IMAGE_EXTS, "audio": AUDIO_EXTS, "text": "txt;caption", "label": "cls"}
+    wanted = {"image": IMAGE_EXTS, "audio": AUDIO_EXTS, "video": VIDEO_EXTS, "text": "txt;caption",
+              "label": "cls"}
     found = {name: [e for e in spec.split(";") if e in exts] for name, spec in wanted.items()}
     used = [name for name in wanted if found[name]]
-    if "image" not in used and "audio" not in used:
-        raise ValueError(f"the first sample of {first} has neither an image ({IMAGE_EXTS}) nor an "
-                         f"audio ({AUDIO_EXTS}) field, only {', '.join(exts)}; the demo needs one")
+    if not {"image", "audio", "video"} & set(used):
+        raise ValueError(f"the first sample of {first} has no image ({IMAGE_EXTS}), audio "
+                         f"({AUDIO_EXTS}) or video ({VIDEO_EXTS}) field, only {', '.join(exts)}; "
+                         "the demo needs one")
     print(f"mmproxy demo: fields {', '.join(f'{n} ({found[n][0]})' for n in used)}; missing: "
           + (", ".join(f"{n} (no {wanted[n].replace(';', '/')})" for n in wanted if n not in used)
              or "none") + f" (from the first sample of {first})")
@@ -60,9 +63,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _servers(args: argparse.Namespace, used: list[str]) -> dict[str, Any]:
-    """An image server and an audio server, for the fields the shards have."""
+    """An image, an audio and a video server, for the fields the shards have."""
     import mmproxy
-    from mmproxy.pipelines import audio_pipeline, image_train_pipeline
+    from mmproxy.pipelines import audio_pipeline, image_train_pipeline, video_pipeline
 
     servers: dict[str, Any] = {}
     if "image" in used:
@@ -73,6 +76,10 @@ def _servers(args: argparse.Namespace, used: list[str]) -> dict[str, Any]:
         servers["audio"] = mmproxy.DALIServer(
             audio_pipeline(batch_size=args.batch_size, sample_rate=16000, device=args.device,
                            num_threads=args.threads), name="audio", pad=[0])
+    if "video" in used:  # 8 frames at stride 2, decoded as video_pipeline's "auto" chooses
+        servers["video"] = mmproxy.DALIServer(
+            video_pipeline(batch_size=args.batch_size, frames=8, stride=2, size=112,
+                           device=args.device, num_threads=args.threads), name="video")
     return servers
 
 
@@ -106,6 +113,7 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
     from tqdm import tqdm
 
     sizes = {"image": lambda b: len(b["image"]), "audio": lambda b: b["audio"][0].data.shape[0],
+             "video": lambda b: len(b["video"]),
              "text": lambda b: b["input_ids"].shape[0], "label": lambda b: len(b["label"])}
     counts = dict.fromkeys(used, 0)
     skipped: list[Any] = []
