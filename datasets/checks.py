@@ -246,8 +246,8 @@ def _mp4_video(data: Data, start: int, end: int, found: dict[str, object]) -> No
                 found.update(track)
         elif kind in _MP4_PARENTS:
             _mp4_video(data, begin, stop, found)
-        elif kind == b"hdlr" and stop - begin >= 12:
-            found["handler"] = bytes(data[begin + 8:begin + 12])
+        elif kind == b"hdlr" and stop - begin >= 12:  # the media's (mdia) handler comes first;
+            found.setdefault("handler", bytes(data[begin + 8:begin + 12]))  # QuickTime adds more
         elif kind == b"stsd" and stop - begin >= 16:
             fourcc = bytes(data[begin + 12:begin + 16])
             found["codec"] = _MP4_CODECS.get(fourcc.lower(), fourcc.decode("latin-1").strip())

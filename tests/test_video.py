@@ -74,6 +74,20 @@ def test_centred_clips_match_pyav_frame_for_frame(decoder, codec):
     assert shifted > 2 * errors.max() + 1  # the comparison can tell a frame from its neighbour
 
 
+@pytest.mark.parametrize("codec,container,expect", [
+    ("libx264", "mp4", ("mp4", "h264", 30)), ("libx264", "mov", ("mp4", "h264", 30)),
+    ("libx264", "matroska", ("matroska", "h264", None)), ("mjpeg", "avi", ("avi", "mjpeg", 30)),
+    ("libvpx-vp9", "webm", ("matroska", "vp9", None)), ("mpeg4", "mp4", ("mp4", "mpeg4", 30))])
+def test_container_headers_say_codec_and_frames(codec, container, expect):
+    """QuickTime (.mov) holds a second handler box (the data handler) after the media's: the
+    media's says whether a track is video."""
+    from mmproxy.datasets.checks import check_header, video_info
+
+    data = video_bytes(synth_video(3, 30), codec, container)
+    assert tuple(video_info(data)) == expect
+    assert check_header("mp4", data) is None
+
+
 def test_h264_on_the_cpu_decoder_is_refused_by_codec_name():
     with _server("dali") as server:
         with pytest.raises(ValueError, match="H.264 video: DALI's CPU video decoder decodes only"):
