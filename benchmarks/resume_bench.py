@@ -1,12 +1,13 @@
 """Resuming: time to the first batch after a resume at 10% and at 90% of an epoch, and what the
-sample-seeded crop (the image train pipeline's default, needed for exact resume) costs.
+sample-seeded crop (``sample_seeded=True``, needed for exact augmentation on resume) costs.
 
 One process, the bench's image shards. Part 1 times the first batch of a fresh loader and of
 loaders resumed from states saved after 10% and after 90% of an epoch's batches, and counts the
 samples the server ran before that first batch (a resume that decoded what it skips would show
 it here). Part 2 alternates epochs of two image servers on the same shards: the crop window
 and flip drawn per sample from its seed in the workers (``fn.decoders.image_slice``) against
-DALI drawing them (``fn.decoders.image_random_crop``, ``fn.random.coin_flip``).
+DALI drawing them (``fn.decoders.image_random_crop``, ``fn.random.coin_flip``), and the seeded
+window applied after decoding the whole image (``fn.decoders.image`` + ``fn.slice``).
 
     python benchmarks/resume_bench.py --samples 4096 --rounds 3 \
         --json benchmarks/results/resume-cpu-2core.json
@@ -47,16 +48,17 @@ def main() -> None:
     batch = args.batch_size or (256 if gpu else 64)
     paths = write_shards(Path(cache_dir() / "bench"), "image", args.samples, args.workers)
 
-    def server(seeded: bool) -> mmproxy.DALIServer:
-        graph = partial(image_train_graph, gpu=gpu, size=224)
+    def server(seeded: bool, roi: bool = True) -> mmproxy.DALIServer:
+        graph = partial(image_train_graph, gpu=gpu, size=224, roi_decode=roi)
         drawn = RandomResizedCrop("data", (0.08, 1.0), (3 / 4, 4 / 3), 0.5) if seeded else None
         pipe = external_pipeline(graph, input_name="data", batch_size=batch,
                                  num_threads=args.threads, device_id=device_id,
                                  more_inputs=drawn.names if drawn else ())
         pipe.mmproxy_sample_random = drawn
-        return mmproxy.DALIServer(pipe, name="seeded" if seeded else "dali-drawn")
+        return mmproxy.DALIServer(pipe, name=("seeded" if roi else "seeded-full")
+                                  if seeded else "dali-drawn")
 
-    seeded, drawn = server(True), server(False)
+    seeded, drawn, full = server(True), server(False), server(True, roi=False)
 
     def loader(srv: mmproxy.DALIServer) -> Any:
         ds = MultiModalDataset(paths, {"image": ("jpg", srv.proxy)}, batch_size=batch,
@@ -65,7 +67,7 @@ def main() -> None:
         return ds.loader(srv, num_workers=args.workers)
 
     out: dict[str, Any] = {"settings": vars(args), "batch_size": batch, "gpu": gpu}
-    with seeded, drawn:
+    with seeded, drawn, full:
         # the states after 10% and 90% of the epoch's batches
         probe = loader(seeded)
         total = sum(1 for _ in probe)
@@ -99,15 +101,23 @@ def main() -> None:
             print(f"first batch, {name:5s}: {out['first_batch_s'][name]:.3f} s (median), server "
                   f"ran {ran[name]} samples by then", flush=True)
         # sample-seeded crop against DALI's own random crop, epochs alternated
-        loaders = {"seeded": loader(seeded), "dali-drawn": loader(drawn)}
+        loaders = {"seeded": loader(seeded), "dali-drawn": loader(drawn),
+                   "seeded-full": loader(full)}
         rates: dict[str, list[float]] = {name: [] for name in loaders}
         for r in range(args.rounds + 1):
-            for name in (list(loaders) if r % 2 else list(loaders)[::-1]):
+            names = list(loaders)
+            for name in names[r % 3:] + names[:r % 3]:
                 start, n = time.perf_counter(), 0
                 for b in loaders[name]:
                     n += count_samples(b)
                 if r:  # round 0 warms both up
                     rates[name].append(n / (time.perf_counter() - start))
+        full_ratios = [a / b for a, b in zip(rates["seeded-full"], rates["dali-drawn"])]
+        out["seeded_full_decode_vs_dali_drawn"] = {
+            "median": round(statistics.median(full_ratios), 3),
+            "range": [round(min(full_ratios), 3), round(max(full_ratios), 3)]}
+        print(f"seeded, whole image decoded then sliced / dali-drawn: "
+              f"{out['seeded_full_decode_vs_dali_drawn']}", flush=True)
         ratios = [a / b for a, b in zip(rates["seeded"], rates["dali-drawn"])]
         out["rates"] = rates
         out["seeded_vs_dali_drawn"] = {"median": round(statistics.median(ratios), 3),

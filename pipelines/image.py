@@ -153,7 +153,7 @@ def image_train_graph(encoded: Any, *, gpu: bool, size: int = 224,
                       mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                       layout: Layout = "CHW", dtype: DType = "float32",
                       cpu_resize: CpuResize = "torchvision", crop_anchor: Any = None,
-                      crop_shape: Any = None, flip: Any = None) -> Any:
+                      crop_shape: Any = None, flip: Any = None, roi_decode: bool = True) -> Any:
     """The training graph: encoded images (a DALI node) to random-resized, flipped, normalized
     crops. Call it inside a ``pipeline_def``; arguments as in :func:`image_train_pipeline`, with
     ``gpu`` from :func:`~mmproxy.pipelines.resolve_device`.
@@ -161,6 +161,8 @@ def image_train_graph(encoded: Any, *, gpu: bool, size: int = 224,
     With ``crop_anchor``, ``crop_shape`` (relative, x then y) and ``flip`` (DALI nodes: the
     inputs :class:`RandomResizedCrop` draws), the crop and flip are those; without them DALI
     draws them (``fn.decoders.image_random_crop``, ``fn.random.coin_flip``), as behind a reader.
+    ``roi_decode``: decode only the window (``fn.decoders.image_slice``), or the whole image and
+    then slice it (``fn.decoders.image`` + ``fn.slice``).
     """
     from nvidia.dali import fn, types
 
@@ -170,10 +172,14 @@ def image_train_graph(encoded: Any, *, gpu: bool, size: int = 224,
             encoded, device=device, output_type=types.RGB, random_area=list(scale),
             random_aspect_ratio=list(ratio))
         flip = fn.random.coin_flip(probability=flip_probability)
-    else:
+    elif roi_decode:
         images = fn.decoders.image_slice(
             encoded, crop_anchor, crop_shape, device=device, output_type=types.RGB,
             normalized_anchor=True, normalized_shape=True, axis_names="WH")
+    else:
+        images = fn.slice(fn.decoders.image(encoded, device=device, output_type=types.RGB),
+                          crop_anchor, crop_shape, normalized_anchor=True, normalized_shape=True,
+                          axis_names="WH")
     images = resize(images, size, gpu=gpu, cpu_resize=cpu_resize)
     return _normalize(images, size=size, layout=layout, dtype=dtype, mean=mean, std=std,
                       mirror=flip)
