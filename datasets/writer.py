@@ -117,7 +117,7 @@ def _plan(source: Path, output: Path, kind: str,
           left_out: list[tuple[str, str]]) -> list[_Planned]:
     """The files to write, in name order; the others go to ``left_out`` with the reason."""
     suffixes, media, image = KINDS[kind]  # `image`: captioned media (images, videos)
-    what = "an audio" if media == "audio" else f"a {media}"
+    what = {"image": "an image", "audio": "an audio", "video": "a video"}[media]
     readable = " ".join(sorted(suffixes))
     out_dir = output.resolve()
     planned: list[_Planned] = []

@@ -23,8 +23,7 @@ from mmproxy.pipelines.image import (
 )
 from mmproxy.pipelines.video import ClipDraw, decode_clip, video_graph, video_pipeline
 
-__all__ = ["Device", "IMAGENET_MEAN", "IMAGENET_STD", "RandomResizedCrop", "audio_graph",
-           "audio_pipeline",
-           "external_pipeline", "image_eval_graph", "image_eval_pipeline", "image_train_graph",
-           "image_train_pipeline", "resize", "resolve_device", "ClipDraw", "decode_clip",
-           "video_graph", "video_pipeline"]
+__all__ = ["ClipDraw", "Device", "IMAGENET_MEAN", "IMAGENET_STD", "RandomResizedCrop",
+           "audio_graph", "audio_pipeline", "decode_clip", "external_pipeline", "image_eval_graph",
+           "image_eval_pipeline", "image_train_graph", "image_train_pipeline", "resize",
+           "resolve_device", "video_graph", "video_pipeline"]

@@ -280,7 +280,7 @@ def test_demo_on_image_only_shards_uses_the_image_server_and_says_audio_is_missi
     assert "server 'audio'" not in out and "skipped 0 samples" in out
 
 
-def test_demo_without_image_or_audio_fails_in_one_line(tmp_path):
+def test_demo_without_image_audio_or_video_fails_in_one_line(tmp_path):
     shard = tmp_path / "text-000.tar"
     with tarfile.open(shard, "w") as tar:
         for name in ("k0.txt", "k0.cls"):
@@ -289,8 +289,9 @@ def test_demo_without_image_or_audio_fails_in_one_line(tmp_path):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert lines[-1] == HINT and len(lines) == 2, proc.stderr
-    assert re.match(r"mmproxy demo: error: the first sample of .*text-000\.tar has neither an "
-                    r"image \(jpg;.*\) nor an audio \(flac;wav;ogg\) field, only txt, cls", lines[0])
+    assert re.match(r"mmproxy demo: error: the first sample of .*text-000\.tar has no image "
+                    r"\(jpg;.*\), audio \(flac;wav;ogg\) or video \(mp4;.*\) field, only txt, cls",
+                    lines[0])
     proc = run_cli(["demo", "--data", str(tmp_path / "none-{0..3}.tar")], tmp_path)
     assert proc.returncode == 1 and "error: no shard at" in proc.stderr and "none-0.tar" in proc.stderr
 
