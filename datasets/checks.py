@@ -236,16 +236,18 @@ def _mp4_boxes(data: Data, start: int, end: int) -> Iterator[tuple[bytes, int, i
         at += size
 
 
-def _mp4_video(data: Data, start: int, end: int, found: dict[str, object]) -> None:
+def _mp4_video(data: Data, start: int, end: int, found: dict[str, object], depth: int = 0) -> None:
     """Fills ``found`` with the first video track's codec and sample count."""
+    if depth > 8:  # moov/trak/mdia/minf/stbl is 5 deep; deeper is not a real file
+        return
     for kind, begin, stop in _mp4_boxes(data, start, end):
         if kind == b"trak":
             track: dict[str, object] = {}
-            _mp4_video(data, begin, stop, track)
+            _mp4_video(data, begin, stop, track, depth + 1)
             if track.get("handler") == b"vide" and "codec" not in found:
                 found.update(track)
         elif kind in _MP4_PARENTS:
-            _mp4_video(data, begin, stop, found)
+            _mp4_video(data, begin, stop, found, depth + 1)
         elif kind == b"hdlr" and stop - begin >= 12:  # the media's (mdia) handler comes first;
             found.setdefault("handler", bytes(data[begin + 8:begin + 12]))  # QuickTime adds more
         elif kind == b"stsd" and stop - begin >= 16:

@@ -86,7 +86,11 @@ def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: 
                 present = sorted(k for k in sample if not k.startswith("__"))
                 raise Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has {present})")
             data = sample[ext]
-            problem = check_header(ext, data, max_pixels) if server else None if data else "is empty"
+            try:
+                problem = check_header(ext, data, max_pixels) if server else (
+                    None if data else "is empty")
+            except Exception as err:  # a header no check foresaw: the sample is bad, not the run
+                problem = f"cannot be read ({type(err).__name__}: {err})"
             if problem:
                 raise Skip(url, key, f"bad header: field {ext!r} {problem}")
             try:

@@ -237,6 +237,12 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                 raise ShardError(f"rank {rank} of {world} gets no shards{where}: there are only "
                                  f"{len(source.urls)} shards for {world} ranks; write more, "
                                  "smaller shards or use resampled=True")
+            if self.mixed and len(mine) < workers:
+                raise ShardError(
+                    f"rank {rank} of {world} has {len(mine)} shards{where} for {workers} workers; "
+                    "with several sources every worker needs shards of each source (or its share "
+                    f"of the weights would go to the others): use at most {len(mine)} workers, or "
+                    "more (smaller) shards")
             if self.epoch_length is not None and len(mine) < workers:
                 raise ShardError(
                     f"rank {rank} of {world} has {len(mine)} shards{where} for {workers} workers, "
@@ -289,8 +295,9 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         if self.epoch_length is not None:
             delivered = max(int(s["batches"]) for s in saved)
             quota = list(split_quota(max(0, self.epoch_length - delivered), workers))
-        return [{"epoch": epoch, "worker": w, "state": None, "plans": dealt[rank * workers + w],
-                 "quota": quota[w], "workers": workers} for w in range(workers)]
+        return [{"epoch": epoch, "worker": w, "state": None, "quota": quota[w], "workers": workers,
+                 "plans": [[tuple(item) for item in plan] for plan in dealt[rank * workers + w]]}
+                for w in range(workers)]  # plain tuples: torch.load(weights_only=True) reads them
 
     def _read(self, work: Work, skipped: list[SkippedSample]
               ) -> Iterator[tuple[int, dict[str, Any]] | None]:

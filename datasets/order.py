@@ -145,6 +145,7 @@ class SourceStream:
         return self._plan[item] if item < len(self._plan) else None
 
     def _read_one(self) -> Taken | None | object:
+        empty = 0  # shards in a row that held nothing
         while True:
             if self._reader is None:
                 work = self._work(self.item)
@@ -156,8 +157,13 @@ class SourceStream:
             got = next(self._reader, END)
             if got is END:
                 self._reader, self.item, self.next = None, self.item + 1, 0
+                empty += 1
+                if self.layout.resampled and empty > 2 * len(self.urls) + 100:
+                    raise ShardError(f"{_where(self.layout)}: {empty} shards drawn in a row held "
+                                     "no samples (resampled=True draws forever)")
                 continue
-            if got is None:
+            if got is None:  # the shard failed or was empty, and is over: its record is taken
+                self._reader, self.item, self.next = None, self.item + 1, 0
                 return None
             index, raw = cast(tuple[int, dict[str, Any]], got)
             self.next = index + 1
@@ -249,28 +255,34 @@ def fetch(addresses: Sequence[tuple[str, int]], read: Reader, skipped: list[Skip
 class Order:
     """One worker's raw samples for one epoch, from one or several sources.
 
-    With several sources every sample's source is drawn by weight (among sources still going).
-    A source whose pass ends either ends the worker's epoch (``"stop"``), or starts its next
-    pass (``"restart"``: the epoch ends once every source has finished a pass); with
-    ``endless`` (``epoch_length`` set) sources always restart and the quota ends the epoch.
+    With several sources every sample's source is drawn by weight. A source whose pass ends
+    either ends the worker's epoch (``"stop"``), or starts its next pass (``"restart"``: the
+    epoch ends once every source has finished a pass); with ``endless`` (``epoch_length`` set)
+    sources always restart and the quota ends the epoch. A source that has nothing at all for
+    this worker (no shards after an elastic resume, or all of them unreadable) is left out of
+    the draw instead of ending the epoch.
     Yields ``(source, (shard, index, sample))`` or ``None`` (a shard was skipped).
     """
 
     def __init__(self, streams: list[SourceStream], weights: Sequence[float],
                  on_exhausted: OnExhausted, endless: bool, layout: Layout) -> None:
         self.streams = streams
-        total = float(sum(weights))
-        self._cumulative = np.cumsum([w / total for w in weights])
+        self.weights = list(weights)
+        self._active = list(range(len(streams)))
+        self._cumulative = self._cumulate()
         self.on_exhausted, self.endless = on_exhausted, endless
         self._rng = _rng(layout.seed, layout.epoch, layout.rank, layout.worker, 3)
 
     def __iter__(self) -> Iterator[tuple[int, Taken] | None]:
-        while True:
-            s = 0 if len(self.streams) == 1 else min(
+        while self._active:
+            s = self._active[0] if len(self._active) == 1 else self._active[min(
                 int(np.searchsorted(self._cumulative, self._rng.random(), side="right")),
-                len(self.streams) - 1)
+                len(self._active) - 1)]
             stream = self.streams[s]
             got = stream.take()
+            if got is END and not self.endless and stream.passes == 0 and stream.taken == 0:
+                self._drop(s)  # nothing of this source for this worker: the others go on
+                continue
             if got is END:
                 if self.endless:
                     if stream.taken == 0:
@@ -286,12 +298,24 @@ class Order:
                 continue
             yield None if got is None else (s, got)  # type: ignore[misc]
 
+    def _cumulate(self) -> np.ndarray:
+        active = [self.weights[s] for s in self._active]
+        return np.cumsum([w / sum(active) for w in active])
+
+    def _drop(self, source: int) -> None:
+        self._active.remove(source)
+        if self._active:
+            self._cumulative = self._cumulate()
+
     def state(self, table: UrlTable) -> dict[str, Any]:
-        return {"mix": self._rng.bit_generator.state,
+        return {"mix": self._rng.bit_generator.state, "active": list(self._active),
                 "sources": [st.state(table) for st in self.streams]}
 
     def restore(self, state: Mapping[str, Any], urls: list[str]) -> None:
         self._rng.bit_generator.state = state["mix"]
+        self._active = list(state["active"])
+        if self._active:
+            self._cumulative = self._cumulate()
         for stream, saved in zip(self.streams, state["sources"]):
             stream.restore(saved, urls)
 
@@ -346,6 +370,6 @@ def split_quota(batches: int, workers: int) -> list[int]:
 
 
 def check_weights(weights: Sequence[float]) -> None:
-    if not weights or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"source weights must be non-negative numbers with a positive sum, "
-                         f"got {list(weights)}")
+    if not weights or any(not math.isfinite(w) or w <= 0 for w in weights):
+        raise ValueError(f"source weights must be positive numbers (leave a source out to skip "
+                         f"it), got {list(weights)}")

@@ -88,12 +88,21 @@ def sample_key(key: str | None, *, shard: str | None = None, skip: bool = False,
             a flip) are drawn from it, so the sample gets the same augmentation whichever worker,
             batch or run it lands in (exact resume).
     """
-    previous = getattr(_sample_key, "value", None)
+    previous = getattr(_sample_key, "value", None), getattr(_sample_key, "draws", 0)
     _sample_key.value = None if key is None else SampleId(str(key), shard, skip, seed)
+    _sample_key.draws = 0
     try:
         yield
     finally:
-        _sample_key.value = previous
+        _sample_key.value, _sample_key.draws = previous
+
+
+def draw_number() -> int:
+    """How many proxy calls of the current sample drew inputs before this one (0, 1, ...): two
+    views of one sample (two fields, or a field function calling a proxy twice) draw apart."""
+    number = getattr(_sample_key, "draws", 0)
+    _sample_key.draws = number + 1
+    return number
 
 
 class Stamped:

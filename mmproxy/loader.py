@@ -122,6 +122,8 @@ class DataLoader(torch.utils.data.DataLoader):
         after the epoch's last batch (or before the first), with the next epoch. Small and
         picklable: the epoch, the batches delivered, and per worker the position of the dataset
         (:func:`mmproxy.worker.stamp`). In a multi-rank job each rank saves its own."""
+        if self._resume is not None:  # loaded, not yet iterated: where the loaded state stands
+            return hand_out(self._resume, self.dataset, max(1, self.num_workers))[1].state_dict()
         if self._progress is None:
             return {"version": VERSION, "epoch": int(self._epoch.value), "done": True}
         progress = self._progress

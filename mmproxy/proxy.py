@@ -195,7 +195,10 @@ class DALIProxy:
         """All the pipeline's inputs: ``given`` and the ones drawn from the sample's seed."""
         assert self.sample_random is not None
         seed = key.seed if key is not None else None
-        rng = _unseeded if seed is None else random.Random(seed)
+        if seed is None:
+            rng = _unseeded
+        else:  # each call of the sample draws from its own stream: two views, two crops
+            rng = random.Random((seed + _context.draw_number() * 0x9E3779B97F4A7C15) % 2**64)
         drawn = self.sample_random(given, rng)
         return tuple(_as_array(drawn[n], n, self.server_name) if n in drawn else given[n]
                      for n in self.input_names)

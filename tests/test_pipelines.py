@@ -140,6 +140,22 @@ def test_sample_seeded_crops_follow_each_samples_seed_not_its_batch():
     assert sum(not torch.equal(a[i], other[i]) for i in range(6)) >= 5
 
 
+def test_two_views_of_one_sample_get_two_crops():
+    """Two proxy calls in one sample (two fields, SimCLR-style) draw from different streams."""
+    from mmproxy.worker import sample_key
+
+    jpeg = np.frombuffer(image_bytes(synth_image(1)), np.uint8)
+    pipe = image_train_pipeline(batch_size=8, size=32, device="cpu", num_threads=1,
+                                sample_seeded=True)
+    with mmproxy.DALIServer(pipe) as server:
+        refs = []
+        for i in range(4):
+            with sample_key(f"s{i}", seed=i):
+                refs += [server.proxy(jpeg), server.proxy(jpeg)]
+        out = server.produce_data(default_collate(refs))
+    assert sum(not torch.equal(out[2 * i], out[2 * i + 1]) for i in range(4)) >= 3
+
+
 def test_random_resized_crop_windows_stay_in_scale_and_ratio():
     import random
 

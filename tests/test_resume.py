@@ -358,8 +358,10 @@ def test_sources_must_give_the_same_fields(text_sources):
     with pytest.raises(TypeError, match="either urls and fields, or sources"):
         MultiModalDataset(a, {"text": ("txt", bytes.decode)}, batch_size=4,
                           sources=[Source(b, {"text": ("json", _caption)})])
-    with pytest.raises(ValueError, match="weights"):
-        MultiModalDataset(sources=[Source(a, {"text": ("txt", bytes.decode)}, -1)], batch_size=4)
+    for weight in (-1, 0):  # a weight-0 source would never finish a pass under "restart"
+        with pytest.raises(ValueError, match="weights must be positive"):
+            MultiModalDataset(sources=[Source(a, {"text": ("txt", bytes.decode)}, weight)],
+                              batch_size=4)
 
 
 def test_a_dataset_without_positions_is_not_resumed_silently(add_server):
@@ -396,3 +398,70 @@ def test_mixing_sources_of_different_formats_through_one_server(tmp_path, server
             assert text.startswith(f"{source.lower()} caption") and key.startswith(source.lower())
             seen[source] += 1
     assert seen["A"] >= 16 and seen["B"] >= 16
+
+
+def test_a_state_saved_right_after_loading_one_is_that_state(shards, server):
+    """A checkpoint written after load_state_dict, before the first step, resumes the same."""
+    whole, _ = _keys(_dataset(shards, server).loader(server, num_workers=2))
+    before, state = _keys(_dataset(shards, server).loader(server, num_workers=2), 3)
+    loaded = _dataset(shards, server).loader(server, num_workers=2)
+    loaded.load_state_dict(state)
+    again = loaded.state_dict()
+    assert again["epoch"] == state["epoch"] and again["batches"] == 3 and not again["done"]
+    resumed = _dataset(shards, server).loader(server, num_workers=2)
+    resumed.load_state_dict(again)
+    assert before + _keys(resumed)[0] == whole
+
+
+def test_an_unreadable_shard_is_reported_once_across_a_resume(shards, server, tmp_path):
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(b"this is not a tar file" * 100)
+    urls = expand_brace(shards)
+    urls.insert(2, str(bad))  # worker 0 reads it between two good shards
+
+    def build():
+        return MultiModalDataset(urls, {"text": ("txt", bytes.decode)}, batch_size=1,
+                                 shuffle_shards=False, on_error="skip", max_skipped=None
+                                 ).loader(server, num_workers=2)
+
+    whole = build()
+    keys, _ = _keys(whole)
+    assert whole.skipped.skipped == 1
+    for k in range(1, len(keys)):  # wherever the state is saved
+        before, state = _keys(build(), k)
+        resumed = build()
+        resumed.load_state_dict(state)
+        after, _ = _keys(resumed)
+        assert before + after == keys and resumed.skipped.skipped == 1, k
+
+
+def expand_brace(pattern):
+    from mmproxy.datasets.shards import expand
+
+    return expand(pattern)
+
+
+def test_mixing_needs_shards_of_every_source_for_every_worker(text_sources, server):
+    a, b = text_sources
+    sources = [Source(a, {"text": ("txt", bytes.decode)}),
+               Source(b.replace("{0..7}", "0"), {"text": ("json", _caption)}, name="B")]
+    ds = MultiModalDataset(sources=sources, batch_size=50)
+    with pytest.raises(mmproxy.ShardError, match="1 shards of source 'B' for 2 workers"):
+        ds.loader(server, num_workers=2)
+
+
+def test_elastic_states_load_with_torch_weights_only(shards, server, tmp_path):
+    _, state = _keys(_dataset(shards, server).loader(server, num_workers=2), 3)
+    loader = _dataset(shards, server).loader(server, num_workers=3)
+    loader.load_state_dict(state)
+    torch.save(loader.state_dict(), tmp_path / "elastic.pt")
+    assert torch.load(tmp_path / "elastic.pt", weights_only=True)["workers"] == 3
+
+
+def test_resampling_only_empty_shards_fails_instead_of_spinning(server, tmp_path):
+    write_tar(tmp_path / "empty-0.tar", [{"__key__": "x", "txt": ""}][:0])
+    ds = MultiModalDataset(str(tmp_path / "empty-0.tar"), {"text": ("txt", bytes.decode)},
+                           batch_size=2, resampled=True, epoch_length=2)
+    with pytest.raises(mmproxy.ShardError, match="held no samples"):
+        for _ in ds.loader(server, num_workers=0):
+            pass

@@ -88,6 +88,14 @@ def test_container_headers_say_codec_and_frames(codec, container, expect):
     assert check_header("mp4", data) is None
 
 
+def test_a_crafted_deep_mp4_is_a_bad_header_not_a_crash():
+    from mmproxy.datasets.checks import check_header
+
+    depth = 5000  # moov inside moov inside ...: 8 bytes a level
+    data = b"".join((8 * (depth - i)).to_bytes(4, "big") + b"moov" for i in range(depth))
+    assert check_header("mp4", b"\x00\x00\x00\x08ftyp" + data) is not None
+
+
 def test_h264_on_the_cpu_decoder_is_refused_by_codec_name():
     with _server("dali") as server:
         with pytest.raises(ValueError, match="H.264 video: DALI's CPU video decoder decodes only"):
