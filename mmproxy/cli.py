@@ -110,7 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "on a GPU; 64 and 32 on CPU")
     bench.add_argument("--workers", type=int, default=2)
     bench.add_argument("--threads", type=int, default=2, help="DALI threads per pipeline")
-    bench.add_argument("--epochs", type=int, default=3, help="the best epoch counts")
+    bench.add_argument("--epochs", type=int, default=3,
+                       help="epochs per run: the first (warm-up) is reported apart; the best one "
+                       "and the sustained rate over the rest count (use 5 or more for figures)")
+    bench.add_argument("--runs", type=int, default=1,
+                       help="run every system this many times, interleaved; reports the median and "
+                       "the range over the runs of the rates and of mmproxy's ratios")
+    bench.add_argument("--data", help="your own shards (a brace pattern, a folder of .tar files or "
+                       "a quoted glob) instead of the bench's synthetic ones: every system on them")
+    bench.add_argument("--field", help="with --data: the extension of the field to load (an image "
+                       "or audio one; default: the first of the first sample)")
     bench.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
     bench.add_argument("--cpu-resize", choices=["torchvision", "dali"], default="torchvision",
                        help="CPU image pipelines of every DALI system: resize with torchvision "

@@ -88,6 +88,29 @@ def test_bench_runs_every_system_side_by_side(tmp_path):
     assert systems["torch"]["mmproxy_ratio"] > 0
 
 
+def test_bench_on_your_own_shards_reports_runs_and_spread(tmp_path):
+    """--data: every system on shards the bench did not write (make-shards of an image folder),
+    two interleaved runs: the median and range of mmproxy's sustained ratio."""
+    from mmproxy.datasets import make_shards
+    from mmproxy.testing import image_folder
+
+    make_shards(image_folder(tmp_path / "photos", per_class=12), tmp_path / "mine", max_count=8)
+    out = tmp_path / "bench.json"
+    run(["-m", "mmproxy.cli", "bench", "--data", str(tmp_path / "mine"), "--runs", "2",
+         "--epochs", "2", "--batch-size", "8", "--device", "cpu", "--systems", "mmproxy,torch",
+         "--json", str(out)], tmp_path)
+    result = json.loads(out.read_text())["results"]["image"]
+    assert result["field"] == "jpg" and result["samples"] == 24
+    torch_run = result["systems"]["torch"]
+    assert len(torch_run["runs"]) == 2 and len(torch_run["warmup_epochs"]) == 2
+    ratio = torch_run["mmproxy_ratio_sustained"]
+    assert ratio["runs"] == 2 and ratio["range"][0] <= ratio["median"] <= ratio["range"][1]
+    bad = subprocess.run([sys.executable, "-m", "mmproxy.cli", "bench", "--data",
+                          str(tmp_path / "mine"), "--field", "txt", "--device", "cpu"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "neither an image" in bad.stderr
+
+
 def test_demo_command_runs(tmp_path):
     out = run(["-m", "mmproxy.cli", "demo", "--samples", "64", "--quiet"], tmp_path)
     assert "image      64 samples" in out and "skipped 0 samples" in out

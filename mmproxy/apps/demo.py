@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import re
-import tarfile
 import time
 from typing import Any
+
+from mmproxy.apps.data import expand_data, first_sample_fields
 
 __all__ = ["run"]
 
@@ -26,14 +25,14 @@ def run(args: argparse.Namespace) -> int:
     from mmproxy.testing import cache_dir, demo_shards
 
     if args.data:
-        urls = _expand_data(args.data)
+        urls = expand_data(args.data)
     else:
         print(f"mmproxy demo: writing {args.samples} synthetic samples (image, caption, audio, "
               f"label{', video' if args.video else ''}) to {cache_dir() / 'demo'} (once)")
-        urls = _expand_data(demo_shards(args.samples,
+        urls = expand_data(demo_shards(args.samples,
                                         max(1, min(64, args.samples // (2 * max(1, args.workers)))),
                                         video=args.video))
-    shards, exts = _first_sample_fields(urls)
+    shards, exts = first_sample_fields(urls)
     first = shards[0]
     wanted = {"image": IMAGE_EXTS, "audio": AUDIO_EXTS, "video": VIDEO_EXTS, "text": "txt;caption",
               "label": "cls"}
@@ -133,62 +132,3 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
         print(f"  main loop waited {server.wait_seconds:6.2f} s on server {server.name!r} "
               f"(which waited {server.starved_seconds:.2f} s for inputs from workers)")
     print(f"  skipped {len(skipped)} samples" + (f", first: {skipped[:3]}" if skipped else ""))
-
-
-def _expand_data(data: str) -> list[str]:
-    """The shards ``--data`` names: a brace pattern or path, a folder of ``.tar`` files, or a glob."""
-    import glob
-
-    from braceexpand import braceexpand
-
-    if os.path.isdir(data):
-        shards = sorted(glob.glob(os.path.join(data, "*.tar")))
-        if not shards:
-            raise FileNotFoundError(f"no .tar shard in the folder {data}")
-        return shards
-    if any(c in data for c in "*?[") and "://" not in data and not data.startswith("pipe:"):
-        shards = sorted(glob.glob(data))
-        if not shards:
-            raise FileNotFoundError(f"no shard matches {data}")
-        return shards
-    return list(braceexpand(data)) or [data]
-
-
-def _first_sample_fields(shards: list[str]) -> tuple[list[str], list[str]]:
-    """The shards and the extensions (fields) of the first shard's first sample."""
-    first = shards[0]
-    local = "://" not in first and not first.startswith("pipe:")
-    if local and not os.path.isfile(first):
-        raise FileNotFoundError(f"no shard at {first} (the first of {len(shards)} that --data names)")
-    exts: list[str] = []
-    try:
-        if local:
-            with tarfile.open(first) as tar:
-                key = None
-                for member in tar:  # KEY.EXT as webdataset splits it: at the name's first dot
-                    match = re.match(r"^((?:.*/|)[^./][^.]*)[.]([^/]*)$", member.name)
-                    if not member.isfile() or match is None:
-                        continue
-                    if key is not None and match[1] != key:
-                        break
-                    key = match[1]
-                    exts.append(match[2].lower())
-        elif first.startswith(("http://", "https://", "s3://")):
-            from mmproxy.datasets.remote import RemoteError, RemoteOptions
-            from mmproxy.datasets.shards import read_remote_tar
-
-            try:
-                sample: dict[str, Any] = next(iter(read_remote_tar(first, RemoteOptions())), {})
-            except RemoteError as err:
-                raise ValueError(str(err)) from err
-            exts = [k for k in sample if not k.startswith("__")]
-        else:
-            import webdataset as wds
-
-            sample = next(iter(wds.WebDataset(first, shardshuffle=False)), {})
-            exts = [k for k in sample if not k.startswith("__")]
-    except (tarfile.TarError, OSError, ValueError) as err:
-        raise ValueError(f"cannot read the first sample of {first}: {err}") from err
-    if not exts:
-        raise ValueError(f"{first} holds no samples (no tar members named KEY.EXT)")
-    return shards, exts

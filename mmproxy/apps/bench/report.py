@@ -55,8 +55,12 @@ def print_summary(out: dict[str, Any], workers: int) -> None:
     for kind, r in out["results"].items():
         for name, s in r["systems"].items():
             if "samples_per_s" in s:
+                runs = s.get("mmproxy_ratio_sustained")
+                spread = (f"; sustained, median of {runs['runs']} runs: {runs['median']:.2f} "
+                          f"(range {runs['range'][0]:.2f}-{runs['range'][1]:.2f})"
+                          if runs and runs["runs"] > 1 else "")
                 print(f"  {kind:10s} {name:12s} {s['samples_per_s']:10.1f} samples/s   "
-                      f"mmproxy / this = {s.get('mmproxy_ratio', float('nan')):.2f}")
+                      f"mmproxy / this = {s.get('mmproxy_ratio', float('nan')):.2f}{spread}")
             else:
                 print(f"  {kind:10s} {name:12s} {s['error']}")
 

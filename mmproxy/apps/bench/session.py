@@ -1,8 +1,12 @@
 """Session: one ``mmproxy bench`` run, every workload through each of its systems, then the report.
 
-Every system reads the same WebDataset shards (:mod:`~mmproxy.apps.bench.shards`) with the same
-batch size and worker count; each runs ``--epochs`` epochs and its best epoch counts. Results are
-printed as ratios to mmproxy and written as JSON (and a PNG bar chart with ``--plot``).
+Every system reads the same WebDataset shards (:mod:`~mmproxy.apps.bench.shards`, or yours with
+``--data``) with the same batch size and worker count; each runs ``--epochs`` epochs: the first
+(warm-up: workers and pipelines starting) is reported apart, the best epoch and the sustained rate
+over the later ones count. With ``--runs N`` every system runs N times, the runs interleaved
+(run 1 of every system, then run 2, ...), and the report gives the median and the range over the
+runs, of the rates and of mmproxy's ratio to each system. Results are printed as ratios to
+mmproxy and written as JSON (and a PNG bar chart with ``--plot``).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -33,24 +38,35 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(workloads) - set(WORKLOADS)
     if unknown:
         raise ValueError(f"unknown workload(s) {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
+    if args.runs < 1 or args.epochs < 1:
+        raise ValueError(f"--runs and --epochs must be at least 1, got {args.runs} and {args.epochs}")
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     select("image", names, 0.0)  # unknown names fail before any shard is written
     out: dict[str, Any] = {"machine": machine(gpu),
                            "settings": {k: v for k, v in vars(args).items() if k != "func"},
                            "results": {}}
-    for workload in workloads:
-        setup = _setup(args, workload, folder, gpu, device_id)
-        results: dict[str, Any] = {}
-        for system in select(workload, names, args.damage):
-            gc.collect()  # destroy the last system's pipelines here, not in forked workers
-            try:
-                results[system.name] = system.run(setup)
-            except Exception as err:  # a reference system that cannot run is reported, not fatal
-                results[system.name] = {"error": error_line(err)}
-            print(f"[{workload}] {system.name:12s} {results[system.name]}", flush=True)
+    setups = ([_user_setup(args, folder, gpu, device_id)] if args.data else
+              [_setup(args, workload, folder, gpu, device_id) for workload in workloads])
+    for setup in setups:
+        workload = setup.workload
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for number in range(args.runs):
+            for system in select(workload, names, args.damage):
+                gc.collect()  # destroy the last system's pipelines here, not in forked workers
+                try:
+                    result = system.run(setup)
+                except Exception as err:  # a reference system that cannot run is reported
+                    result = {"error": error_line(err)}
+                runs.setdefault(system.name, []).append(result)
+                print(f"[{workload}]{f' run {number + 1}' if args.runs > 1 else ''} "
+                      f"{system.name:12s} {result}", flush=True)
+        results = {name: _combine(rs) for name, rs in runs.items()}
         add_ratios(results)
-        out["results"][workload] = {"batch_size": setup.batch, "samples": _samples(args, workload),
-                                    "systems": results}
+        _run_ratios(results, runs)
+        counted = next((r["samples"] for r in results.values() if "samples" in r), None)
+        out["results"][workload] = {"batch_size": setup.batch, "systems": results,
+                                    "samples": counted if args.data else _samples(args, workload),
+                                    **({"data": args.data, "field": setup.ext} if args.data else {})}
     if args.memory_epochs:
         setup = Setup(args, "image", write_shards(folder, "image", args.samples, args.workers),
                       folder, gpu, device_id, args.batch_size or (256 if gpu else 64))
@@ -61,6 +77,62 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(out, args.plot)
     return 0
+
+
+def _combine(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's runs as one result: the median run's figures (best epoch and sustained rate
+    medians over the runs), every run's epochs kept."""
+    if len(results) == 1 or any("error" in r for r in results):
+        return next((r for r in results if "error" in r), results[0])
+    best = [r["samples_per_s"] for r in results]
+    sustained = [r["sustained_samples_per_s"] for r in results if r.get("sustained_samples_per_s")]
+    middle = sorted(results, key=lambda r: r["samples_per_s"])[len(results) // 2]
+    return {**middle, "samples_per_s": statistics.median(best),
+            "samples_per_s_range": [min(best), max(best)],
+            "sustained_samples_per_s": statistics.median(sustained) if sustained else None,
+            "sustained_range": [min(sustained), max(sustained)] if sustained else None,
+            "warmup_epochs": [r["epochs"][0] for r in results],
+            "runs": [{"epochs": r["epochs"], "sustained": r.get("sustained_samples_per_s")}
+                     for r in results]}
+
+
+def _run_ratios(results: dict[str, dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> None:
+    """mmproxy's sustained rate over each system's, run by run (runs interleaved, so run i of
+    both saw the same machine): the median and the range."""
+    mine = runs.get("mmproxy", [])
+    for name, theirs in runs.items():
+        ratios = [a["sustained_samples_per_s"] / b["sustained_samples_per_s"]
+                  for a, b in zip(mine, theirs)
+                  if a.get("sustained_samples_per_s") and b.get("sustained_samples_per_s")]
+        if ratios and "error" not in results[name]:
+            results[name]["mmproxy_ratio_sustained"] = {
+                "median": round(statistics.median(ratios), 3),
+                "range": [round(min(ratios), 3), round(max(ratios), 3)], "runs": len(ratios)}
+
+
+def _user_setup(args: argparse.Namespace, folder: Path, gpu: bool,
+                device_id: int | None) -> Setup:
+    """Your shards (``--data``): the heavy field is ``--field`` or the first image or audio
+    extension of the first sample; the workload follows from it."""
+    from mmproxy.apps.data import expand_data, first_sample_fields
+    from mmproxy.datasets.recipes import AUDIO_EXTS, IMAGE_EXTS
+
+    paths, exts = first_sample_fields(expand_data(args.data))
+    images, audio = IMAGE_EXTS.split(";"), AUDIO_EXTS.split(";")
+    field = args.field or next((e for e in exts if e in images + audio), None)
+    if field is None or field not in exts:
+        raise ValueError(f"the first sample of {paths[0]} has "
+                         + (f"no field {field!r}" if field else "no image or audio field")
+                         + f" (it has {', '.join(exts)}); name it with --field")
+    if field not in images + audio:
+        raise ValueError(f"--field {field!r} is neither an image ({IMAGE_EXTS}) nor an audio "
+                         f"({AUDIO_EXTS}) extension")
+    workload = "audio" if field in audio else "image"
+    batch = args.batch_size or ((64 if workload == "audio" else 256) if gpu else
+                                (32 if workload == "audio" else 64))
+    print(f"mmproxy bench: your data, {len(paths)} shard(s), field {field!r} ({workload} "
+          "workload)", flush=True)
+    return Setup(args, workload, paths, folder, gpu, device_id, batch, field=field)
 
 
 def _samples(args: argparse.Namespace, workload: str) -> int:

@@ -62,6 +62,8 @@ class Setup:
         device_id: The GPU, or None.
         batch: Samples per batch.
         tokenizer: For image-text: the captions' tokenizer.
+        field: The heavy field's extension in your own shards (``--data``); None for the
+            bench's own (jpg or wav).
     """
 
     args: argparse.Namespace
@@ -72,6 +74,7 @@ class Setup:
     device_id: int | None
     batch: int
     tokenizer: Any = None
+    field: str | None = None
 
     @property
     def modality(self) -> str:
@@ -80,7 +83,7 @@ class Setup:
 
     @property
     def ext(self) -> str:
-        return "wav" if self.modality == "audio" else "jpg"
+        return self.field or ("wav" if self.modality == "audio" else "jpg")
 
 
 @dataclasses.dataclass(frozen=True)

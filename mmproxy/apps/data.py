@@ -1,0 +1,70 @@
+"""Data: the shards a ``--data`` option names, and the fields of their first sample (``mmproxy
+demo`` and ``mmproxy bench`` on your own shards)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tarfile
+from typing import Any
+
+__all__ = ["expand_data", "first_sample_fields"]
+
+
+def expand_data(data: str) -> list[str]:
+    """The shards ``--data`` names: a brace pattern or path, a folder of ``.tar`` files, or a glob."""
+    import glob
+
+    from braceexpand import braceexpand
+
+    if os.path.isdir(data):
+        shards = sorted(glob.glob(os.path.join(data, "*.tar")))
+        if not shards:
+            raise FileNotFoundError(f"no .tar shard in the folder {data}")
+        return shards
+    if any(c in data for c in "*?[") and "://" not in data and not data.startswith("pipe:"):
+        shards = sorted(glob.glob(data))
+        if not shards:
+            raise FileNotFoundError(f"no shard matches {data}")
+        return shards
+    return list(braceexpand(data)) or [data]
+
+
+def first_sample_fields(shards: list[str]) -> tuple[list[str], list[str]]:
+    """The shards and the extensions (fields) of the first shard's first sample."""
+    first = shards[0]
+    local = "://" not in first and not first.startswith("pipe:")
+    if local and not os.path.isfile(first):
+        raise FileNotFoundError(f"no shard at {first} (the first of {len(shards)} that --data names)")
+    exts: list[str] = []
+    try:
+        if local:
+            with tarfile.open(first) as tar:
+                key = None
+                for member in tar:  # KEY.EXT as webdataset splits it: at the name's first dot
+                    match = re.match(r"^((?:.*/|)[^./][^.]*)[.]([^/]*)$", member.name)
+                    if not member.isfile() or match is None:
+                        continue
+                    if key is not None and match[1] != key:
+                        break
+                    key = match[1]
+                    exts.append(match[2].lower())
+        elif first.startswith(("http://", "https://", "s3://")):
+            from mmproxy.datasets.remote import RemoteError, RemoteOptions
+            from mmproxy.datasets.shards import read_remote_tar
+
+            try:
+                sample: dict[str, Any] = next(iter(read_remote_tar(first, RemoteOptions())), {})
+            except RemoteError as err:
+                raise ValueError(str(err)) from err
+            exts = [k for k in sample if not k.startswith("__")]
+        else:
+            import webdataset as wds
+
+            sample = next(iter(wds.WebDataset(first, shardshuffle=False)), {})
+            exts = [k for k in sample if not k.startswith("__")]
+    except (tarfile.TarError, OSError, ValueError) as err:
+        raise ValueError(f"cannot read the first sample of {first}: {err}") from err
+    if not exts:
+        raise ValueError(f"{first} holds no samples (no tar members named KEY.EXT)")
+    return shards, exts
