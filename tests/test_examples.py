@@ -92,6 +92,7 @@ def test_bench_on_your_own_shards_reports_runs_and_spread(tmp_path):
     """--data: every system on shards the bench did not write (make-shards of an image folder),
     two interleaved runs: the median and range of mmproxy's sustained ratio."""
     from mmproxy.datasets import make_shards
+
     from mmproxy.testing import image_folder
 
     make_shards(image_folder(tmp_path / "photos", per_class=12), tmp_path / "mine", max_count=8)
