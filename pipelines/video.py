@@ -53,11 +53,14 @@ from __future__ import annotations
 import io
 import random
 from collections.abc import Sequence
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 from mmproxy.pipelines._device import Device, resolve_device
 from mmproxy.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, CpuResize, DType, resize
+
+if TYPE_CHECKING:
+    from mmproxy.datasets.checks import VideoInfo
 
 __all__ = ["CPU_CODECS", "ClipDraw", "VideoDecoder", "decode_clip", "video_graph", "video_pipeline"]
 
@@ -68,11 +71,9 @@ _NAMES = {"h264": "H.264", "hevc": "HEVC", "av1": "AV1", "mpeg4": "MPEG-4", "vp8
           "vp9": "VP9", "mjpeg": "MJPEG"}
 
 
-def _count_frames(data: memoryview) -> int | None:
-    """Frames of a video: from its header (MP4, AVI), else counted by PyAV (WebM), else None."""
-    from mmproxy.datasets.checks import video_info
-
-    info = video_info(data)
+def _count_frames(data: memoryview, info: VideoInfo | None) -> int | None:
+    """Frames of a video: from its header (``info``: MP4, AVI), else counted by PyAV (WebM),
+    else None."""
     if info is not None and info.frames:
         return info.frames
     try:
@@ -159,7 +160,7 @@ class ClipDraw:
         out: dict[str, np.ndarray] = {}
         if not self.every_frame or self.decode_in_worker:
             start = 0 if self.every_frame else clip_start(
-                _count_frames(data), self.frames, self.stride, self.train, rng)
+                _count_frames(data, info), self.frames, self.stride, self.train, rng)
             if self.decode_in_worker:
                 out["frames"] = decode_clip(data, start, None if self.every_frame else self.frames,
                                             self.stride)
