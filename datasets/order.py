@@ -258,9 +258,9 @@ class Order:
     With several sources every sample's source is drawn by weight. A source whose pass ends
     either ends the worker's epoch (``"stop"``), or starts its next pass (``"restart"``: the
     epoch ends once every source has finished a pass); with ``endless`` (``epoch_length`` set)
-    sources always restart and the quota ends the epoch. A source that has nothing at all for
-    this worker (no shards after an elastic resume, or all of them unreadable) is left out of
-    the draw instead of ending the epoch.
+    sources always restart and the quota ends the epoch. A source with no work for this worker
+    (after an elastic resume) is left out of the draw; one whose shards hold no sample at all (a
+    wrong path, every shard unreadable) raises, instead of leaving its share to the others.
     Yields ``(source, (shard, index, sample))`` or ``None`` (a shard was skipped).
     """
 
@@ -281,7 +281,12 @@ class Order:
             stream = self.streams[s]
             got = stream.take()
             if got is END and not self.endless and stream.passes == 0 and stream.taken == 0:
-                self._drop(s)  # nothing of this source for this worker: the others go on
+                if stream.plan() and len(self.streams) > 1:  # shards, and not one sample in them
+                    reasons = Counter(r.reason for r in stream.skipped).most_common(3)
+                    raise ShardError(f"{_where(stream.layout)}: source {s}'s shards hold no "
+                                     f"samples (reasons: {reasons}); the other sources would "
+                                     "take its share unnoticed")
+                self._drop(s)  # no work of this source for this worker: the others go on
                 continue
             if got is END:
                 if self.endless:

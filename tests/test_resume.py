@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import pickle
 import subprocess
 import sys
@@ -182,47 +181,47 @@ def test_elastic_workers_deliver_every_remaining_sample_once(shards, server, wor
     assert collections.Counter(before + after) == collections.Counter(ALL_KEYS)
 
 
-def _as_rank(rank, world, fn):
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    try:
-        return fn()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+@pytest.fixture
+def as_rank(monkeypatch):
+    """Makes this process rank ``rank`` of ``world`` (RANK / WORLD_SIZE, as torchrun sets them);
+    ``as_rank(None)`` makes it a single process again."""
+    def set_rank(rank, world=None):
+        if rank is None:
+            monkeypatch.delenv("RANK")
+            monkeypatch.delenv("WORLD_SIZE")
+        else:
+            monkeypatch.setenv("RANK", str(rank))
+            monkeypatch.setenv("WORLD_SIZE", str(world))
+    return set_rank
 
 
 @pytest.mark.parametrize("world,new_world", [(2, 3), (2, 2), (3, 1)])
-def test_ranks_resume_exactly_or_elastically(shards, server, world, new_world):
+def test_ranks_resume_exactly_or_elastically(shards, server, as_rank, world, new_world):
     """Ranks simulated one after the other (RANK / WORLD_SIZE), 1 worker each."""
     saved, before = [], {}
     for rank in range(world):
-        keys, state = _as_rank(rank, world, lambda: _keys(
-            _dataset(shards, server).loader(server, num_workers=1), 2))
-        before[rank] = keys
+        as_rank(rank, world)
+        before[rank], state = _keys(_dataset(shards, server).loader(server, num_workers=1), 2)
         saved.append(state)
     after = {}
     for rank in range(new_world):
-        def rest():
-            loader = _dataset(shards, server).loader(server, num_workers=1)
-            loader.load_state_dict(saved)
-            return _keys(loader)[0]
-        after[rank] = _as_rank(rank, new_world, rest)
+        as_rank(rank, new_world)
+        loader = _dataset(shards, server).loader(server, num_workers=1)
+        loader.load_state_dict(saved)
+        after[rank] = _keys(loader)[0]
     delivered = [k for keys in (*before.values(), *after.values()) for k in keys]
     assert collections.Counter(delivered) == collections.Counter(ALL_KEYS)
     if world == new_world:  # exact: each rank continues its own samples in its own order
         for rank in range(world):
-            whole = _as_rank(rank, world, lambda: _keys(
-                _dataset(shards, server).loader(server, num_workers=1))[0])
+            as_rank(rank, world)
+            whole = _keys(_dataset(shards, server).loader(server, num_workers=1))[0]
             assert before[rank] + after[rank] == whole
 
 
-def test_elastic_resume_needs_every_rank(shards, server):
-    _, state = _as_rank(0, 2, lambda: _keys(
-        _dataset(shards, server).loader(server, num_workers=1), 1))
+def test_elastic_resume_needs_every_rank(shards, server, as_rank):
+    as_rank(0, 2)
+    _, state = _keys(_dataset(shards, server).loader(server, num_workers=1), 1)
+    as_rank(None)
     loader = _dataset(shards, server).loader(server, num_workers=2)
     with pytest.raises(ValueError, match="states of all 2 ranks"):
         loader.load_state_dict([state])
@@ -439,6 +438,16 @@ def expand_brace(pattern):
     from mmproxy.datasets.shards import expand
 
     return expand(pattern)
+
+
+def test_a_source_with_a_wrong_path_fails_instead_of_vanishing(text_sources, server, tmp_path):
+    a, _ = text_sources
+    sources = [Source(a, {"text": ("txt", bytes.decode)}),
+               Source(str(tmp_path / "typo-{0..3}.tar"), {"text": ("json", _caption)}, name="B")]
+    ds = MultiModalDataset(sources=sources, batch_size=50, on_error="skip")
+    with pytest.raises(mmproxy.ShardError, match="source 1's shards hold no samples"):
+        for _ in ds.loader(server, num_workers=2):
+            pass
 
 
 def test_mixing_needs_shards_of_every_source_for_every_worker(text_sources, server):
