@@ -56,6 +56,53 @@ class Synthetic:
         return (self.batch for _ in range(self.length))
 
 
+class ReaderLoader:
+    """The same training fed by DALI's own shard reader, no Python workers: ``fn.readers.webdataset``
+    on this rank's share of the shards (``shard_id``/``num_shards``), shuffled, through the graph
+    of ``image_train_pipeline``; the captions come out as padded bytes and are tokenized in the
+    main loop (a pure DALI loader has no workers to do it). ``epoch_length`` batches an epoch, the
+    reader running on across its own epochs."""
+
+    def __init__(self, args, rank, tok, length):
+        import braceexpand
+        from mmproxy.datasets import Tokenize
+        from mmproxy.pipelines import image_train_graph
+        from nvidia.dali import fn, pipeline_def
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+        gpu = rank.device.type == "cuda"
+        paths = list(braceexpand.braceexpand(args.data))
+
+        @pipeline_def
+        def pipe():
+            jpg, txt = fn.readers.webdataset(paths=paths, ext=["jpg", "txt"], random_shuffle=True,
+                                             initial_fill=256, shard_id=rank.rank,
+                                             num_shards=rank.world, name="reader")
+            return image_train_graph(jpg, gpu=gpu, size=args.image_size), fn.pad(txt, fill_value=0)
+
+        self.batches = DALIGenericIterator(
+            pipe(batch_size=args.batch_size, num_threads=args.threads, device_id=rank.device_id,
+                 seed=1234 + rank.rank), ["image", "text"], reader_name="reader", auto_reset=True,
+            last_batch_policy=LastBatchPolicy.DROP)
+        self.tokenize = Tokenize(tok, 32, "longest")
+        self.length = length
+
+    def _next(self):
+        try:
+            return next(self.batches)[0]
+        except StopIteration:  # the reader's epoch ended: auto_reset started the next
+            return next(self.batches)[0]
+
+    def __iter__(self):
+        for _ in range(self.length):
+            out = self._next()
+            text = [bytes(row).rstrip(b"\0").decode() for row in out["text"].numpy()]
+            batch = self.tokenize({"text": text})
+            batch["image"] = out["image"]
+            batch["__key__"] = [""] * len(text)
+            yield batch
+
+
 class Bf16ChannelsLast(torch.nn.Module):
     """A CLIP-sized step on a GPU: the model in channels-last memory format, run in bf16."""
 
@@ -111,6 +158,9 @@ def bench_arguments(parser):
     parser.add_argument("--synthetic", action="store_true",
                         help="train on one fixed batch made on the device, no loader: the ceiling "
                         "the model and DDP allow, to compare the loaded runs with")
+    parser.add_argument("--loader", choices=["mmproxy", "dali-reader"], default="mmproxy",
+                        help="dali-reader: the same training fed by DALI's own shard reader "
+                        "(ReaderLoader), to compare mmproxy's scaling with the pure DALI one")
     parser.add_argument("--no-broadcast-buffers", action="store_true",
                         help="DDP(broadcast_buffers=False): no BatchNorm-buffer broadcast (a sync "
                         "between the ranks) at the start of every step")
@@ -172,7 +222,8 @@ def summarize(args, rank, keys, seconds, waits, length):
         return
     per_rank = [round(g[0].item(), 1) for g in gathered]
     sustained = [round(g[1].item(), 1) for g in gathered]
-    summary = {"world": rank.world, "model": args.model, "per_rank_samples_per_s": per_rank,
+    summary = {"world": rank.world, "model": args.model,
+               "loader": "none" if args.synthetic else args.loader, "per_rank_samples_per_s": per_rank,
                "total_samples_per_s": round(sum(per_rank), 1),
                "per_rank_sustained_samples_per_s": sustained,
                "total_sustained_samples_per_s": round(sum(sustained), 1),
@@ -199,7 +250,9 @@ def main():
                          f"has {args.epochs} epochs of {length}")
     tok = tokenizer(args)
     # No server for --synthetic: its ceiling must not pay for an idle pipeline's memory and threads.
-    image, dataset = (None, None) if args.synthetic else image_text_data(args, rank, tok)
+    reader = args.loader == "dali-reader" and not args.synthetic
+    image, dataset = ((None, None) if args.synthetic or reader else
+                      image_text_data(args, rank, tok))
     model = TinyCLIP(len(tok), image_tower=args.model).to(rank.device)
     if cuda and args.model == "resnet50":
         model = Bf16ChannelsLast(model)
@@ -210,9 +263,13 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     profile = Profile(args.profile, args.profile_steps, length, rank.rank, cuda) if args.profile else None
     with image or contextlib.nullcontext():
-        loader = (Synthetic(args, len(tok), length, rank.device) if image is None else
-                  dataset.loader(image, num_workers=args.workers, persistent_workers=True,
-                                 pin_memory=cuda))
+        if reader:
+            loader = ReaderLoader(args, rank, tok, length)
+        elif image is None:
+            loader = Synthetic(args, len(tok), length, rank.device)
+        else:
+            loader = dataset.loader(image, num_workers=args.workers, persistent_workers=True,
+                                    pin_memory=cuda)
         keys, seconds, waits = timed_epochs(args, rank, model, opt, loader, profile, image)
     summarize(args, rank, keys, seconds, waits, length)
     if args.dump_keys:

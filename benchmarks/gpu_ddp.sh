@@ -8,12 +8,14 @@
 # fixed batch made on the GPU (--synthetic: no loader, the ceiling the model and DDP allow) and
 # without gradient sync (--independent: the loaders alone, per rank). PROFILE=1: torch.profiler
 # traces of 8 steps on 1 and 2 GPUs, with the loader and without (--synthetic), summed up by
-# benchmarks/ddp_profile.py.
+# benchmarks/ddp_profile.py. READER=1: the same training fed by DALI's own shard reader
+# (--loader dali-reader) on 1 and 2 GPUs, to compare mmproxy's scaling with the pure DALI one.
+# MAIN=1 runs the plain mmproxy runs along with CONTROL, READER or PROFILE (alone, they run).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-python3 -c "from mmproxy.apps.bench.shards import write_shards; write_shards('/tmp/bench', 'image', 8192)"
+python3 -c "from mmproxy.apps.bench.shards import write_shards; write_shards('/tmp/bench', 'image', 8192)" >/dev/null
 { nvidia-smi -L; nvidia-smi topo -m; lscpu | grep -i -E "numa|socket|model name"; } > "$out/topology.txt" 2>&1
 ddp() {  # ddp NAME NPROC [--numa] [ddp_bench args]
   local name=$1 n=$2; shift 2
@@ -25,7 +27,7 @@ ddp() {  # ddp NAME NPROC [--numa] [ddp_bench args]
     --batch-size 256 --workers 12 --threads 8 --image-size 224 --epochs 4 \
     --json "$out/ddp-$name-$n.json" "$@" 2>&1 | grep -a -E '"world"|Error|error' | head -5)
 }
-if [ -z "${CONTROL:-}${PROFILE:-}" ]; then
+if [ -z "${CONTROL:-}${PROFILE:-}${READER:-}" ] || [ -n "${MAIN:-}" ]; then
   for model in ${MODELS:-tiny resnet50}; do
     for n in 1 2; do ddp "$model" "$n" --model "$model"; done
   done
@@ -34,6 +36,11 @@ if [ -n "${CONTROL:-}" ]; then
   for model in ${MODELS:-tiny resnet50}; do
     for n in 1 2; do ddp "$model-synthetic" "$n" --model "$model" --synthetic; done
     ddp "$model-independent" 2 --model "$model" --independent
+  done
+fi
+if [ -n "${READER:-}" ]; then
+  for model in ${MODELS:-tiny resnet50}; do
+    for n in 1 2; do ddp "$model-reader" "$n" --model "$model" --loader dali-reader; done
   done
 fi
 if [ -n "${NOBROADCAST:-}" ]; then  # no BatchNorm-buffer broadcast at each step

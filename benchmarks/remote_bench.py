@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mmproxy.apps.bench.pipes import proxied_pipeline
-from mmproxy.apps.bench.remote import SpreadEndpoints, s3_processes, serving
+from mmproxy.apps.bench.remote import SpreadEndpoints, cpu_list, s3_processes, serving
 from mmproxy.apps.bench.shards import write_shards
 from mmproxy.apps.bench.systems import Setup
 from mmproxy.apps.bench.timing import count_samples
@@ -62,7 +62,11 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help="a subset of local,http,s3,cached (s3 needs boto3 and moto[server])")
+    parser.add_argument("--server-cpus", default=None,
+                        help="run the HTTP and S3 server processes on these cores (like 16-31), "
+                        "apart from the loader's, as a remote server would be")
     args = parser.parse_args()
+    servers = cpu_list(args.server_cpus)
     systems = ("local", *[s for s in SYSTEMS[1:] if s in args.systems.split(",")])
     gpu, device_id = resolve_device(args.device)
     folder = Path(args.data_dir or cache_dir() / "bench")
@@ -76,9 +80,11 @@ def main() -> None:
         cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="mmproxy-cache-"))
         urls = {"local": paths}
         if "http" in systems or "cached" in systems:
-            urls["http"] = urls["cached"] = stack.enter_context(serving("http", paths))
+            urls["http"] = urls["cached"] = stack.enter_context(
+                serving("http", paths, cpus=servers))
         if "s3" in systems:
-            urls["s3"] = stack.enter_context(serving("s3", paths, s3_processes(args.workers)))
+            urls["s3"] = stack.enter_context(
+                serving("s3", paths, s3_processes(args.workers), servers))
 
         def loader(system: str) -> Any:
             remote = RemoteOptions(cache_dir=cache if system == "cached" else None)

@@ -30,10 +30,12 @@ random 224 crop, a flip, normalized to float32 NCTHW. The systems:
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import multiprocessing
 import os
 import random
+import re
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -113,7 +115,7 @@ def _graph(video: Any, gpu: bool, train_draws: bool) -> Any:
 
 
 def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str],
-             decoder: str) -> Any:
+             decoder: str, options: dict[str, Any] | None = None) -> Any:
     from mmproxy.datasets import video_label_dataset
     from mmproxy.pipelines import video_pipeline
 
@@ -122,7 +124,8 @@ def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: lis
 
     pipe = video_pipeline(batch_size=args.batch_size, frames=FRAMES, stride=STRIDE, size=SIZE,
                           resize_size=RESIZE, device="gpu" if gpu else "cpu", device_id=device_id,
-                          num_threads=args.threads, decoder=decoder)  # type: ignore[arg-type]
+                          num_threads=args.threads, decoder=decoder,  # type: ignore[arg-type]
+                          decoder_options=options)
     with mmproxy.DALIServer(pipe, name="video") as server:
         ds = video_label_dataset(shards, server, batch_size=args.batch_size, shuffle_buffer=64,
                                  keep_keys=False, on_error="skip")
@@ -181,6 +184,14 @@ def _dali_proxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: 
         return time_epochs(lambda: (b[0] for b in loader), args.epochs, gpu)
 
 
+def _variant(system: str) -> tuple[str, dict[str, Any]]:
+    """``mmproxy-nvdec[build_index=False,affine=False]`` -> the name and fn.decoders.video's
+    extra arguments (Python literals)."""
+    name, _, rest = system.partition("[")
+    pairs = (item.split("=", 1) for item in rest.rstrip("]").split(",") if item)
+    return name, {key.strip(): ast.literal_eval(value.strip()) for key, value in pairs}
+
+
 SYSTEMS = {"mmproxy-pyav": partial(_mmproxy, decoder="pyav"),
            "mmproxy-nvdec": partial(_mmproxy, decoder="dali"),
            "torch": _torch, "dali-reader": _dali_reader, "dali-proxy": _dali_proxy}
@@ -209,13 +220,15 @@ def main() -> None:
                                 height)
     results: dict[str, Any] = {}
 
-    for system in args.systems.split(","):
-        if system in ("dali-reader", "dali-proxy", "mmproxy-nvdec") and not gpu:
+    for system in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", args.systems):
+        name, options = _variant(system)
+        if name in ("dali-reader", "dali-proxy", "mmproxy-nvdec") and not gpu:
             print(f"{system}: GPU only (DALI decodes H.264 with NVDEC), skipped", flush=True)
             continue
-        if system not in SYSTEMS:
+        if name not in SYSTEMS:
             raise SystemExit(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
-        results[system] = SYSTEMS[system](args, gpu, device_id, shards, files)
+        more = {"options": options} if options else {}
+        results[system] = SYSTEMS[name](args, gpu, device_id, shards, files, **more)
         r = results[system]
         print(f"{system:12s} best epoch {r['samples_per_s']:.1f} clips/s, sustained "
               f"{r['sustained_samples_per_s'] or 0:.1f}, epochs {r['epochs']}", flush=True)

@@ -102,9 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--systems", default="mmproxy,torch,torch-tensor,dali-proxy,dali-reader",
                        help="comma-separated subset of mmproxy, torch (PIL decode + torchvision "
                        "v2 in workers), torch-tensor (torchvision.io.decode_jpeg + v2), dali-proxy "
-                       "(DALI's own proxy), dali-reader (fn.readers.webdataset, no Python), "
+                       "(DALI's own proxy), dali-proxy-seed (the same with its documentation's "
+                       "prefetch_queue_depth=2*workers), dali-reader (fn.readers.webdataset, no Python), "
                        "mmproxy-http, mmproxy-s3, mmproxy-cached (the image shards served by a local "
                        "HTTP or S3 server, or through the node cache)")
+    bench.add_argument("--server-cpus", default=None,
+                       help="mmproxy-http/-s3/-cached: run the local shard servers on these cores "
+                       "(like 16-31), apart from the loader's, as a remote server would be")
     bench.add_argument("--samples", type=int, default=1024, help="images (audio: clips / 4)")
     bench.add_argument("--batch-size", type=int, default=None, help="default: 256 images, 64 clips "
                        "on a GPU; 64 and 32 on CPU")

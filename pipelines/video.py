@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import io
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
@@ -204,7 +204,8 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
                    dtype: DType = "float32", decoder: VideoDecoder = "auto",
                    device: Device = "auto", device_id: int | None = None, num_threads: int = 4,
                    prefetch_queue_depth: int = 2, input_name: str = "videos",
-                   cpu_resize: CpuResize = "torchvision") -> Any:
+                   cpu_resize: CpuResize = "torchvision",
+                   decoder_options: Mapping[str, Any] | None = None) -> Any:
     """Builds the video pipeline (see the module docstring for inputs, outputs and decoders).
 
     Args:
@@ -227,6 +228,8 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
         prefetch_queue_depth: Runs the server keeps in flight.
         input_name: The proxy's argument.
         cpu_resize: On CPU, resize with "torchvision" or DALI's "dali" ``fn.resize``.
+        decoder_options: With ``decoder="dali"``: more keyword arguments for DALI's
+            ``fn.decoders.video`` (``build_index``, ``affine``, ...).
     """
     from nvidia.dali import fn, pipeline_def, types
 
@@ -261,7 +264,8 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
             encoded = fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8)
             chosen = {} if every_frame else {"start_frame": drawn["start"], "stride": stride,
                                              "sequence_length": frames, "pad_mode": "edge"}
-            video = fn.decoders.video(encoded, device="mixed" if gpu else "cpu", **chosen)
+            video = fn.decoders.video(encoded, device="mixed" if gpu else "cpu", **chosen,
+                                      **(decoder_options or {}))
         length = video.shape(dtype=types.INT64)[0]
         clip = video_graph(video, gpu=gpu, size=size, resize_size=resize_size,
                            crop_x=drawn["crop_x"], crop_y=drawn["crop_y"], flip=drawn["flip"],

@@ -25,13 +25,14 @@ def _graph(setup: Setup) -> Any:
     return partial(image_train_graph, gpu=setup.gpu, size=224, cpu_resize=setup.args.cpu_resize)
 
 
-def proxied_pipeline(setup: Setup) -> Any:
-    """The workload's pipeline fed by proxies (input ``data``)."""
+def proxied_pipeline(setup: Setup, prefetch: int | None = None) -> Any:
+    """The workload's pipeline fed by proxies (input ``data``), ``prefetch`` runs deep (default:
+    ``--prefetch``)."""
     from mmproxy.pipelines import external_pipeline
 
     return external_pipeline(_graph(setup), input_name="data", batch_size=setup.batch,
                              num_threads=setup.args.threads, device_id=setup.device_id,
-                             prefetch_queue_depth=setup.args.prefetch)
+                             prefetch_queue_depth=prefetch or setup.args.prefetch)
 
 
 def reader_pipeline(setup: Setup) -> Any:

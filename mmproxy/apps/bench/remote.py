@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-__all__ = ["Fault", "ShardServer", "SpreadEndpoints", "s3_processes", "s3_server",
+__all__ = ["Fault", "ShardServer", "SpreadEndpoints", "cpu_list", "s3_processes", "s3_server",
            "serving"]
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
@@ -172,8 +172,11 @@ def s3_server(paths: list[str], bucket: str = "bench") -> Iterator[tuple[list[st
         moto.stop()
 
 
-def _serve(kind: str, paths: list[str], conn: Any) -> None:
-    """A server process: serves ``paths`` until its parent says stop (or goes away)."""
+def _serve(kind: str, paths: list[str], conn: Any, cpus: frozenset[int] | None) -> None:
+    """A server process (on ``cpus`` when given): serves ``paths`` until its parent says stop
+    (or goes away)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     if kind == "http":
         with ShardServer(Path(paths[0]).parent) as http_server:
             conn.send(([f"{http_server.url}/{Path(p).name}" for p in paths], {}))
@@ -187,9 +190,12 @@ def _serve(kind: str, paths: list[str], conn: Any) -> None:
 
 
 @contextlib.contextmanager
-def serving(kind: Literal["http", "s3"], paths: list[str], processes: int = 1) -> Iterator[list[str]]:
+def serving(kind: Literal["http", "s3"], paths: list[str], processes: int = 1,
+            cpus: frozenset[int] | None = None) -> Iterator[list[str]]:
     """Serves ``paths`` (shards of one folder) over ``kind`` from processes of their own, like a
-    remote server; yields their URLs, with the AWS environment in place for ``s3``.
+    remote server; yields their URLs, with the AWS environment in place for ``s3``. ``cpus``:
+    the cores the server processes run on (:func:`cpu_list`; default: the caller's), so that a
+    bench can keep the server off the loader's cores, as a remote server's machine would be.
 
     ``processes > 1`` (S3 only) starts that many S3 servers, each holding every shard: one moto
     process answers at most ~300 GETs of 700 KB per second (one core, ~2.3 ms of CPU each),
@@ -206,7 +212,7 @@ def serving(kind: Literal["http", "s3"], paths: list[str], processes: int = 1) -
     try:
         for i in range(processes):
             parent, child = ctx.Pipe()
-            process = ctx.Process(target=_serve, args=(kind, paths, child),
+            process = ctx.Process(target=_serve, args=(kind, paths, child, cpus),
                                   name=f"{kind}-server-{i}", daemon=True)
             process.start()
             started.append((process, parent))
@@ -240,6 +246,20 @@ def serving(kind: Literal["http", "s3"], paths: list[str], processes: int = 1) -
 
 
 ENDPOINTS = "MMPROXY_BENCH_S3_ENDPOINTS"
+
+
+def cpu_list(text: str | None) -> frozenset[int] | None:
+    """``"16-31"`` or ``"0,2,4-7"`` as a set of core numbers (None for None or "")."""
+    if not text:
+        return None
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            cores.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            raise ValueError(f"not a core list like 16-31 or 0,2,4-7: {text!r}") from None
+    return frozenset(cores)
 
 
 def s3_processes(workers: int) -> int:

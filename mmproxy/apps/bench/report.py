@@ -59,10 +59,10 @@ def print_summary(out: dict[str, Any], workers: int) -> None:
                 spread = (f"; sustained, median of {runs['runs']} runs: {runs['median']:.2f} "
                           f"(range {runs['range'][0]:.2f}-{runs['range'][1]:.2f})"
                           if runs and runs["runs"] > 1 else "")
-                print(f"  {kind:10s} {name:12s} {s['samples_per_s']:10.1f} samples/s   "
+                print(f"  {kind:10s} {name:15s} {s['samples_per_s']:10.1f} samples/s   "
                       f"mmproxy / this = {s.get('mmproxy_ratio', float('nan')):.2f}{spread}")
             else:
-                print(f"  {kind:10s} {name:12s} {s['error']}")
+                print(f"  {kind:10s} {name:15s} {s['error']}")
 
 
 def plot(out: dict[str, Any], path: str) -> None:

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                     result = {"error": error_line(err)}
                 runs.setdefault(system.name, []).append(result)
                 print(f"[{workload}]{f' run {number + 1}' if args.runs > 1 else ''} "
-                      f"{system.name:12s} {result}", flush=True)
+                      f"{system.name:15s} {result}", flush=True)
         results = {name: _combine(rs) for name, rs in runs.items()}
         add_ratios(results)
         _run_ratios(results, runs)

@@ -11,6 +11,8 @@ torch              PIL decode + torchvision v2 (torchaudio for  image, audio
                    audio) in the workers
 torch-tensor       torchvision.io.decode_jpeg + v2              image
 dali-proxy         DALI's own proxy                             image, audio, machinery
+dali-proxy-seed    DALI's proxy with its documentation's        image, audio, machinery
+                   setting: prefetch_queue_depth=2*workers
 dali-reader        fn.readers.webdataset, no Python             image, audio, image-text
 mmproxy-http       mmproxy on the shards served over HTTP by a  image, audio, image-text
                    local server process
@@ -137,11 +139,12 @@ def _dali_reader(setup: Setup) -> dict[str, Any]:
     return time_epochs(lambda: (b[0]["data"] for b in reader), setup.args.epochs, setup.gpu)
 
 
-def _dali_proxy(setup: Setup) -> dict[str, Any]:
+def _dali_proxy(setup: Setup, seed_setting: bool = False) -> dict[str, Any]:
     from nvidia.dali.plugin.pytorch.experimental import proxy as dali_proxy
 
     a = setup.args
-    with dali_proxy.DALIServer(proxied_pipeline(setup)) as server:
+    prefetch = 2 * a.workers if seed_setting else None  # what DALI's proxy page sets
+    with dali_proxy.DALIServer(proxied_pipeline(setup, prefetch)) as server:
         data = (TinySamples(server.proxy, a.samples) if setup.workload == "machinery"
                 else WdsSamples(setup.paths, setup.ext, ProxyCall(server.proxy)))
         loader = dali_proxy.DataLoader(server, data, batch_size=setup.batch, num_workers=a.workers,
@@ -190,12 +193,13 @@ def _remote(name: str, setup: Setup) -> dict[str, Any]:
     """mmproxy on the shards served by a local HTTP or S3 server process."""
     import tempfile
 
-    from mmproxy.apps.bench.remote import SpreadEndpoints, s3_processes, serving
+    from mmproxy.apps.bench.remote import SpreadEndpoints, cpu_list, s3_processes, serving
     from mmproxy.datasets.remote import RemoteOptions
 
     s3 = name == "mmproxy-s3"
     with serving("s3" if s3 else "http", setup.paths,
-                 s3_processes(setup.args.workers) if s3 else 1) as urls, \
+                 s3_processes(setup.args.workers) if s3 else 1,
+                 cpu_list(getattr(setup.args, "server_cpus", None))) as urls, \
             tempfile.TemporaryDirectory(prefix="mmproxy-cache-") as cache:
         remote = RemoteOptions(cache_dir=cache if name == "mmproxy-cached" else None)
         return _mmproxy(dataclasses.replace(setup, paths=urls), remote=remote,
@@ -208,6 +212,8 @@ SYSTEMS: dict[str, System] = {system.name: system for system in (
     System("torch", frozenset({"image", "audio"}), partial(_torch, decoder="pil")),
     System("torch-tensor", frozenset({"image"}), partial(_torch, decoder="tensor")),
     System("dali-proxy", frozenset({"image", "audio", "machinery"}), _dali_proxy),
+    System("dali-proxy-seed", frozenset({"image", "audio", "machinery"}),
+           partial(_dali_proxy, seed_setting=True)),
     System("dali-reader", frozenset({"image", "audio", "image-text"}), _dali_reader),
     *(System(name, frozenset({"image", "audio", "image-text"}), partial(_remote, name))
       for name in ("mmproxy-http", "mmproxy-s3", "mmproxy-cached")),
