@@ -70,8 +70,10 @@ class ReaderLoader:
         from nvidia.dali import fn, pipeline_def
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
+        from mmproxy.testing import demo_shards
+
         gpu = rank.device.type == "cuda"
-        paths = list(braceexpand.braceexpand(args.data))
+        paths = list(braceexpand.braceexpand(args.data or demo_shards(128)))
 
         @pipeline_def
         def pipe():

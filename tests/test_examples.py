@@ -127,6 +127,41 @@ def test_ddp_example_profile_writes_a_trace_per_rank(tmp_path):
     assert names.count("train_step") == 3 and names.count("next_batch") >= 3
 
 
+def test_ddp_bench_trains_from_dalis_reader_as_well(tmp_path):
+    """--loader dali-reader: the same training fed by fn.readers.webdataset, captions tokenized in
+    the main loop; the summary names the loader and every epoch has its batches."""
+    out = run(["benchmarks/ddp_bench.py", "--epochs", "2", "--batch-size", "8", "--epoch-length",
+               "5", "--loader", "dali-reader", "--json", str(tmp_path / "r.json")], tmp_path)
+    summary = json.loads((tmp_path / "r.json").read_text())
+    assert summary["loader"] == "dali-reader" and summary["total_samples_per_s"] > 0
+    assert out.count(": 40 samples,") == 2  # 5 batches of 8, each epoch
+
+
+def test_bench_keeps_each_finished_system_when_a_run_is_cut_short(tmp_path, monkeypatch):
+    """The JSON is written after every system: a bench stopped during its second system (here an
+    interrupt, as from a time limit) keeps the first one's figures."""
+    from mmproxy.apps.bench import session
+    from mmproxy.apps.bench.systems import System
+
+    def cut(setup):
+        raise KeyboardInterrupt
+
+    real = session.select
+    monkeypatch.setattr(session, "select", lambda workload, names, damage: [
+        *real(workload, ["mmproxy"], damage), System("dali-reader", frozenset({"image"}), cut)])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    from mmproxy.cli import build_parser
+
+    args = build_parser().parse_args([
+        "bench", "--device", "cpu", "--samples", "64", "--batch-size", "16", "--epochs", "2",
+        "--systems", "mmproxy,dali-reader", "--data-dir", str(tmp_path / "data"),
+        "--json", str(tmp_path / "b.json")])
+    with pytest.raises(KeyboardInterrupt):
+        session.run(args)
+    kept = json.loads((tmp_path / "b.json").read_text())["results"]["image"]["systems"]
+    assert list(kept) == ["mmproxy"] and kept["mmproxy"]["samples"] == 64
+
+
 def test_ddp_profile_splits_gpu_time_by_who_launched_it(tmp_path):
     """A hand-made trace: two training steps on thread 1, an NCCL all-reduce, DALI kernels from
     thread 9; times in microseconds, the summary in ms per step."""

@@ -60,13 +60,9 @@ def run(args: argparse.Namespace) -> int:
                 runs.setdefault(system.name, []).append(result)
                 print(f"[{workload}]{f' run {number + 1}' if args.runs > 1 else ''} "
                       f"{system.name:15s} {result}", flush=True)
-        results = {name: _combine(rs) for name, rs in runs.items()}
-        add_ratios(results)
-        _run_ratios(results, runs)
-        counted = next((r["samples"] for r in results.values() if "samples" in r), None)
-        out["results"][workload] = {"batch_size": setup.batch, "systems": results,
-                                    "samples": counted if args.data else _samples(args, workload),
-                                    **({"data": args.data, "field": setup.ext} if args.data else {})}
+                # after every system: a run cut short (a time limit, a crash) keeps what it measured
+                out["results"][workload] = _workload(args, setup, runs)
+                Path(args.json).write_text(json.dumps(out, indent=2))
     if args.memory_epochs:
         setup = Setup(args, "image", write_shards(folder, "image", args.samples, args.workers),
                       folder, gpu, device_id, args.batch_size or (256 if gpu else 64))
@@ -77,6 +73,18 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(out, args.plot)
     return 0
+
+
+def _workload(args: argparse.Namespace, setup: Setup,
+              runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """A workload's entry of the JSON from its systems' runs so far."""
+    results = {name: _combine(rs) for name, rs in runs.items()}
+    add_ratios(results)
+    _run_ratios(results, runs)
+    counted = next((r["samples"] for r in results.values() if "samples" in r), None)
+    return {"batch_size": setup.batch, "systems": results,
+            "samples": counted if args.data else _samples(args, setup.workload),
+            **({"data": args.data, "field": setup.ext} if args.data else {})}
 
 
 def _combine(results: list[dict[str, Any]]) -> dict[str, Any]:
