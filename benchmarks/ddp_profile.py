@@ -58,7 +58,9 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
 
 def summarize(path: str) -> dict:
     events = _load(path)["traceEvents"]
-    steps = [e for e in events if e.get("ph") == "X" and e.get("name") == "train_step"]
+    # the CPU ranges; the profiler repeats each on the GPU's timeline (gpu_user_annotation)
+    steps = [e for e in events if e.get("ph") == "X" and e.get("name") == "train_step"
+             and e.get("cat") != "gpu_user_annotation"]
     if not steps:
         raise SystemExit(f"{path}: no 'train_step' ranges; was it written by ddp_bench.py --profile?")
     # The threads that run training: the main loop's and autograd's (they launch the model's work).

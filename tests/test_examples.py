@@ -163,8 +163,9 @@ def test_bench_keeps_each_finished_system_when_a_run_is_cut_short(tmp_path, monk
 
 
 def test_ddp_profile_splits_gpu_time_by_who_launched_it(tmp_path):
-    """A hand-made trace: two training steps on thread 1, an NCCL all-reduce, DALI kernels from
-    thread 9; times in microseconds, the summary in ms per step."""
+    """A hand-made trace: two training steps on thread 1 (each also on the GPU's timeline, as
+    torch.profiler writes them), an NCCL all-reduce, DALI kernels from thread 9; times in
+    microseconds, the summary in ms per step."""
     def kernel(name, ts, dur, corr):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
                 "args": {"correlation": corr}}
@@ -173,8 +174,11 @@ def test_ddp_profile_splits_gpu_time_by_who_launched_it(tmp_path):
         return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": tid,
                 "ts": 0, "dur": 1, "args": {"correlation": corr}}
 
-    events = [{"ph": "X", "name": "train_step", "tid": 1, "ts": 0, "dur": 10},
-              {"ph": "X", "name": "train_step", "tid": 1, "ts": 10, "dur": 10},
+    step = {"ph": "X", "cat": "user_annotation", "name": "train_step", "tid": 1}
+    events = [{**step, "ts": 0, "dur": 10}, {**step, "ts": 10, "dur": 10},
+              # the profiler repeats each range on the GPU's timeline: not more steps
+              {**step, "cat": "gpu_user_annotation", "tid": 7, "ts": 0, "dur": 4000},
+              {**step, "cat": "gpu_user_annotation", "tid": 7, "ts": 8000, "dur": 2000},
               launch(1, 1), launch(1, 2), launch(1, 3), launch(9, 4),
               kernel("conv", 0, 3000, 1),              # training 0-3 ms
               kernel("gemm", 2000, 2000, 2),           # training 2-4 ms (overlaps: 0-4 in all)
