@@ -19,7 +19,7 @@ _loader_tag: tuple[str, Any] | None = None
 _persistent = False  # the worker outlives the epoch (persistent_workers=True)
 _ahead = 0  # 1 while a worker prepares the next epoch's first batch
 _sample_key = threading.local()
-_resume: dict[str, Any] | None = None  # where this worker starts one epoch (a loader's resume)
+_resume: dict[str, dict[str, Any]] = {}  # per loader id: where its epoch starts here (a resume)
 
 
 def set_loader_tag(tag: tuple[str, Any] | None, persistent: bool = False) -> None:
@@ -120,16 +120,24 @@ class Stamped:
         return Stamped(pin_memory(self.item), self.worker, self.state)
 
 
-def set_resume(state: dict[str, Any] | None) -> None:
-    global _resume
-    _resume = state
+def set_resume(loader_id: str, state: dict[str, Any] | None) -> None:
+    """Where this process starts the loader ``loader_id``'s next epoch (None: at its start).
+    Kept per loader: two loaders without workers share one process (and a forked worker
+    inherits its parent's entries, which name other loaders)."""
+    if state is None:
+        _resume.pop(loader_id, None)
+    else:
+        _resume[loader_id] = state
 
 
 def take_resume(epoch: int) -> dict[str, Any] | None:
-    """The position the loader handed this worker for ``epoch``, once (later epochs start
-    fresh)."""
-    global _resume
-    if _resume is None or _resume.get("epoch") != epoch:
+    """The position the loader whose batch is being made here handed this process for
+    ``epoch``, once (later epochs start fresh)."""
+    tag = _loader_tag
+    if tag is None:
         return None
-    state, _resume = _resume, None
+    state = _resume.get(tag[0])
+    if state is None or state.get("epoch") != epoch:
+        return None
+    del _resume[tag[0]]
     return state

@@ -92,10 +92,6 @@ def hand_out(saved: Sequence[Mapping[str, Any]], dataset: Any, workers: int
     plans = reshard(saved, rank=rank, world=world, workers=workers)
     hand = {w: {**plan, "epoch": epoch} for w, plan in enumerate(plans)}
     batches = max(int(s["batches"]) for s in saved)
-    report = SkipReport(epoch)  # every rank's counts together
-    for s in saved:
-        part = SkipReport.from_state(s["report"])
-        report.add(part.delivered, part.records)
-        report.skipped += part.skipped - len(part.records)
+    report = SkipReport.merged([s["report"] for s in saved], epoch)  # every rank's counts
     return hand, Progress(epoch, workers, {w: dict(p) for w, p in enumerate(plans)}, 0, batches,
                           report)

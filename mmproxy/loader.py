@@ -65,7 +65,8 @@ class _WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         _context.set_loader_tag((self.loader_id, self.epoch), self.persistent)
-        _context.set_resume(None if self.resume is None else self.resume.get(worker_id))
+        _context.set_resume(self.loader_id,
+                            None if self.resume is None else self.resume.get(worker_id))
         if self.user is not None:
             self.user(worker_id)
 
@@ -166,12 +167,13 @@ class DataLoader(torch.utils.data.DataLoader):
         workers = max(1, self.num_workers)
         self._init.resume = None
         self._progress = Progress(int(self._epoch.value), workers)
+        hand = None
         if self._resume is not None:
             hand, self._progress = hand_out(self._resume, self.dataset, workers)
             self._resume = None
             self._init.resume = hand
-            if self.num_workers == 0:
-                _context.set_resume(hand[0])
+        if self.num_workers == 0:  # this process makes the batches: its slot, of this loader
+            _context.set_resume(self._loader_id, None if hand is None else hand[0])
         self._report = self._progress.report
         for server in self._servers.values():
             server.table.begin_epoch(self._loader_id, self._epoch.value)

@@ -23,6 +23,7 @@ Each error gives the counts and the first record of each kind of failure.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from mmproxy.errors import EmptyEpochError, SkipLimitError
@@ -93,6 +94,22 @@ class SkipReport:
         report.by_kind.update(state["by_kind"])
         report._first = {kind_of(r[2]): SkippedSample(*r) for r in state["first"]}
         report.records = [SkippedSample(*r) for r in state["records"]]
+        return report
+
+    @classmethod
+    def merged(cls, states: Sequence[dict[str, Any]], epoch: int) -> SkipReport:
+        """Several reports' states (every rank's, for an elastic resume) as one report: the
+        counts added up (exact), the records and first records kept as far as the states hold
+        them."""
+        report = cls(epoch)
+        for state in states:
+            part = cls.from_state(state)
+            report.delivered += part.delivered
+            report.skipped += part.skipped
+            report.by_kind.update(part.by_kind)
+            for kind, first in part._first.items():
+                report._first.setdefault(kind, first)
+            report.records.extend(part.records[:_KEEP - len(report.records)])
         return report
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import pickle
 import subprocess
@@ -474,3 +475,80 @@ def test_resampling_only_empty_shards_fails_instead_of_spinning(server, tmp_path
     with pytest.raises(mmproxy.ShardError, match="held no samples"):
         for _ in ds.loader(server, num_workers=0):
             pass
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    """400 samples in 8 shards: 150 lack their .txt, 50 hold text that is not UTF-8."""
+    root = tmp_path_factory.mktemp("damaged")
+    for s in range(8):
+        samples = []
+        for k in range(50):
+            i = s * 50 + k
+            sample = {"__key__": f"d{i:03d}", "cls": b"0", "txt": f"t{i}".encode()}
+            if i % 8 in (0, 3, 6):
+                del sample["txt"]
+            elif i % 8 == 1:
+                sample["txt"] = b"\xff\xfe"
+            samples.append(sample)
+        write_tar(root / f"d-{s}.tar", samples)
+    return str(root / "d-{0..7}.tar")
+
+
+@pytest.mark.parametrize("workers,resumed_workers", [(2, 3), (0, 2)])
+def test_elastic_resume_keeps_the_skip_counts(damaged, server, workers, resumed_workers):
+    """More than 100 samples skipped before the save: the merged report's counts per kind
+    are still those of the uninterrupted run."""
+    def build(num_workers):
+        return MultiModalDataset(damaged, {"text": ("txt", bytes.decode)}, batch_size=4, seed=1,
+                                 shuffle_buffer=8, on_error="skip", max_skipped=0.9
+                                 ).loader(server, num_workers=num_workers)
+
+    whole = build(workers)
+    keys, _ = _keys(whole)
+    expected = {"missing field": 150, "field function failed": 50}
+    assert len(keys) == 200 and dict(whole.skipped.by_kind) == expected
+    before, state = _keys(build(workers), 40)  # 160 of 200 delivered
+    assert state["report"]["skipped"] > 100
+    resumed = build(resumed_workers)
+    resumed.load_state_dict(state)
+    after, _ = _keys(resumed)
+    assert sorted(before + after) == sorted(keys)
+    report = resumed.skipped
+    assert (dict(report.by_kind), report.skipped, report.delivered) == (expected, 200, 200)
+    assert sum(report.by_kind.values()) == report.skipped
+    assert {r.reason.split(" ")[0] for r in report.records} == {"missing", "field"}
+
+
+def test_two_loaders_without_workers_resume_each_their_own(shards, server, tmp_path):
+    """num_workers=0 loaders of one epoch, used alternately (e.g. two datasets in one loop):
+    each resumes from its own state."""
+    write_tar(tmp_path / "o-0.tar", [{"__key__": f"o{i:02d}", "txt": f"o{i}"} for i in range(30)])
+    write_tar(tmp_path / "o-1.tar", [{"__key__": f"o{i:02d}", "txt": f"o{i}"}
+                                      for i in range(30, 50)])
+
+    def build():
+        other = MultiModalDataset(str(tmp_path / "o-{0..1}.tar"), {"text": ("txt", bytes.decode)},
+                                  batch_size=3, seed=4, shuffle_buffer=5)
+        return (_dataset(shards, server).loader(server, num_workers=0),
+                other.loader(server, num_workers=0))
+
+    def run(a, b, stop=None):
+        out_a, out_b = [], []
+        # both iterators exist before either's first batch
+        for batch_a, batch_b in itertools.zip_longest(a, b):
+            for out, batch in ((out_a, batch_a), (out_b, batch_b)):
+                if batch is not None:
+                    out.append(list(batch["__key__"]))
+            if stop and len(out_a) == stop:
+                return out_a, out_b, (a.state_dict(), b.state_dict())
+        return out_a, out_b, None
+
+    whole_a, whole_b, _ = run(*build())
+    assert (len(whole_a), len(whole_b)) == (15, 17)
+    before_a, before_b, (state_a, state_b) = run(*build(), 6)
+    a, b = build()
+    a.load_state_dict(state_a)
+    b.load_state_dict(state_b)
+    after_a, after_b, _ = run(a, b)
+    assert (before_a + after_a, before_b + after_b) == (whole_a, whole_b)
