@@ -92,6 +92,7 @@ def hand_out(saved: Sequence[Mapping[str, Any]], dataset: Any, workers: int
     plans = reshard(saved, rank=rank, world=world, workers=workers)
     hand = {w: {**plan, "epoch": epoch} for w, plan in enumerate(plans)}
     batches = max(int(s["batches"]) for s in saved)
-    report = SkipReport.merged([s["report"] for s in saved], epoch)  # every rank's counts
+    # every old rank's counts, on new rank 0 only: summed over the new ranks they stay exact
+    report = SkipReport.merged([s["report"] for s in saved] if rank == 0 else [], epoch)
     return hand, Progress(epoch, workers, {w: dict(p) for w, p in enumerate(plans)}, 0, batches,
                           report)

@@ -520,6 +520,32 @@ def test_elastic_resume_keeps_the_skip_counts(damaged, server, workers, resumed_
     assert {r.reason.split(" ")[0] for r in report.records} == {"missing", "field"}
 
 
+def test_elastic_resume_over_ranks_counts_each_skip_once(damaged, server, as_rank):
+    """2 ranks saved mid-epoch, resumed as 3: the old ranks' counts go to new rank 0 only, so the
+    new ranks' reports add up to the uninterrupted run's (not to 3 copies of the old counts)."""
+    def build():
+        return MultiModalDataset(damaged, {"text": ("txt", bytes.decode)}, batch_size=4, seed=1,
+                                 shuffle_buffer=8, on_error="skip", max_skipped=0.9
+                                 ).loader(server, num_workers=1)
+
+    saved = []
+    for rank in range(2):
+        as_rank(rank, 2)
+        saved.append(_keys(build(), 15)[1])
+    reports = []
+    for rank in range(3):
+        as_rank(rank, 3)
+        loader = build()
+        loader.load_state_dict(saved)
+        _keys(loader)
+        reports.append(loader.skipped)
+    assert sum(r.skipped for r in reports) == 200 and sum(r.delivered for r in reports) == 200
+    by_kind = collections.Counter()
+    for r in reports:
+        by_kind.update(r.by_kind)
+    assert dict(by_kind) == {"missing field": 150, "field function failed": 50}
+
+
 def test_two_loaders_without_workers_resume_each_their_own(shards, server, tmp_path):
     """num_workers=0 loaders of one epoch, used alternately (e.g. two datasets in one loop):
     each resumes from its own state."""
