@@ -5,12 +5,13 @@ make-shards."""
 from __future__ import annotations
 
 import io
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 from mmproxy.datasets import make_shards, video_label_dataset, video_text_dataset
-from mmproxy.pipelines import video_pipeline
+from mmproxy.pipelines import decode_clip, video_pipeline
 from torch.utils.data import default_collate
 
 import mmproxy
@@ -41,6 +42,33 @@ def _encode(codec, seed=0, frames=50, **kw):
 def _reference(data):
     with av.open(io.BytesIO(data)) as container:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def _vfr_bytes(frames, gaps_ms, container="mp4", gop=12):
+    """H.264 with each frame's pts set by hand (time base 1/1000): ``gaps_ms[i]`` ms between
+    frames i and i + 1, so irregular gaps make a variable-frame-rate video."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream("libx264", rate=25)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt, stream.gop_size = "yuv420p", gop
+        stream.time_base = stream.codec_context.time_base = Fraction(1, 1000)
+        stream.options = {"crf": "18", "preset": "veryfast"}
+        pts = 0
+        for frame, gap in zip(frames, gaps_ms):
+            picture = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            picture.pts, picture.time_base = pts, Fraction(1, 1000)
+            pts += int(gap)
+            for packet in stream.encode(picture):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def _pts(data):
+    with av.open(io.BytesIO(data)) as container:
+        return [f.pts for f in container.decode(video=0)]
 
 
 def _run(server, videos, seeds=None):
@@ -94,6 +122,43 @@ def test_a_crafted_deep_mp4_is_a_bad_header_not_a_crash():
     depth = 5000  # moov inside moov inside ...: 8 bytes a level
     data = b"".join((8 * (depth - i)).to_bytes(4, "big") + b"moov" for i in range(depth))
     assert check_header("mp4", b"\x00\x00\x00\x08ftyp" + data) is not None
+
+
+_GAPS = np.random.default_rng(1).integers(10, 81, 60)  # 10-80 ms between frames
+
+
+@pytest.mark.parametrize("name,data", [
+    ("vfr-random", lambda: _vfr_bytes(synth_video(0, 60), _GAPS)),
+    ("vfr-20-60", lambda: _vfr_bytes(synth_video(1, 60), [20, 60] * 30)),
+    ("vfr-matroska", lambda: _vfr_bytes(synth_video(2, 60), _GAPS, "matroska")),
+    ("cfr-hand-set-pts", lambda: _vfr_bytes(synth_video(3, 60), [40] * 60)),
+    ("cfr", lambda: _encode("h264", seed=4, frames=60)),
+    ("cfr-avi-b-frames", lambda: video_bytes(synth_video(5, 60), "libx264", "avi"))])
+def test_decode_clip_takes_frames_in_presentation_order(name, data):
+    """Frame i of a clip is the i-th frame shown, as counted by the header's frame count and
+    ``clip_start``, whatever the gaps between timestamps; the starts past the first key frame
+    take the seek path. AVI holds no presentation timestamps: FFmpeg's guesses are the decode
+    order, H.264's B-frames reorder it."""
+    from mmproxy.datasets.checks import video_info
+
+    data = data()
+    frames = _reference(data)
+    gaps = set(np.diff(sorted(_pts(data))).tolist())
+    assert (len(gaps) > 1) == name.startswith("vfr")  # the video really is (or is not) VFR
+    if name != "vfr-matroska":  # Matroska headers hold no frame count
+        assert video_info(data).frames == len(frames) == 60
+    total, span = len(frames), 10  # 4 frames at stride 3
+    starts, wrong = range(total - span + 1), {}
+    for start in starts:  # every start the clip fits, most of them past the first key frame
+        clip = decode_clip(data, start, 4, 3)
+        expected = frames[start:start + span:3]
+        if clip.shape != expected.shape or not np.array_equal(clip, expected):
+            wrong[start] = [next((j for j in range(total) if np.array_equal(c, frames[j])), None)
+                            for c in clip]  # which frames came instead
+    assert not wrong, f"{len(wrong)} of {len(starts)} starts: start -> frames decoded {wrong}"
+    assert np.array_equal(decode_clip(data, 0, None, 3), frames)  # frames=None: all
+    tail = decode_clip(data, total - 2, 4, 1)  # past the end: the last frame repeated
+    assert np.array_equal(tail, frames[[total - 2, total - 1, total - 1, total - 1]])
 
 
 def test_h264_on_the_cpu_decoder_is_refused_by_codec_name():
