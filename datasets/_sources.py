@@ -12,6 +12,14 @@ takes its endpoint, region and credentials from the standard AWS environment var
 files (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, ...). boto3's own retries are off: one retry policy, the
 caller's, covers the request and the body alike.
+
+An S3 GET is signed by boto3 in the process (a presigned URL, SigV4, no request) and sent over a
+kept-alive ``http.client`` connection (verified with boto3's CA bundle): boto3's
+``get_object`` and its body cost ~1.6 ms of CPU per 700 KB GET against ~0.8 ms for this
+(BENCHMARKS.md, "S3 on the H200"), which DataLoader workers pay per shard. Any answer but the bytes
+or a retryable failure (a missing key, refused credentials, a redirect to another region, a
+changed shard) is asked again through ``get_object``, so that errors, redirects and messages are
+boto3's; so is every GET of a bucket that needed it once, and every GET when a proxy is set.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import http.client
 import os
 import re
 import socket
+import ssl
 import threading
 import urllib.error
 import urllib.request
@@ -58,7 +67,7 @@ def open_source(url: str, start: int, etag: str | None, read_timeout: float,
                 connect_timeout: float) -> Response:
     """GETs ``url`` from byte ``start``; with ``etag``, refuses a shard that has changed since."""
     if url[:5].lower() == "s3://":
-        return _S3Body(url, start, etag, read_timeout, connect_timeout)
+        return _s3(url, start, etag, read_timeout, connect_timeout)
     return _HttpBody(url, start, etag, read_timeout)
 
 
@@ -128,7 +137,8 @@ def _oserror(err: object) -> str:
     if isinstance(err, (TimeoutError, socket.timeout)):
         return "read timed out (stalled server)"
     if isinstance(err, http.client.IncompleteRead):
-        return f"connection cut after {len(err.partial)} more bytes"
+        partial = err.partial if isinstance(err.partial, int) else len(err.partial)
+        return f"connection cut after {partial} more bytes"
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
@@ -148,11 +158,14 @@ class _Clients:
         self.lock = threading.Lock()
         self.sessions: dict[tuple[Any, ...], tuple[Any, list[str]]] = {}
         self.clients: dict[tuple[Any, ...], tuple[Any, list[str]]] = {}
+        self.contexts: dict[int, ssl.SSLContext] = {}  # a session's TLS settings
+        self.idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}  # kept alive
+        self.slow: set[tuple[str | None, str]] = set()  # (endpoint, bucket) asked via get_object
 
     def session(self) -> tuple[Any, list[str]]:
         """(boto3 session of this AWS environment, secrets never to show in a message)."""
-        if self.pid != os.getpid():
-            self.pid, self.lock, self.clients = os.getpid(), threading.Lock(), {}
+        if self.pid != os.getpid():  # connections are not shared with a forked parent
+            self.pid, self.lock, self.clients, self.idle = os.getpid(), threading.Lock(), {}, {}
         env = tuple(sorted(kv for kv in os.environ.items() if kv[0].startswith("AWS_")))
         with self.lock:
             if env not in self.sessions:
@@ -169,9 +182,46 @@ class _Clients:
             if key not in self.clients:
                 config = botocore.config.Config(read_timeout=read_timeout,
                                                 connect_timeout=connect_timeout,
-                                                retries={"total_max_attempts": 1})
+                                                retries={"total_max_attempts": 1},
+                                                signature_version="s3v4")
                 self.clients[key] = session.client("s3", config=config)
             return self.clients[key], secrets
+
+
+    def ssl_context(self, session: Any) -> ssl.SSLContext:
+        """The TLS settings of presigned GETs: verified as boto3 would (its ``ca_bundle``
+        setting or ``AWS_CA_BUNDLE``, else its default bundle)."""
+        import botocore.httpsession
+        import botocore.session
+
+        with self.lock:
+            context = self.contexts.get(id(session))
+            if context is None:  # the same environment and files as the session's
+                bundle = (botocore.session.get_session().get_config_variable("ca_bundle")
+                          or botocore.httpsession.get_cert_path(True))
+                context = self.contexts[id(session)] = ssl.create_default_context(
+                    cafile=bundle if isinstance(bundle, str) else None)
+            return context
+
+    def connection(self, scheme: str, netloc: str, session: Any,
+                   timeout: float) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle kept-alive connection to ``netloc`` (and True), or a new one (and False)."""
+        with self.lock:
+            idle = self.idle.get((scheme, netloc))
+            if idle:
+                return idle.pop(), True
+        if scheme == "https":
+            return http.client.HTTPSConnection(netloc, timeout=timeout,
+                                               context=self.ssl_context(session)), False
+        return http.client.HTTPConnection(netloc, timeout=timeout), False
+
+    def give_back(self, scheme: str, netloc: str, conn: http.client.HTTPConnection) -> None:
+        with self.lock:
+            idle = self.idle.setdefault((scheme, netloc), [])
+            if len(idle) < 8:
+                idle.append(conn)
+                return
+        conn.close()
 
 
 def _make_session() -> tuple[Any, list[str]]:
@@ -210,20 +260,120 @@ def _bucket_key(url: str) -> tuple[str, str]:
     return parts.netloc, key
 
 
+def _s3(url: str, start: int, etag: str | None, read_timeout: float,
+        connect_timeout: float) -> Response:
+    """A GET of an S3 shard: presigned when it can, else boto3's (module docstring)."""
+    bucket, key = _bucket_key(url)
+    try:
+        client, secrets = _clients.get(read_timeout, connect_timeout)
+    except Permanent:
+        raise
+    except Exception as err:  # noqa: BLE001 - a profile, region or endpoint boto3 refuses
+        secrets = [v for k, v in os.environ.items() if k.startswith("AWS_") and v
+                   and ("SECRET" in k or "TOKEN" in k)]
+        raise Permanent(_scrub(f"{type(err).__name__}: {err}", secrets)) from None
+    where = (client.meta.endpoint_url, bucket)
+    if where not in _clients.slow and not _proxied(client.meta.endpoint_url):
+        try:
+            return _PresignedBody(client, bucket, key, start, etag, read_timeout,
+                                  connect_timeout)
+        except _AskBoto3:
+            _clients.slow.add(where)
+    return _S3Body(client, secrets, bucket, key, start, etag)
+
+
+def _proxied(endpoint: str) -> bool:
+    """Whether a proxy from the environment applies to ``endpoint`` (boto3 then sends)."""
+    proxies = urllib.request.getproxies()
+    scheme, host = urlsplit(endpoint).scheme, urlsplit(endpoint).hostname or ""
+    return scheme in proxies and not urllib.request.proxy_bypass(host)
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+class _AskBoto3(Exception):
+    """A presigned GET's answer that boto3 should handle (and word)."""
+
+
+class _PresignedBody:
+    """A GET of a URL presigned by boto3 (valid 15 minutes, used at once) over a kept-alive
+    ``http.client`` connection of this process."""
+
+    def __init__(self, client: Any, bucket: str, key: str, start: int, etag: str | None,
+                 read_timeout: float, connect_timeout: float) -> None:
+        url = urlsplit(client.generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=900))
+        headers = {"User-Agent": "mmproxy", "Accept-Encoding": "identity"}
+        if start:
+            headers["Range"] = f"bytes={start}-"
+        if etag is not None:
+            headers["If-Match"] = etag
+        self._where = (url.scheme, url.netloc)
+        target = f"{url.path}?{url.query}"
+        session = _clients.session()[0]
+        while True:
+            conn, reused = _clients.connection(*self._where, session, connect_timeout)
+            try:
+                if conn.sock is None:
+                    conn.connect()
+                conn.sock.settimeout(read_timeout)
+                conn.request("GET", target, headers=headers)
+                self._resp = conn.getresponse()
+                break
+            except (OSError, http.client.HTTPException) as err:
+                conn.close()
+                if reused and isinstance(err, (http.client.RemoteDisconnected,
+                                               ConnectionResetError, BrokenPipeError)):
+                    continue  # the server had closed the idle connection: a fresh one
+                raise Transient(_oserror(err)) from None
+        self._conn = conn
+        status = self._resp.status
+        if status not in (200, 206):
+            self._drop()
+            if status in _RETRY_HTTP or status >= 500:
+                raise Transient(f"HTTP {status} {self._resp.reason}".rstrip())
+            raise _AskBoto3
+        try:
+            self.etag = self._resp.getheader("ETag")
+            _changed(etag, self.etag)
+            if status == 206:
+                self.size = _content_range(self._resp.getheader("Content-Range"), start)
+            elif start:  # a range asked for and ignored: boto3 then
+                raise _AskBoto3
+            else:
+                length = self._resp.getheader("Content-Length")
+                self.size = int(length) if length is not None else None
+        except BaseException:
+            self._drop()
+            raise
+
+    def readinto(self, buffer: memoryview) -> int:
+        try:
+            return self._resp.readinto(buffer)
+        except (OSError, http.client.HTTPException, ValueError) as err:
+            raise Transient(_oserror(err)) from None
+
+    def _drop(self) -> None:
+        self._resp.close()
+        self._conn.close()
+
+    def close(self) -> None:
+        if self._resp.isclosed() and not self._resp.will_close:  # read to its end: reuse it
+            _clients.give_back(*self._where, self._conn)
+        else:
+            self._drop()
+
+
 class _S3Body:
-    def __init__(self, url: str, start: int, etag: str | None, read_timeout: float,
-                 connect_timeout: float) -> None:
+    def __init__(self, client: Any, secrets: list[str], bucket: str, key: str, start: int,
+                 etag: str | None) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        bucket, key = _bucket_key(url)
-        self._secrets = [v for k, v in os.environ.items() if k.startswith("AWS_") and v
-                         and ("SECRET" in k or "TOKEN" in k)]
-        try:
-            client, self._secrets = _clients.get(read_timeout, connect_timeout)
-        except Permanent:
-            raise
-        except Exception as err:  # noqa: BLE001 - a profile, region or endpoint boto3 refuses
-            raise Permanent(self._text(f"{type(err).__name__}: {err}")) from None
+        self._secrets = secrets
         ask: dict[str, Any] = {"Bucket": bucket, "Key": key}
         if start:
             ask["Range"] = f"bytes={start}-"
@@ -250,9 +400,7 @@ class _S3Body:
                      else _content_range(answer.get("ContentRange"), start))
 
     def _text(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        return _scrub(text, self._secrets)
 
     def _sorted(self, err: Exception) -> Exception:
         """A botocore error as Transient (network) or Permanent (configuration, checksum)."""

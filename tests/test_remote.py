@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import socket
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -113,6 +115,31 @@ def test_http_and_s3_give_the_local_keys_and_pixels(local, http, s3, aws, image_
     aws(s3[1])
     [got], _ = run(s3[0], image_server, workers)
     assert same(got, expected)
+
+
+def test_s3_gets_keep_their_connection_and_replace_a_dead_one(shard_dir, local, aws):
+    """Presigned GETs reuse one kept-alive connection to the S3 endpoint; one the server has
+    closed meanwhile is replaced without a failure."""
+    from mmproxy.datasets import _sources
+
+    def read(url):
+        with open_remote(url, RemoteOptions(retries=0)) as shard:
+            shard.wait(len(shard.view))
+            return bytes(shard.view)
+
+    with ShardServer(shard_dir.parent) as endpoint:
+        aws({"AWS_ENDPOINT_URL": endpoint.url, "AWS_ACCESS_KEY_ID": "AKIA-TEST",
+             "AWS_DEFAULT_REGION": "us-east-1"})
+        idle = ("http", urlsplit(endpoint.url).netloc)
+        assert read("s3://bucket/r-0.tar") == Path(local[0]).read_bytes()
+        [kept] = _sources._clients.idle[idle]
+        assert read("s3://bucket/r-1.tar") == Path(local[1]).read_bytes()
+        assert _sources._clients.idle[idle] == [kept]  # the same connection again
+        kept.sock.shutdown(socket.SHUT_RDWR)  # as a server closing an idle connection
+        assert read("s3://bucket/r-2.tar") == Path(local[2]).read_bytes()
+        [fresh] = _sources._clients.idle[idle]
+        assert fresh is not kept
+        assert all("X-Amz-Signature=" in query for _, query in endpoint.queries)
 
 
 def test_members_are_views_of_one_registered_mapping(http, local):
@@ -226,6 +253,8 @@ def test_s3_client_retries_cuts_stalls_and_5xx(shard_dir, local, aws, image_serv
             [got], _ = run(urls, image_server, remote=opts)
         assert same(got, expected)
         assert [endpoint.requests[f"bucket/r-{s}.tar"] for s in range(N_SHARDS)] == [2, 2, 2, 1]
+        # every GET presigned by boto3 (SigV4 in the query), sent over urllib3, resumed ones too
+        assert all("X-Amz-Signature=" in query for _, query in endpoint.queries)
         endpoint.fail("bucket/r-3.tar", Fault("status", status=503), times=None)
         opts = RemoteOptions(retries=1, backoff=0.01, read_timeout=0.5)
         with caplog.at_level(logging.WARNING):
@@ -236,7 +265,22 @@ def test_s3_client_retries_cuts_stalls_and_5xx(shard_dir, local, aws, image_serv
     assert record.shard == urls[3] and "503" in record.reason
     assert "s3://bucket/r-3.tar" in str(raised.value)
     for text in (caplog.text, str(record), str(raised.value), repr(raised.value.__cause__)):
-        assert SECRET not in text
+        assert SECRET not in text and "Signature" not in text
+
+
+def test_s3_answers_other_than_the_bytes_are_asked_again_through_boto3(shard_dir, aws, tmp_path):
+    """A presigned GET answered 404 (or 403, a redirect, ...) is sent again as boto3's own
+    get_object, whose error names the S3 code; that bucket's later GETs go through boto3 too."""
+    with ShardServer(shard_dir.parent) as endpoint:
+        aws({"AWS_ENDPOINT_URL": endpoint.url, "AWS_ACCESS_KEY_ID": "AKIA-TEST",
+             "AWS_DEFAULT_REGION": "us-east-1"})
+        with pytest.raises(RemoteError, match="HTTP 404"):
+            with open_remote("s3://bucket/missing.tar", RemoteOptions(retries=0)):
+                pass
+        with open_remote("s3://bucket/r-0.tar", RemoteOptions()) as shard:
+            shard.wait(len(shard.view))
+    presigned = ["X-Amz-Signature=" in query for _, query in endpoint.queries]
+    assert presigned == [True, False, False]  # missing: presigned, then boto3; then boto3 only
 
 
 def test_credentials_never_show(http, image_server):

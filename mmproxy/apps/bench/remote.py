@@ -48,11 +48,13 @@ class ShardServer:
     Attributes:
         url: ``http://127.0.0.1:PORT``; a file's URL is ``url + "/" + its path under root``.
         requests: GETs per file name (path under root), faulty ones included.
+        queries: the query string of each GET, in order (``(name, query)``).
     """
 
     def __init__(self, root: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 0) -> None:
         self.root = Path(root).resolve()
         self.requests: Counter[str] = Counter()
+        self.queries: list[tuple[str, str]] = []
         self._faults: dict[str, deque[Fault]] = {}
         self._always: dict[str, Fault] = {}
         self._lock = threading.Lock()
@@ -85,9 +87,10 @@ class ShardServer:
             else:
                 self._faults.setdefault(name, deque()).extend([fault] * times)
 
-    def _next_fault(self, name: str) -> Fault | None:
+    def _next_fault(self, name: str, query: str) -> Fault | None:
         with self._lock:
             self.requests[name] += 1
+            self.queries.append((name, query))
             queued = self._faults.get(name)
             return queued.popleft() if queued else self._always.get(name)
 
@@ -99,13 +102,16 @@ class _Server(http.server.ThreadingHTTPServer):
 
 def _handler(server: ShardServer) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keeps a connection open for the next request
+
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
         def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
-            name = self.path.split("?", 1)[0].lstrip("/")
+            name, _, query = self.path.partition("?")
+            name = name.lstrip("/")
             path = (server.root / name).resolve()
-            fault = server._next_fault(name)
+            fault = server._next_fault(name, query)
             if not path.is_relative_to(server.root) or not path.is_file():
                 self.send_error(404)
                 return
@@ -121,6 +127,9 @@ def _handler(server: ShardServer) -> type[http.server.BaseHTTPRequestHandler]:
             self.send_response(206 if match else 200)
             if fault is None or fault.kind != "unsized":
                 self.send_header("Content-Length", str(end - start))
+            else:  # the body ends when the connection closes
+                self.send_header("Connection", "close")
+                self.close_connection = True
             if match:
                 self.send_header("Content-Range", f"bytes {start}-{end - 1}/{st.st_size}")
             self.send_header("ETag", f'"{st.st_size:x}-{st.st_mtime_ns:x}"')
