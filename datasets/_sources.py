@@ -84,7 +84,19 @@ def _content_range(value: str | None, start: int) -> int | None:
     return None if match[3] == "*" else int(match[3])
 
 
-class _HttpBody:
+class _StdlibBody:
+    """The body of an ``http.client`` (or urllib) response, its failures as :class:`Transient`."""
+
+    _resp: Any
+
+    def readinto(self, buffer: memoryview) -> int:
+        try:
+            return self._resp.readinto(buffer)
+        except (OSError, http.client.HTTPException, ValueError) as err:
+            raise Transient(_oserror(err)) from None
+
+
+class _HttpBody(_StdlibBody):
     def __init__(self, url: str, start: int, etag: str | None, timeout: float) -> None:
         headers = {"User-Agent": "mmproxy", "Accept-Encoding": "identity"}
         if start:
@@ -122,12 +134,6 @@ class _HttpBody:
             if n == 0:
                 raise Transient("the connection closed before the resumed offset")
             count -= n
-
-    def readinto(self, buffer: memoryview) -> int:
-        try:
-            return self._resp.readinto(buffer)
-        except (OSError, http.client.HTTPException, ValueError) as err:
-            raise Transient(_oserror(err)) from None
 
     def close(self) -> None:
         self._resp.close()
@@ -299,7 +305,7 @@ class _AskBoto3(Exception):
     """A presigned GET's answer that boto3 should handle (and word)."""
 
 
-class _PresignedBody:
+class _PresignedBody(_StdlibBody):
     """A GET of a URL presigned by boto3 (valid 15 minutes, used at once) over a kept-alive
     ``http.client`` connection of this process."""
 
@@ -350,12 +356,6 @@ class _PresignedBody:
         except BaseException:
             self._drop()
             raise
-
-    def readinto(self, buffer: memoryview) -> int:
-        try:
-            return self._resp.readinto(buffer)
-        except (OSError, http.client.HTTPException, ValueError) as err:
-            raise Transient(_oserror(err)) from None
 
     def _drop(self) -> None:
         self._resp.close()
