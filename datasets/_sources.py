@@ -27,6 +27,7 @@ from __future__ import annotations
 import http.client
 import os
 import re
+import select
 import socket
 import ssl
 import threading
@@ -147,6 +148,8 @@ def _oserror(err: object) -> str:
         return f"connection cut after {partial} more bytes"
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
+    if isinstance(err, http.client.HTTPException):  # its text may quote the request (a signed URL)
+        return f"bad answer ({type(err).__name__})"
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
@@ -212,10 +215,15 @@ class _Clients:
     def connection(self, scheme: str, netloc: str, session: Any,
                    timeout: float) -> tuple[http.client.HTTPConnection, bool]:
         """An idle kept-alive connection to ``netloc`` (and True), or a new one (and False)."""
-        with self.lock:
-            idle = self.idle.get((scheme, netloc))
-            if idle:
-                return idle.pop(), True
+        while True:
+            with self.lock:
+                idle = self.idle.get((scheme, netloc))
+                conn = idle.pop() if idle else None
+            if conn is None:
+                break
+            if conn.sock is not None and not select.select([conn.sock], [], [], 0)[0]:
+                return conn, True
+            conn.close()  # readable while idle: the server closed it (or sent junk)
         if scheme == "https":
             return http.client.HTTPSConnection(netloc, timeout=timeout,
                                                context=self.ssl_context(session)), False
@@ -283,8 +291,9 @@ def _s3(url: str, start: int, etag: str | None, read_timeout: float,
         try:
             return _PresignedBody(client, bucket, key, start, etag, read_timeout,
                                   connect_timeout)
-        except _AskBoto3:
-            _clients.slow.add(where)
+        except _AskBoto3 as ask:
+            if ask.bucket:
+                _clients.slow.add(where)
     return _S3Body(client, secrets, bucket, key, start, etag)
 
 
@@ -302,7 +311,15 @@ def _scrub(text: str, secrets: list[str]) -> str:
 
 
 class _AskBoto3(Exception):
-    """A presigned GET's answer that boto3 should handle (and word)."""
+    """A presigned GET's answer that boto3 should handle (and word); ``bucket``: one that holds
+    for the whole bucket (a redirect, a refusal), so that its next GETs go to boto3 at once."""
+
+    def __init__(self, bucket: bool = False) -> None:
+        super().__init__()
+        self.bucket = bucket
+
+
+_BUCKET_ANSWERS = frozenset({301, 307, 400, 403})  # another region, refused credentials
 
 
 class _PresignedBody(_StdlibBody):
@@ -311,8 +328,14 @@ class _PresignedBody(_StdlibBody):
 
     def __init__(self, client: Any, bucket: str, key: str, start: int, etag: str | None,
                  read_timeout: float, connect_timeout: float) -> None:
-        url = urlsplit(client.generate_presigned_url(
-            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=900))
+        try:  # credentials, parameters, CA bundle: boto3's own call then fails and words it
+            url = urlsplit(client.generate_presigned_url(
+                "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=900))
+            session = _clients.session()[0]
+            if url.scheme == "https":
+                _clients.ssl_context(session)
+        except Exception:  # noqa: BLE001
+            raise _AskBoto3 from None
         headers = {"User-Agent": "mmproxy", "Accept-Encoding": "identity"}
         if start:
             headers["Range"] = f"bytes={start}-"
@@ -320,29 +343,30 @@ class _PresignedBody(_StdlibBody):
             headers["If-Match"] = etag
         self._where = (url.scheme, url.netloc)
         target = f"{url.path}?{url.query}"
-        session = _clients.session()[0]
         while True:
             conn, reused = _clients.connection(*self._where, session, connect_timeout)
             try:
                 if conn.sock is None:
-                    conn.connect()
+                    try:
+                        conn.connect()
+                    except TimeoutError:
+                        raise Transient("connect timed out") from None
                 conn.sock.settimeout(read_timeout)
                 conn.request("GET", target, headers=headers)
                 self._resp = conn.getresponse()
                 break
             except (OSError, http.client.HTTPException) as err:
                 conn.close()
-                if reused and isinstance(err, (http.client.RemoteDisconnected,
-                                               ConnectionResetError, BrokenPipeError)):
-                    continue  # the server had closed the idle connection: a fresh one
+                if reused and not isinstance(err, (TimeoutError, socket.timeout)):
+                    continue  # an idle connection that died before answering: a fresh one
                 raise Transient(_oserror(err)) from None
-        self._conn = conn
+        self._conn: http.client.HTTPConnection | None = conn
         status = self._resp.status
         if status not in (200, 206):
             self._drop()
             if status in _RETRY_HTTP or status >= 500:
                 raise Transient(f"HTTP {status} {self._resp.reason}".rstrip())
-            raise _AskBoto3
+            raise _AskBoto3(bucket=status in _BUCKET_ANSWERS)
         try:
             self.etag = self._resp.getheader("ETag")
             _changed(etag, self.etag)
@@ -359,13 +383,19 @@ class _PresignedBody(_StdlibBody):
 
     def _drop(self) -> None:
         self._resp.close()
-        self._conn.close()
+        if self._conn is not None:
+            self._conn.close()
 
     def close(self) -> None:
-        if self._resp.isclosed() and not self._resp.will_close:  # read to its end: reuse it
-            _clients.give_back(*self._where, self._conn)
+        conn, self._conn = self._conn, None  # closed once: a connection is pooled at most once
+        if conn is None:
+            return
+        resp = self._resp
+        if resp.isclosed() and not resp.will_close and (resp.chunked or resp.length == 0):
+            _clients.give_back(*self._where, conn)  # its body read to the end: reuse it
         else:
-            self._drop()
+            resp.close()
+            conn.close()
 
 
 class _S3Body:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import socket
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -68,6 +67,15 @@ def s3(local):
         yield urls, env
 
 
+@pytest.fixture(autouse=True)
+def fresh_s3_state():
+    """Each test starts with no kept connection and no bucket sent to boto3 by an earlier one."""
+    from mmproxy.datasets import _sources
+
+    _sources._clients.slow.clear()
+    _sources._clients.idle.clear()
+
+
 @pytest.fixture
 def aws(monkeypatch, tmp_path):
     """An AWS environment of our own: no config files, credentials nobody else has."""
@@ -117,29 +125,77 @@ def test_http_and_s3_give_the_local_keys_and_pixels(local, http, s3, aws, image_
     assert same(got, expected)
 
 
-def test_s3_gets_keep_their_connection_and_replace_a_dead_one(shard_dir, local, aws):
-    """Presigned GETs reuse one kept-alive connection to the S3 endpoint; one the server has
-    closed meanwhile is replaced without a failure."""
+def read_whole(url, **options):
+    with open_remote(url, RemoteOptions(**options)) as shard:
+        shard.wait(len(shard.view))
+        return bytes(shard.view)
+
+
+def s3_endpoint(aws, endpoint, **more):
+    aws({"AWS_ENDPOINT_URL": endpoint.url, "AWS_ACCESS_KEY_ID": "AKIA-TEST",
+         "AWS_DEFAULT_REGION": "us-east-1", **more})
+    return ("http", urlsplit(endpoint.url).netloc)
+
+
+def test_s3_gets_keep_their_connection_and_replace_a_closed_one(shard_dir, local, aws, caplog):
+    """Presigned GETs reuse one kept-alive connection to the S3 endpoint; one the server closed
+    while it was idle is replaced without a failure or a retry."""
     from mmproxy.datasets import _sources
 
-    def read(url):
-        with open_remote(url, RemoteOptions(retries=0)) as shard:
-            shard.wait(len(shard.view))
-            return bytes(shard.view)
+    with ShardServer(shard_dir.parent, keep_alive=0.3) as endpoint:
+        idle = s3_endpoint(aws, endpoint)
+        assert read_whole("s3://bucket/r-0.tar", retries=0) == Path(local[0]).read_bytes()
+        [kept] = _sources._clients.idle[idle]
+        assert read_whole("s3://bucket/r-1.tar", retries=0) == Path(local[1]).read_bytes()
+        assert _sources._clients.idle[idle] == [kept]  # the same connection again
+        time.sleep(0.8)  # the server closes it
+        with caplog.at_level(logging.WARNING):
+            assert read_whole("s3://bucket/r-2.tar", retries=0) == Path(local[2]).read_bytes()
+        [fresh] = _sources._clients.idle[idle]
+        assert fresh is not kept and not caplog.records
+        assert all("X-Amz-Signature=" in query for _, query in endpoint.queries)
+
+
+def test_s3_a_cut_body_never_goes_back_to_the_pool(shard_dir, local, aws):
+    """A connection whose body ended early is dropped, not kept (nor kept twice)."""
+    from mmproxy.datasets import _sources
 
     with ShardServer(shard_dir.parent) as endpoint:
-        aws({"AWS_ENDPOINT_URL": endpoint.url, "AWS_ACCESS_KEY_ID": "AKIA-TEST",
-             "AWS_DEFAULT_REGION": "us-east-1"})
-        idle = ("http", urlsplit(endpoint.url).netloc)
-        assert read("s3://bucket/r-0.tar") == Path(local[0]).read_bytes()
-        [kept] = _sources._clients.idle[idle]
-        assert read("s3://bucket/r-1.tar") == Path(local[1]).read_bytes()
-        assert _sources._clients.idle[idle] == [kept]  # the same connection again
-        kept.sock.shutdown(socket.SHUT_RDWR)  # as a server closing an idle connection
-        assert read("s3://bucket/r-2.tar") == Path(local[2]).read_bytes()
-        [fresh] = _sources._clients.idle[idle]
-        assert fresh is not kept
-        assert all("X-Amz-Signature=" in query for _, query in endpoint.queries)
+        idle = s3_endpoint(aws, endpoint)
+        endpoint.fail("bucket/r-0.tar", Fault("cut", after=5000))
+        with pytest.raises(RemoteError, match="connection closed at byte 5000"):
+            read_whole("s3://bucket/r-0.tar", retries=0)
+        assert not _sources._clients.idle.get(idle)  # the cut connection was not kept
+        endpoint.fail("bucket/r-0.tar", Fault("cut", after=5000))
+        got = read_whole("s3://bucket/r-0.tar", backoff=0.01)
+        assert got == Path(local[0]).read_bytes() and endpoint.requests["bucket/r-0.tar"] == 3
+        [kept] = _sources._clients.idle[idle]  # the resumed GET's connection only
+        assert read_whole("s3://bucket/r-1.tar", retries=0) == Path(local[1]).read_bytes()
+
+
+def test_s3_a_garbled_answer_does_not_show_the_signed_url(shard_dir, aws, caplog):
+    """A broken server echoing the request: the message names the failure, not the URL (whose
+    query holds the signature and the access key id)."""
+    with ShardServer(shard_dir.parent) as endpoint:
+        s3_endpoint(aws, endpoint, AWS_SESSION_TOKEN="TOKEN/do+not=show")
+        endpoint.fail("bucket/r-0.tar", Fault("garbage"))
+        with caplog.at_level(logging.WARNING), pytest.raises(RemoteError) as raised:
+            read_whole("s3://bucket/r-0.tar", retries=0)
+    for text in (str(raised.value), caplog.text):
+        assert "Signature" not in text and "AKIA-TEST" not in text and "TOKEN" not in text
+    assert "bad answer" in str(raised.value)
+
+
+def test_s3_without_credentials_is_a_named_error(shard_dir, aws, monkeypatch):
+    """Signing fails (no credentials): boto3's own call words it, a RemoteError (a skip record
+    in skip mode), not a raw botocore exception."""
+    with ShardServer(shard_dir.parent) as endpoint:
+        s3_endpoint(aws, endpoint)
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        with pytest.raises(RemoteError, match="NoCredentialsError"):
+            read_whole("s3://bucket/r-0.tar", retries=0)
+    assert not endpoint.queries  # nothing was sent unsigned
 
 
 def test_members_are_views_of_one_registered_mapping(http, local):
@@ -268,19 +324,22 @@ def test_s3_client_retries_cuts_stalls_and_5xx(shard_dir, local, aws, image_serv
         assert SECRET not in text and "Signature" not in text
 
 
-def test_s3_answers_other_than_the_bytes_are_asked_again_through_boto3(shard_dir, aws, tmp_path):
-    """A presigned GET answered 404 (or 403, a redirect, ...) is sent again as boto3's own
-    get_object, whose error names the S3 code; that bucket's later GETs go through boto3 too."""
+def test_s3_answers_other_than_the_bytes_are_asked_again_through_boto3(shard_dir, aws):
+    """A presigned GET answered 404 (or 412, ...) is sent again as boto3's own get_object, whose
+    error names the S3 code; one answered 403 (or a redirect: the bucket's answers) also sends
+    that bucket's later GETs to boto3 at once."""
     with ShardServer(shard_dir.parent) as endpoint:
-        aws({"AWS_ENDPOINT_URL": endpoint.url, "AWS_ACCESS_KEY_ID": "AKIA-TEST",
-             "AWS_DEFAULT_REGION": "us-east-1"})
+        s3_endpoint(aws, endpoint)
         with pytest.raises(RemoteError, match="HTTP 404"):
-            with open_remote("s3://bucket/missing.tar", RemoteOptions(retries=0)):
-                pass
-        with open_remote("s3://bucket/r-0.tar", RemoteOptions()) as shard:
-            shard.wait(len(shard.view))
-    presigned = ["X-Amz-Signature=" in query for _, query in endpoint.queries]
-    assert presigned == [True, False, False]  # missing: presigned, then boto3; then boto3 only
+            read_whole("s3://bucket/missing.tar", retries=0)
+        read_whole("s3://bucket/r-0.tar")
+        endpoint.fail("bucket/r-1.tar", Fault("status", status=403))
+        read_whole("s3://bucket/r-1.tar")
+        read_whole("s3://bucket/r-2.tar")
+    presigned = [("X-Amz-Signature=" in query, name) for name, query in endpoint.queries]
+    assert presigned == [(True, "bucket/missing.tar"), (False, "bucket/missing.tar"),
+                         (True, "bucket/r-0.tar"), (True, "bucket/r-1.tar"),
+                         (False, "bucket/r-1.tar"), (False, "bucket/r-2.tar")]
 
 
 def test_credentials_never_show(http, image_server):

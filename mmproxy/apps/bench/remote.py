@@ -34,9 +34,10 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "mmproxy-bench", "AWS_SECRET_ACCESS_KEY": "mmprox
 class Fault(NamedTuple):
     """What a request for a file meets: an error ``status``, or its body ``cut`` (connection
     closed) or ``stall``-ed (``seconds`` of silence) after ``after`` bytes, or sent with no
-    ``Content-Length`` (``unsized``: the body ends when the connection closes)."""
+    ``Content-Length`` (``unsized``: the body ends when the connection closes), or ``garbage``:
+    its own request line back instead of a status line (a broken proxy or server)."""
 
-    kind: Literal["status", "cut", "stall", "unsized"]
+    kind: Literal["status", "cut", "stall", "unsized", "garbage"]
     after: int = 0
     status: int = 503
     seconds: float = 0.0
@@ -51,8 +52,10 @@ class ShardServer:
         queries: the query string of each GET, in order (``(name, query)``).
     """
 
-    def __init__(self, root: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, root: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 0,
+                 keep_alive: float | None = None) -> None:
         self.root = Path(root).resolve()
+        self.keep_alive = keep_alive  # seconds an idle connection stays open (None: until closed)
         self.requests: Counter[str] = Counter()
         self.queries: list[tuple[str, str]] = []
         self._faults: dict[str, deque[Fault]] = {}
@@ -103,6 +106,7 @@ class _Server(http.server.ThreadingHTTPServer):
 def _handler(server: ShardServer) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keeps a connection open for the next request
+        timeout = server.keep_alive
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
@@ -117,6 +121,10 @@ def _handler(server: ShardServer) -> type[http.server.BaseHTTPRequestHandler]:
                 return
             if fault is not None and fault.kind == "status":
                 self.send_error(fault.status)
+                return
+            if fault is not None and fault.kind == "garbage":
+                self.wfile.write(self.requestline.encode() + b"\r\n\r\n")
+                self.close_connection = True
                 return
             st = path.stat()
             start, end = 0, st.st_size
