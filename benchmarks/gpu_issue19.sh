@@ -4,9 +4,10 @@
 # (2x H200, 32 cores): every single-GPU run is pinned to GPU 0 and cores 0-15 (one H200 and 16
 # cores, like the reference machine), leaving cores 16-31 for the shard servers.
 #   PART=video   fn.decoders.video's options (build_index, affine) against PyAV in the workers
-#   PART=image   mmproxy bench, 5 epochs x 3 interleaved runs: the bench's synthetic JPEGs, then
-#                shards of real photographs (benchmarks/photo_shards.py); DALI's proxy with its
-#                defaults and with its documentation's prefetch_queue_depth=2*workers
+#   PART=image   mmproxy bench, 5 epochs x 3 interleaved runs on the bench's synthetic JPEGs; DALI's
+#                proxy with its defaults and with its documentation's prefetch_queue_depth=2*workers
+#   PART=photos  the same on shards of real photographs (benchmarks/photo_shards.py)
+#   (the JSON is written after every system, so a call cut short keeps what it measured)
 #   PART=s3      remote_bench (interleaved) with the S3 / HTTP servers on cores 16-31, and on the
 #                loader's own cores; then mmproxy bench's remote systems, servers on 16-31
 # DDP: benchmarks/gpu_ddp.sh.
@@ -22,12 +23,13 @@ video)
     --threads 8 --epochs 2 --data-dir /tmp/vbench --json "$out/video-decoder-options.json" \
     --systems 'mmproxy-nvdec[build_index=False],mmproxy-nvdec[affine=False],mmproxy-nvdec[build_index=False,affine=False],mmproxy-nvdec,mmproxy-pyav,dali-reader' \
     2>&1 | quiet 30 ;;
-image)
-  one 280 python3 -m mmproxy.cli bench --workload image --samples 16384 --workers 15 --threads 8 \
+image)  # one call each (a system's run costs ~30 s of start-up: 12 runs take ~6-8 minutes)
+  one 540 python3 -m mmproxy.cli bench --workload image --samples 16384 --workers 15 --threads 8 \
     --data-dir /tmp/bench --epochs 5 --runs 3 --systems mmproxy,dali-reader,dali-proxy,dali-proxy-seed \
-    --json "$out/image-synthetic-runs.json" 2>&1 | quiet 12
+    --json "$out/image-synthetic-runs.json" 2>&1 | quiet 12 ;;
+photos)
   python3 benchmarks/photo_shards.py /tmp/photos --count 16384 2>&1 | tail -2
-  one 280 python3 -m mmproxy.cli bench --data '/tmp/photos/photo-{0000..0255}.tar' --workers 15 \
+  one 520 python3 -m mmproxy.cli bench --data '/tmp/photos/photo-{0000..0255}.tar' --workers 15 \
     --threads 8 --epochs 5 --runs 3 --systems mmproxy,dali-reader,dali-proxy,dali-proxy-seed \
     --json "$out/image-photos-runs.json" 2>&1 | quiet 12 ;;
 s3)
@@ -41,5 +43,5 @@ s3)
     --data-dir /tmp/bench --epochs 5 --runs 2 --server-cpus 16-31 \
     --systems mmproxy,mmproxy-http,mmproxy-s3,mmproxy-cached \
     --json "$out/bench-remote-servers-apart.json" 2>&1 | quiet 8 ;;
-*) echo "PART must be video, image or s3" >&2; exit 2 ;;
+*) echo "PART must be video, image, photos or s3" >&2; exit 2 ;;
 esac
