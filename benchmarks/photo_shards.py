@@ -59,19 +59,24 @@ def _jpeg(image: Image.Image, rng: random.Random) -> bytes:
     return buf.getvalue()
 
 
+_images: dict[str, Image.Image] = {}  # each pool process's photographs, loaded once
+
+
+def _load() -> None:
+    _images.update((name, Image.fromarray(array)) for name, array in photos().items())
+
+
 def _shard(job: tuple[str, int, int, int]) -> str:
     import webdataset as wds
 
     folder, index, count, seed = job
-    sources = photos()
-    names = sorted(sources)
-    images = {name: Image.fromarray(sources[name]) for name in names}
+    names = sorted(_images)
     rng = random.Random(seed * 100_003 + index)
     path = f"{folder}/photo-{index:04d}.tar"
     with wds.TarWriter(path) as sink:
         for i in range(count):
             name = rng.choice(names)
-            sink.write({"__key__": f"{index:04d}-{i:03d}", "jpg": _jpeg(images[name], rng),
+            sink.write({"__key__": f"{index:04d}-{i:03d}", "jpg": _jpeg(_images[name], rng),
                         "txt": f"a photograph: {name.replace('_', ' ')}, crop {i}"})
     return path
 
@@ -86,7 +91,7 @@ def main() -> None:
     shards = -(-args.count // PER_SHARD)
     jobs = [(args.folder, i, min(PER_SHARD, args.count - i * PER_SHARD), args.seed)
             for i in range(shards)]
-    with multiprocessing.Pool() as pool:
+    with multiprocessing.Pool(initializer=_load) as pool:
         paths = pool.map(_shard, jobs)
     size = sum(Path(p).stat().st_size for p in paths)
     print(f"{args.count} JPEGs of {len(photos())} photographs in {len(paths)} shards under "

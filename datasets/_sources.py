@@ -212,9 +212,10 @@ class _Clients:
                     cafile=bundle if isinstance(bundle, str) else None)
             return context
 
-    def connection(self, scheme: str, netloc: str, session: Any,
+    def connection(self, scheme: str, netloc: str, context: ssl.SSLContext | None,
                    timeout: float) -> tuple[http.client.HTTPConnection, bool]:
-        """An idle kept-alive connection to ``netloc`` (and True), or a new one (and False)."""
+        """An idle kept-alive connection to ``netloc`` (and True), or a new one (and False;
+        ``context``: its TLS settings for https)."""
         while True:
             with self.lock:
                 idle = self.idle.get((scheme, netloc))
@@ -225,8 +226,7 @@ class _Clients:
                 return conn, True
             conn.close()  # readable while idle: the server closed it (or sent junk)
         if scheme == "https":
-            return http.client.HTTPSConnection(netloc, timeout=timeout,
-                                               context=self.ssl_context(session)), False
+            return http.client.HTTPSConnection(netloc, timeout=timeout, context=context), False
         return http.client.HTTPConnection(netloc, timeout=timeout), False
 
     def give_back(self, scheme: str, netloc: str, conn: http.client.HTTPConnection) -> None:
@@ -300,8 +300,8 @@ def _s3(url: str, start: int, etag: str | None, read_timeout: float,
 def _proxied(endpoint: str) -> bool:
     """Whether a proxy from the environment applies to ``endpoint`` (boto3 then sends)."""
     proxies = urllib.request.getproxies()
-    scheme, host = urlsplit(endpoint).scheme, urlsplit(endpoint).hostname or ""
-    return scheme in proxies and not urllib.request.proxy_bypass(host)
+    parts = urlsplit(endpoint)
+    return parts.scheme in proxies and not urllib.request.proxy_bypass(parts.hostname or "")
 
 
 def _scrub(text: str, secrets: list[str]) -> str:
@@ -331,9 +331,8 @@ class _PresignedBody(_StdlibBody):
         try:  # credentials, parameters, CA bundle: boto3's own call then fails and words it
             url = urlsplit(client.generate_presigned_url(
                 "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=900))
-            session = _clients.session()[0]
-            if url.scheme == "https":
-                _clients.ssl_context(session)
+            context = (_clients.ssl_context(_clients.session()[0]) if url.scheme == "https"
+                       else None)
         except Exception:  # noqa: BLE001
             raise _AskBoto3 from None
         headers = {"User-Agent": "mmproxy", "Accept-Encoding": "identity"}
@@ -344,7 +343,7 @@ class _PresignedBody(_StdlibBody):
         self._where = (url.scheme, url.netloc)
         target = f"{url.path}?{url.query}"
         while True:
-            conn, reused = _clients.connection(*self._where, session, connect_timeout)
+            conn, reused = _clients.connection(*self._where, context, connect_timeout)
             try:
                 if conn.sock is None:
                     try:
