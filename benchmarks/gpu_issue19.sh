@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind BENCHMARKS.md's "Statistically honest" image figures, the S3 figures with the
+# The runs behind BENCHMARKS.md's "Images, 5 epochs x 3 runs" figures, the S3 figures with the
 # S3 server on cores of its own, and the video decoder experiments, on an nvidia-h200-x2 machine
 # (2x H200, 32 cores): every single-GPU run is pinned to GPU 0 and cores 0-15 (one H200 and 16
 # cores, like the reference machine), leaving cores 16-31 for the shard servers.

@@ -197,3 +197,40 @@ def test_ddp_profile_splits_gpu_time_by_who_launched_it(tmp_path):
     assert row["steps"] == 2
     assert row == {**row, "step": 5.0, "train": 3.0, "nccl": 1.5, "nccl_only": 1.0,
                    "pipeline": 1.0, "pipeline_beside_train": 0.25, "idle": 1.0}
+
+
+def test_image_profile_reports_threads_and_gpu_use(tmp_path):
+    """benchmarks/image_profile.py on CPU: the bench's own report, and per system the frames the
+    sampler saw on each thread (the runner inside DALI's pipeline calls); dmon's columns are
+    averaged over each system's window only."""
+    out = run(["benchmarks/image_profile.py", "--json", str(tmp_path / "profile.json"), "--",
+               "--workload", "image", "--samples", "128", "--batch-size", "32", "--workers", "2",
+               "--threads", "1", "--epochs", "2", "--device", "cpu", "--systems",
+               "mmproxy,dali-reader", "--data-dir", str(tmp_path / "data"), "--json",
+               str(tmp_path / "bench.json")], tmp_path)
+    assert "mmproxy / this" in out and "== mmproxy#0" in out
+    report = json.loads((tmp_path / "profile.json").read_text())
+    assert list(report["systems"]) == ["mmproxy#0", "other#1"]
+    mmproxy, reader = (report["systems"][k]["threads"] for k in ("mmproxy#0", "other#1"))
+    assert mmproxy["runner"]["samples"] > 0 and "runner" not in reader
+    assert any(frame.startswith("dali/pipeline.py:") for frame in mmproxy["runner"]["top"])
+    assert any(frame.startswith("dali/pipeline.py:") for frame in reader["main"]["top"])
+    assert 0 < sum(mmproxy["runner"]["top"].values()) <= 1.001  # shares of its samples
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from image_profile import _gpu_use
+    finally:
+        sys.path.pop(0)
+    import time
+
+    base = time.mktime((2026, 11, 30, 23, 40, 0, 0, 0, -1))
+    lines = ["#Time        gpu    sm   mem   enc   dec   jpg   ofa",
+             "#HH:MM:SS    Idx     %     %     %     %     %     %",
+             " 23:40:01      0    40     3     0     0    60     0",
+             " 23:40:02      0    60     5     0     0    80     0",
+             " 23:40:03      0     -     -     -     -     -     -",
+             " 23:40:04      0    10     1     0     0    20     0"]
+    use = _gpu_use(lines, [("a", base, base + 3), ("b", base + 3, base + 4)])
+    assert use == {"a": {"seconds_sampled": 3, "sm": 50.0, "mem": 4.0, "jpg": 70.0, "dec": 0.0},
+                   "b": {"seconds_sampled": 1, "sm": 10.0, "mem": 1.0, "jpg": 20.0, "dec": 0.0}}

@@ -1,0 +1,159 @@
+"""Where an image epoch's time goes, mmproxy against DALI's reader: runs ``mmproxy bench`` in this
+process with two probes and prints, per system:
+
+- what the main process's Python threads were doing: a sampler looks at every thread's stack every
+  few milliseconds and counts the innermost frame of ours or DALI's (the runner thread waiting in
+  ``Pipe.outputs`` means DALI is the pace; in ``Pipe.feed`` or ``_convert``, the runner itself);
+- the GPU's use from ``nvidia-smi dmon`` (SM, memory, and the JPEG decoder engines' ``jpg``
+  column), averaged over the system's epochs (needs ``nvidia-smi``; skipped without it).
+
+    python benchmarks/image_profile.py [--json OUT] -- BENCH-ARGUMENTS...
+    # e.g. on one H200 with 16 cores:
+    CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 python benchmarks/image_profile.py -- --workload image \\
+        --samples 16384 --workers 15 --threads 8 --epochs 8 --systems mmproxy,dali-reader
+
+``mmproxy bench``'s own JSON and report still come out (pass ``--json`` after ``--``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from mmproxy import cli
+from mmproxy.apps.bench import systems
+
+OURS = ("/mmproxy/", "/nvidia/dali/", "/torch/utils/data/")
+
+
+def _where(frame: Any) -> str:
+    """The innermost frame of a thread's stack that is ours or DALI's, as ``file:function``."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if any(part in path for part in OURS):
+            short = path.rsplit("/", 2)
+            return f"{short[-2]}/{short[-1]}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "other"
+
+
+class Sampler(threading.Thread):
+    """Samples the other threads' stacks every ``interval`` seconds into ``counts[label][thread]``."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        super().__init__(name="profile-sampler", daemon=True)
+        self.interval, self.label = interval, None
+        self.counts: dict[str, dict[str, collections.Counter]] = collections.defaultdict(
+            lambda: collections.defaultdict(collections.Counter))
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        names = {}
+        while not self.stop.wait(self.interval):
+            label = self.label
+            if label is None:
+                continue
+            frames = sys._current_frames()
+            for t in threading.enumerate():
+                names[t.ident] = t.name
+            for ident, frame in frames.items():
+                name = names.get(ident, "?")
+                if name == self.name:
+                    continue
+                kind = "runner" if name.endswith("-run") else "listener" if name.endswith(
+                    "-listen") else "main" if name == "MainThread" else name.split("-")[0]
+                self.counts[label][kind][_where(frame)] += 1
+
+
+def _dmon() -> subprocess.Popen | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    return subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1", "-o", "T", "-i", "0"],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _gpu_use(lines: list[str], windows: list[tuple[str, float, float]]) -> dict[str, Any]:
+    """Averages dmon's columns over each system's window (dmon prints local HH:MM:SS)."""
+    header = next((line.lstrip("#").split() for line in lines if line.startswith("#Time")), None)
+    if header is None:
+        return {}
+    rows = []
+    for line in lines:
+        if line.startswith("#"):
+            continue
+        fields = line.split()
+        if len(fields) != len(header):
+            continue
+        h, m, s = (int(x) for x in fields[0].split(":"))
+        rows.append((h * 3600 + m * 60 + s, dict(zip(header[1:], fields[1:]))))
+    out: dict[str, Any] = {}
+    for label, start, end in windows:
+        t0, t1 = (time.localtime(t) for t in (start, end))
+        lo, hi = (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec for t in (t0, t1))
+        inside = [r for sec, r in rows if lo < sec <= hi]
+        avg = {}
+        for col in ("sm", "mem", "jpg", "dec"):
+            vals = [float(r[col]) for r in inside if r.get(col, "-").replace(".", "").isdigit()]
+            if vals:
+                avg[col] = round(sum(vals) / len(vals), 1)
+        out[label] = {"seconds_sampled": len(inside), **avg}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the profile here")
+    parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then mmproxy bench's arguments")
+    args = parser.parse_args()
+    bench = [a for a in args.bench if a != "--"]
+    sampler = Sampler()
+    windows: list[tuple[str, float, float]] = []
+    timed = systems.time_epochs
+
+    def time_epochs(make_iter: Any, epochs: int, gpu: bool, server: Any = None) -> Any:
+        label = f"{'mmproxy' if server is not None else 'other'}#{len(windows)}"
+        sampler.label, start = label, time.time()
+        try:
+            return timed(make_iter, epochs, gpu, server)
+        finally:
+            sampler.label = None
+            windows.append((label, start, time.time()))
+
+    systems.time_epochs = time_epochs
+    dmon = _dmon()
+    sampler.start()
+    code = cli.main(["bench", *bench])
+    sampler.stop.set()
+    lines: list[str] = []
+    if dmon is not None:
+        dmon.terminate()
+        lines = (dmon.communicate(timeout=10)[0] or "").splitlines()
+    gpu = _gpu_use(lines, windows)
+    report: dict[str, Any] = {"bench": bench, "systems": {}}
+    for label, _, _ in windows:
+        threads = {}
+        for kind, counter in sampler.counts[label].items():
+            total = sum(counter.values())
+            threads[kind] = {"samples": total, "top": {k: round(v / total, 3)
+                                                       for k, v in counter.most_common(8)}}
+        report["systems"][label] = {"gpu": gpu.get(label, {}), "threads": threads}
+        print(f"== {label}: GPU {gpu.get(label, {})}")
+        for kind in ("main", "runner", "listener"):
+            if kind in threads:
+                top = ", ".join(f"{k} {v:.0%}" for k, v in list(threads[kind]["top"].items())[:5])
+                print(f"   {kind:8s} {top}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
