@@ -7,6 +7,9 @@ process with two probes and prints, per system:
 - the GPU's use from ``nvidia-smi dmon`` (SM, memory, and the JPEG decoder engines' ``jpg``
   column), averaged over the system's epochs (needs ``nvidia-smi``; skipped without it).
 
+Each system run is labelled ``NAME#K``: its name, and K its place among all the runs (``--runs``
+interleaves them).
+
     python benchmarks/image_profile.py [--json OUT] -- BENCH-ARGUMENTS...
     # e.g. on one H200 with 16 cores:
     CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 python benchmarks/image_profile.py -- --workload image \\
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -115,10 +119,19 @@ def main() -> int:
     bench = [a for a in args.bench if a != "--"]
     sampler = Sampler()
     windows: list[tuple[str, float, float]] = []
-    timed = systems.time_epochs
+    timed, running = systems.time_epochs, ["?"]
+
+    def named(name: str, run: Any) -> Any:
+        def run_named(setup: Any) -> Any:
+            running[0] = name
+            return run(setup)
+        return run_named
+
+    for name, system in list(systems.SYSTEMS.items()):
+        systems.SYSTEMS[name] = dataclasses.replace(system, run=named(name, system.run))
 
     def time_epochs(make_iter: Any, epochs: int, gpu: bool, server: Any = None) -> Any:
-        label = f"{'mmproxy' if server is not None else 'other'}#{len(windows)}"
+        label = f"{running[0]}#{len(windows)}"  # the system's name, and its place in the run
         sampler.label, start = label, time.time()
         try:
             return timed(make_iter, epochs, gpu, server)

@@ -210,8 +210,8 @@ def test_image_profile_reports_threads_and_gpu_use(tmp_path):
                str(tmp_path / "bench.json")], tmp_path)
     assert "mmproxy / this" in out and "== mmproxy#0" in out
     report = json.loads((tmp_path / "profile.json").read_text())
-    assert list(report["systems"]) == ["mmproxy#0", "other#1"]
-    mmproxy, reader = (report["systems"][k]["threads"] for k in ("mmproxy#0", "other#1"))
+    assert list(report["systems"]) == ["mmproxy#0", "dali-reader#1"]
+    mmproxy, reader = (report["systems"][k]["threads"] for k in ("mmproxy#0", "dali-reader#1"))
     assert mmproxy["runner"]["samples"] > 0 and "runner" not in reader
     assert any(frame.startswith("dali/pipeline.py:") for frame in mmproxy["runner"]["top"])
     assert any(frame.startswith("dali/pipeline.py:") for frame in reader["main"]["top"])
