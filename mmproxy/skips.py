@@ -56,7 +56,9 @@ class SkipReport:
 
     Attributes:
         delivered: Samples handed to the training loop.
-        skipped: Samples (and unreadable shards) skipped.
+        skipped: Samples and unreadable shards skipped (a shard counts once, however many
+            samples it held or had left: they were never read, so nobody counted them).
+        shards: Of those, the shards (records without a sample key).
         records: The first 10,000 :class:`SkippedSample` records, in arrival order.
         by_kind: Skips per kind of failure (see :func:`kind_of`).
     """
@@ -65,6 +67,7 @@ class SkipReport:
         self.epoch = epoch
         self.delivered = 0
         self.skipped = 0
+        self.shards = 0
         self.records: list[SkippedSample] = []
         self.by_kind: Counter[str] = Counter()
         self._first: dict[str, SkippedSample] = {}
@@ -75,6 +78,7 @@ class SkipReport:
         for record in records:
             record = SkippedSample(*record)
             self.skipped += 1
+            self.shards += not record.key
             kind = kind_of(record.reason)
             self.by_kind[kind] += 1
             self._first.setdefault(kind, record)
@@ -84,13 +88,15 @@ class SkipReport:
     def state_dict(self) -> dict[str, Any]:
         """The counts and the first records (at most 100), for a resumed epoch to go on from."""
         return {"epoch": self.epoch, "delivered": self.delivered, "skipped": self.skipped,
-                "by_kind": dict(self.by_kind), "first": [tuple(r) for r in self._first.values()],
+                "shards": self.shards, "by_kind": dict(self.by_kind),
+                "first": [tuple(r) for r in self._first.values()],
                 "records": [tuple(r) for r in self.records[:100]]}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> SkipReport:
         report = cls(state["epoch"])
         report.delivered, report.skipped = state["delivered"], state["skipped"]
+        report.shards = state.get("shards", 0)  # absent from states saved before it was counted
         report.by_kind.update(state["by_kind"])
         report._first = {kind_of(r[2]): SkippedSample(*r) for r in state["first"]}
         report.records = [SkippedSample(*r) for r in state["records"]]
@@ -106,6 +112,7 @@ class SkipReport:
             part = cls.from_state(state)
             report.delivered += part.delivered
             report.skipped += part.skipped
+            report.shards += part.shards
             report.by_kind.update(part.by_kind)
             for kind, first in part._first.items():
                 report._first.setdefault(kind, first)
@@ -118,7 +125,10 @@ class SkipReport:
 
     def summary(self) -> str:
         """Counts and the first record of each kind, one kind per line."""
-        lines = [f"epoch {self.epoch}: {self.delivered} samples delivered, {self.skipped} skipped"]
+        shards = (f" and {self.shards} unreadable shard(s), their unread samples not counted"
+                  if self.shards else "")
+        lines = [f"epoch {self.epoch}: {self.delivered} samples delivered, "
+                 f"{self.skipped - self.shards} samples skipped{shards}"]
         for kind, count in self.by_kind.most_common():
             first = self._first[kind]
             where = f"{first.shard}, sample {first.key!r}" if first.key else first.shard
@@ -137,8 +147,12 @@ class SkipReport:
             return
         self._checked_at = self.seen
         if self.skipped > max_skipped * self.seen:
+            share = f"{self.skipped / self.seen:.1%}"
+            what = (f"{self.skipped - self.shards} samples and {self.shards} unreadable shard(s) "
+                    f"skipped of {self.seen} ({share}, a shard counted as one sample)"
+                    if self.shards else f"{self.skipped} of {self.seen} samples skipped ({share})")
             raise SkipLimitError(
-                f"{self.skipped} of {self.seen} samples skipped ({self.skipped / self.seen:.1%}), "
+                f"{what}, "
                 f"more than max_skipped={max_skipped:.1%} (raise max_skipped to accept it):\n"
                 f"{self.summary()}")
 

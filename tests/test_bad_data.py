@@ -525,3 +525,24 @@ def test_header_checks_accept_unusual_but_decodable_files():
     for ext, data in [("wav", long_header), ("wav", bytes(gsm)), ("wav", rifx),
                       ("jpg", _jpeg(3, "PNG"))]:  # a PNG named .jpg: decoders go by the bytes
         assert check_header(ext, memoryview(data)) is None
+
+
+def test_unreadable_shards_are_counted_apart_from_samples():
+    """A shard-level record (no sample key) counts once in ``skipped`` and in ``shards``; the
+    summary and the limit's message say so, and the count survives a save and a merge."""
+    from mmproxy.skips import SkipReport
+
+    report = SkipReport(epoch=1)
+    report.add(8, [("s-0.tar", "k1", "bad header: x"), ("s-1.tar", "", "unreadable shard: cut")])
+    assert (report.delivered, report.skipped, report.shards) == (8, 2, 1)
+    assert report.summary().splitlines()[0] == (
+        "epoch 1: 8 samples delivered, 1 samples skipped and 1 unreadable shard(s), their unread "
+        "samples not counted")
+    with pytest.raises(mmproxy.SkipLimitError, match=r"^1 samples and 1 unreadable shard\(s\) "
+                       r"skipped of 10 \(20\.0%, a shard counted as one sample\), more than"):
+        report.check(0.1, final=True)
+    state = report.state_dict()
+    assert SkipReport.from_state(state).shards == 1
+    assert SkipReport.merged([state, state], epoch=1).shards == 2
+    del state["shards"]  # a state saved before shards were counted
+    assert SkipReport.from_state(state).shards == 0

@@ -280,6 +280,29 @@ def test_demo_on_image_only_shards_uses_the_image_server_and_says_audio_is_missi
     assert "server 'audio'" not in out and "skipped 0 samples" in out
 
 
+def test_demo_names_every_missing_shard_and_reports_an_unreadable_one(tmp_path):
+    """A pattern naming shards that do not exist is refused before anything runs (not a run on
+    part of the data); a shard cut short is reported as a shard, apart from skipped samples."""
+    src = image_folder(tmp_path / "src", per_class=5)
+    make_shards(src, tmp_path / "out", max_count=5)
+    pattern = str(tmp_path / "out" / "shard-{000000..000003}.tar")
+    proc = run_cli(["demo", "--data", pattern, "--quiet"], tmp_path)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert re.search(r"error: no shard at .*shard-000002\.tar, .*shard-000003\.tar \(2 of the 4 "
+                     r"that --data names\)", proc.stderr), proc.stderr
+    shard = tmp_path / "out" / "shard-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:1500])  # cut inside its second header
+    proc = run_cli(["demo", "--data", str(tmp_path / "out" / "shard-{000000..000001}.tar"),
+                    "--quiet", "--batch-size", "4", "--workers", "2", "--device", "cpu",
+                    "--on-error", "skip", "--max-skipped", "0.5"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "skipped 0 samples and 1 unreadable shard(s)" in proc.stdout, proc.stdout
+    assert "the shard ends at byte 1500, inside the header at byte 1024" in proc.stdout
+    assert re.search(r"epoch \d+: 5 samples delivered, 0 samples skipped and 1 unreadable shard\(s\)"
+                     r".*\n  +1 x unreadable shard; first: .*shard-000001\.tar: unreadable shard",
+                     proc.stdout), proc.stdout
+
+
 def test_demo_without_image_audio_or_video_fails_in_one_line(tmp_path):
     shard = tmp_path / "text-000.tar"
     with tarfile.open(shard, "w") as tar:
@@ -294,6 +317,7 @@ def test_demo_without_image_audio_or_video_fails_in_one_line(tmp_path):
                     lines[0])
     proc = run_cli(["demo", "--data", str(tmp_path / "none-{0..3}.tar")], tmp_path)
     assert proc.returncode == 1 and "error: no shard at" in proc.stderr and "none-0.tar" in proc.stderr
+    assert "and 1 more (4 of the 4 that --data names)" in proc.stderr
 
 
 # tokenizers ----------------------------------------------------------------------------------

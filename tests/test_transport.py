@@ -49,6 +49,15 @@ def test_damaged_and_truncated_tars_raise(tmp_path):
         list(members(memoryview(bytes(flipped))))
     with pytest.raises(tarfile.ReadError, match="truncated"):
         list(members(memoryview(bytes(data[:512 + 3]))))
+    # Cut inside the second header, or inside the first member's padding: its member is whole,
+    # so it comes out first, then the error (a cut there used to end the shard quietly).
+    for cut, where in ((1024 + 100, "the header at byte 1024"), (512 + 200, "its last member's padding")):
+        got = []
+        with pytest.raises(tarfile.ReadError, match=f"the shard ends at byte {cut}, inside {where}"):
+            got.extend(members(memoryview(bytes(data[:cut]))))
+        assert got == [(FILES[0][0], 512, len(FILES[0][1]))]
+    # Cut exactly after a member (no end-of-archive marker): every member whole, no error.
+    assert [n for n, _, _ in members(memoryview(bytes(data[:1024])))] == [FILES[0][0]]
 
 
 def _registered_view(path):

@@ -34,8 +34,12 @@ def first_sample_fields(shards: list[str]) -> tuple[list[str], list[str]]:
     """The shards and the extensions (fields) of the first shard's first sample."""
     first = shards[0]
     local = "://" not in first and not first.startswith("pipe:")
-    if local and not os.path.isfile(first):
-        raise FileNotFoundError(f"no shard at {first} (the first of {len(shards)} that --data names)")
+    missing = [s for s in shards if "://" not in s and not s.startswith("pipe:")
+               and not os.path.isfile(s)]
+    if missing:  # all of them, so no run (or comparison) goes on with part of the data
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise FileNotFoundError(f"no shard at {', '.join(missing[:3])}{more} ({len(missing)} of "
+                                f"the {len(shards)} that --data names)")
     exts: list[str] = []
     try:
         if local:

@@ -115,13 +115,13 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
              "video": lambda b: len(b["video"]),
              "text": lambda b: b["input_ids"].shape[0], "label": lambda b: len(b["label"])}
     counts = dict.fromkeys(used, 0)
-    skipped: list[Any] = []
+    reports = []  # each epoch's skip report: samples and whole shards, with the reasons
     start = time.perf_counter()
     for _ in range(args.epochs):
         for batch in tqdm(loader, desc="batches", unit="batch", disable=args.quiet):
             for name in counts:
                 counts[name] += sizes[name](batch)
-            skipped += batch["__skipped__"]
+        reports.append(loader.skipped)
     if gpu:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -131,4 +131,9 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
     for server in servers.values():
         print(f"  main loop waited {server.wait_seconds:6.2f} s on server {server.name!r} "
               f"(which waited {server.starved_seconds:.2f} s for inputs from workers)")
-    print(f"  skipped {len(skipped)} samples" + (f", first: {skipped[:3]}" if skipped else ""))
+    samples = sum(r.skipped - r.shards for r in reports)
+    shards = sum(r.shards for r in reports)
+    print(f"  skipped {samples} samples" + (f" and {shards} unreadable shard(s)" if shards else ""))
+    for report in reports:
+        if report.skipped:
+            print("  " + report.summary().replace("\n", "\n  "))
