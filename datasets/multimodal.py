@@ -86,9 +86,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
     """Batches from WebDataset shards; chosen fields go through servers' proxies.
 
     Args:
-        urls: Shards: a brace pattern (``"data-{000..099}.tar"``), a list, local paths,
-            ``http(s)://`` or ``s3://`` URLs (streamed, retried, optionally cached: ``remote``),
-            or ``pipe:`` commands, as webdataset reads them. None when ``sources`` are given.
+        urls: Shards: a brace pattern (``"data-{000..099}.tar"``), a list, local paths or
+            globs of them (``"/data/*.tar"``, sorted), ``http(s)://`` or ``s3://`` URLs
+            (streamed, retried, optionally cached: ``remote``), or ``pipe:`` commands, as
+            webdataset reads them. None when ``sources`` are given.
         fields: Output name -> what to do: a :class:`Field` (explicit), or ``(extensions,
             callable)``, or a callable applied to the extension of the same name. In the two
             short forms a field goes through a server when its callable is a server's proxy

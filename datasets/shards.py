@@ -14,6 +14,7 @@ stream in (:mod:`mmproxy.datasets.remote`).
 
 from __future__ import annotations
 
+import glob
 import mmap
 import os
 import random
@@ -34,11 +35,19 @@ __all__ = ["expand", "is_local", "is_remote", "rank_shards", "read_local_tar", "
 
 
 def expand(urls: str | Sequence[str]) -> list[str]:
-    """Expands brace patterns (``data-{000..009}.tar``) and ``::``-separated lists."""
+    """Expands brace patterns (``data-{000..009}.tar``), ``::``-separated lists, and globs of
+    local paths (``/data/*.tar``, sorted; one that matches nothing is a :class:`ShardError`)."""
     items = [urls] if isinstance(urls, str) else list(urls)
     out: list[str] = []
     for item in items:
-        out.extend(wds.shardlists.expand_urls(item))
+        for url in wds.shardlists.expand_urls(item):
+            if not (is_local(url) and any(c in url for c in "*?[") and not os.path.exists(url)):
+                out.append(url)
+                continue
+            matches = sorted(glob.glob(url))
+            if not matches:
+                raise ShardError(f"no shard matches {url}")
+            out.extend(matches)
     if not out:
         raise ShardError(f"the shard list {urls!r} is empty")
     return out

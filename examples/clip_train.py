@@ -42,13 +42,13 @@ def main():
     model = TinyCLIP(len(tok)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = dataset.loader(image, num_workers=args.workers)
-    step, start = 0, time.perf_counter()
+    step, first, start = 0, 0, time.perf_counter()
     if args.checkpoint and os.path.exists(args.checkpoint):
         saved = torch.load(args.checkpoint, weights_only=False)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         loader.load_state_dict(saved["loader"])  # the next batch is the one after the last step
-        step = saved["step"]
+        step = first = saved["step"]
         print(f"resumed at step {step} (epoch {saved['loader']['epoch']})")
     with image:
         while step < args.steps:
@@ -61,7 +61,8 @@ def main():
                                 "loader": loader.state_dict(), "step": step}, args.checkpoint)
                 if step == args.steps:
                     break
-    print(f"clip: {step} steps in {time.perf_counter() - start:.1f} s")
+    done = f"steps {first + 1}-{step}" if first else f"{step} steps"
+    print(f"clip: {done} in {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

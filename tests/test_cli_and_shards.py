@@ -399,3 +399,20 @@ def test_every_format_written_is_one_the_recipes_read_by_default():
         read = set(exts.split(";"))
         assert set(suffixes.values()) <= read  # every extension written
         assert {s.lstrip(".") for s in suffixes} == read  # every suffix taken, and no other
+
+
+def test_a_failed_bench_system_is_reported_by_dalis_own_reason(tmp_path):
+    """A reference system that cannot run is one line in the bench's table: for DALI's errors
+    the reason after its preamble ("Critical error when building pipeline:"), not the preamble."""
+    from nvidia.dali import fn, pipeline_def
+
+    from mmproxy.apps.bench.report import error_line
+
+    @pipeline_def(batch_size=2, num_threads=1, device_id=None)
+    def reader():
+        return fn.readers.webdataset(paths=[str(tmp_path / "gone.tar")], ext=["jpg"])
+
+    with pytest.raises(RuntimeError) as info:
+        reader().build()
+    assert re.fullmatch(r"RuntimeError: fn\.readers\.webdataset: .*gone\.tar.*", error_line(info.value))
+    assert error_line(ValueError("first\nsecond")) == "ValueError: first"

@@ -264,3 +264,15 @@ def test_truncated_shard_is_named_or_skipped(tmp_path, image_server):
     from_good = sorted(k for b in batches for u, k in zip(b["__url__"], b["__key__"]) if u == str(good))
     assert from_good == [f"s{i:04d}" for i in range(4)]  # the good shard whole, after the cut one
     assert any("cut-000.tar" in url for b in batches for url, _, _ in b["__skipped__"])
+
+
+def test_a_glob_of_local_shards_is_expanded_and_one_matching_nothing_is_an_error(image_shards):
+    from mmproxy.datasets.shards import expand
+
+    folder = os.path.dirname(image_shards)
+    every = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".tar"))
+    assert expand(os.path.join(folder, "*.tar")) == every and len(every) > 1
+    assert expand([os.path.join(folder, "*.tar"), "s3://b/x-{0..1}.tar"]) == [
+        *every, "s3://b/x-0.tar", "s3://b/x-1.tar"]  # remote URLs are not globbed
+    with pytest.raises(mmproxy.ShardError, match=r"no shard matches .*/\*\.tgz"):
+        expand(os.path.join(folder, "*.tgz"))

@@ -44,7 +44,7 @@ def test_clip_example_resumes_where_it_stopped(tmp_path):
     ckpt = str(tmp_path / "ckpt.pt")
     first = run(["examples/clip_train.py", "--steps", "3", "--checkpoint", ckpt], tmp_path)
     second = run(["examples/clip_train.py", "--steps", "10", "--checkpoint", ckpt], tmp_path)
-    assert "resumed at step 3" in second
+    assert "resumed at step 3" in second and "clip: steps 4-10 in" in second
     assert losses(first) + losses(second) == whole
 
 

@@ -125,7 +125,7 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
     if gpu:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    print(f"\nmmproxy demo: {elapsed:.1f} s for {args.epochs} epoch(s)")
+    print(("" if args.quiet else "\n") + f"mmproxy demo: {elapsed:.1f} s for {args.epochs} epoch(s)")
     for name, n in counts.items():
         print(f"  {name:6s} {n:6d} samples  {n / elapsed:8.1f} samples/s")
     for server in servers.values():

@@ -22,9 +22,13 @@ def machine(gpu: bool) -> dict[str, Any]:
 def error_line(err: BaseException) -> str:
     """One line for a failed system; for an error raised in a DataLoader worker, its own line
     (torch's message starts with "Caught X in DataLoader worker process N" and a traceback)."""
+    from mmproxy._dali import summary
+
     lines = [line for line in str(err).strip().splitlines() if line.strip()] or [""]
-    line = lines[-1] if "Original Traceback" in str(err) else f"{type(err).__name__}: {lines[0]}"
-    return line[:300]
+    if "Original Traceback" in str(err):
+        return lines[-1][:300]
+    # DALI's own errors: the line after "encountered:" and the operator, not the preamble
+    return f"{type(err).__name__}: {summary(err) if 'encountered:' in lines else lines[0]}"[:300]
 
 
 def add_ratios(results: dict[str, dict[str, Any]]) -> None:
