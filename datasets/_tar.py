@@ -85,6 +85,8 @@ def members(data: memoryview) -> Iterator[tuple[str, int, int]]:
         long_name, pax = None, {}
         if kind in _FILE_TYPES:
             yield name, start, size
+    if pos < end and not any(data[pos:end]):
+        return  # cut inside the end-of-archive zeros: every member is whole
     if pos != end:  # cut inside a header or a member's padding (a writer always pads)
         where = "its last member's padding" if pos > end else f"the header at byte {pos}"
         raise tarfile.ReadError(f"the shard ends at byte {end}, inside {where} (truncated?)")

@@ -130,3 +130,10 @@ def test_views_cross_as_their_values_in_c_order(view):
     (got,) = _across([sent])
     assert (got.shape, got.dtype.str) == (sent.shape, ">f4") and got.flags.c_contiguous
     np.testing.assert_array_equal(got, sent)
+
+
+def test_a_tar_cut_inside_its_end_of_archive_zeros_is_read_whole(tmp_path):
+    data = _tar(tmp_path / "s.tar", FILES[:3], tarfile.GNU_FORMAT).read_bytes()
+    whole = list(members(memoryview(data)))
+    end = whole[-1][1] + 512  # the last member's data padded, then the zero blocks
+    assert list(members(memoryview(data[:end + 100]))) == whole
