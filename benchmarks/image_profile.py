@@ -5,7 +5,11 @@ process with two probes and prints, per system:
   few milliseconds and counts the innermost frame of ours or DALI's (the runner thread waiting in
   ``Pipe.outputs`` means DALI is the pace; in ``Pipe.feed`` or ``_convert``, the runner itself);
 - the GPU's use from ``nvidia-smi dmon`` (SM, memory, and the JPEG decoder engines' ``jpg``
-  column), averaged over the system's epochs (needs ``nvidia-smi``; skipped without it).
+  column), averaged over the system's epochs (needs ``nvidia-smi``; skipped without it);
+- the garbage collector's full (generation 2) collections in the system's epochs: how many, and
+  how long they stopped every thread of the process.
+
+``--no-freeze-gc`` runs mmproxy's loaders with ``freeze_gc=False`` (see ``mmproxy.DataLoader``).
 
 Each system run is labelled ``NAME#K``: its name, and K its place among all the runs (``--runs``
 interleaves them).
@@ -23,7 +27,9 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import gc
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -31,7 +37,7 @@ import threading
 import time
 from typing import Any
 
-from mmproxy import cli
+from mmproxy import cli, loader
 from mmproxy.apps.bench import systems
 
 OURS = ("/mmproxy/", "/nvidia/dali/", "/torch/utils/data/")
@@ -76,16 +82,42 @@ class Sampler(threading.Thread):
                 self.counts[label][kind][_where(frame)] += 1
 
 
+class GcPauses:
+    """Times the collector's full collections: ``(start, seconds)`` each."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float]] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.time()
+        else:
+            self.pauses.append((self._start, time.time() - self._start))
+
+    def within(self, start: float, end: float) -> dict[str, Any]:
+        inside = [d for t, d in self.pauses if start <= t <= end]
+        return {"full_collections": len(inside), "paused_ms": round(1000 * sum(inside), 1),
+                "longest_ms": round(1000 * max(inside, default=0.0), 1)}
+
+
+def _gpu_index() -> str:
+    """The GPU the bench uses (the first of CUDA_VISIBLE_DEVICES), as nvidia-smi names it."""
+    return (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
+
+
 def _dmon() -> subprocess.Popen | None:
     if shutil.which("nvidia-smi") is None:
         return None
-    return subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1", "-o", "T", "-i", "0"],
+    return subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-d", "1", "-o", "DT", "-i", _gpu_index()],
                             stdout=subprocess.PIPE, text=True)
 
 
 def _gpu_use(lines: list[str], windows: list[tuple[str, float, float]]) -> dict[str, Any]:
-    """Averages dmon's columns over each system's window (dmon prints local HH:MM:SS)."""
-    header = next((line.lstrip("#").split() for line in lines if line.startswith("#Time")), None)
+    """Averages dmon's columns over each system's window (dmon prints local YYYYMMDD HH:MM:SS)."""
+    header = next((line.lstrip("#").split() for line in lines if line.startswith("#Date")), None)
     if header is None:
         return {}
     rows = []
@@ -95,13 +127,11 @@ def _gpu_use(lines: list[str], windows: list[tuple[str, float, float]]) -> dict[
         fields = line.split()
         if len(fields) != len(header):
             continue
-        h, m, s = (int(x) for x in fields[0].split(":"))
-        rows.append((h * 3600 + m * 60 + s, dict(zip(header[1:], fields[1:]))))
+        stamp = time.mktime(time.strptime(f"{fields[0]} {fields[1]}", "%Y%m%d %H:%M:%S"))
+        rows.append((stamp, dict(zip(header[2:], fields[2:]))))
     out: dict[str, Any] = {}
     for label, start, end in windows:
-        t0, t1 = (time.localtime(t) for t in (start, end))
-        lo, hi = (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec for t in (t0, t1))
-        inside = [r for sec, r in rows if lo < sec <= hi]
+        inside = [r for stamp, r in rows if int(start) < stamp <= int(end)]
         avg = {}
         for col in ("sm", "mem", "jpg", "dec"):
             vals = [float(r[col]) for r in inside if r.get(col, "-").replace(".", "").isdigit()]
@@ -114,6 +144,8 @@ def _gpu_use(lines: list[str], windows: list[tuple[str, float, float]]) -> dict[
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the profile here")
+    parser.add_argument("--no-freeze-gc", action="store_true",
+                        help="mmproxy's loaders leave the garbage collector as it is")
     parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then mmproxy bench's arguments")
     args = parser.parse_args()
     bench = [a for a in args.bench if a != "--"]
@@ -140,24 +172,32 @@ def main() -> int:
             windows.append((label, start, time.time()))
 
     systems.time_epochs = time_epochs
+    if args.no_freeze_gc:
+        loader.freeze_gc_once = lambda: None  # the loader looks it up on each iteration
+    pauses = GcPauses()
+    gc.callbacks.append(pauses)
     dmon = _dmon()
     sampler.start()
-    code = cli.main(["bench", *bench])
-    sampler.stop.set()
-    lines: list[str] = []
-    if dmon is not None:
-        dmon.terminate()
-        lines = (dmon.communicate(timeout=10)[0] or "").splitlines()
+    try:
+        code = cli.main(["bench", *bench])
+    finally:
+        sampler.stop.set()
+        lines: list[str] = []
+        if dmon is not None:
+            dmon.terminate()
+            lines = (dmon.communicate(timeout=10)[0] or "").splitlines()
     gpu = _gpu_use(lines, windows)
-    report: dict[str, Any] = {"bench": bench, "systems": {}}
-    for label, _, _ in windows:
+    report: dict[str, Any] = {"bench": bench, "freeze_gc": not args.no_freeze_gc, "systems": {}}
+    for label, start, end in windows:
         threads = {}
         for kind, counter in sampler.counts[label].items():
             total = sum(counter.values())
             threads[kind] = {"samples": total, "top": {k: round(v / total, 3)
                                                        for k, v in counter.most_common(8)}}
-        report["systems"][label] = {"gpu": gpu.get(label, {}), "threads": threads}
-        print(f"== {label}: GPU {gpu.get(label, {})}")
+        collections_ = pauses.within(start, end)
+        report["systems"][label] = {"gpu": gpu.get(label, {}), "gc": collections_,
+                                    "threads": threads}
+        print(f"== {label}: GPU {gpu.get(label, {})}, GC {collections_}")
         for kind in ("main", "runner", "listener"):
             if kind in threads:
                 top = ", ".join(f"{k} {v:.0%}" for k, v in list(threads[kind]["top"].items())[:5])

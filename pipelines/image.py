@@ -51,6 +51,9 @@ class _TorchvisionResize:
 
     def __init__(self, size: int | tuple[int, int]) -> None:
         self.size = [size] if isinstance(size, int) else list(size)
+        # Imported when the pipeline is built, not in its first run: torchvision brings ~1,000
+        # modules, and they should exist before the loader freezes the collector's heap.
+        from torchvision.transforms.v2 import functional  # noqa: F401
 
     def __call__(self, image: Any) -> Any:
         import torch

@@ -285,3 +285,39 @@ def test_a_run_that_never_arrives_times_out_with_a_named_error():
         with pytest.raises(mmproxy.WaitTimeoutError, match=r"'slow': run nobody:0 not ready"):
             server.produce_data([ghost])
         assert time.perf_counter() - start < 3
+
+
+_FREEZE_SCRIPT = """
+import gc, sys
+sys.path.insert(0, {tests!r})
+from conftest import add_sub_pipe, cpu
+from datasets_for_tests import AddDataset
+import mmproxy
+
+with mmproxy.DALIServer(cpu(add_sub_pipe)) as server:
+    loader = mmproxy.DataLoader(server, AddDataset(server.proxy, n=16), batch_size=4,
+                                num_workers=1, freeze_gc={freeze})
+    before = gc.get_freeze_count()
+    for epoch in range(2):
+        assert sum(len(batch[0]) for batch in loader) == 16
+        print(epoch, before, gc.get_freeze_count(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_first_iteration_freezes_the_collectors_heap_unless_told_not_to(tmp_path, freeze):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "freeze.py"
+    script.write_text(_FREEZE_SCRIPT.format(tests=str(Path(__file__).parent), freeze=freeze))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (e0, before, first), (e1, _, second) = (map(int, line.split()) for line in
+                                            done.stdout.split("\n") if line)
+    assert before == 0
+    if freeze:  # once: the second epoch freezes nothing more
+        assert first > 10_000 and second == first
+    else:
+        assert first == second == 0

@@ -36,7 +36,8 @@ def test_example_runs(script, expect, tmp_path):
 
 def test_clip_example_resumes_where_it_stopped(tmp_path):
     """3 steps with a checkpoint, then on to 10 (past the end of the demo's first epoch, 128
-    samples in batches of 16): the losses are those of one uninterrupted 10-step run."""
+    samples in batches of 16): the losses are those of one uninterrupted 10-step run. Resuming
+    the finished run trains nothing and says so (it said "steps 11-10")."""
     def losses(out):
         return [line for line in out.splitlines() if line.startswith("step ")]
 
@@ -46,6 +47,9 @@ def test_clip_example_resumes_where_it_stopped(tmp_path):
     second = run(["examples/clip_train.py", "--steps", "10", "--checkpoint", ckpt], tmp_path)
     assert "resumed at step 3" in second and "clip: steps 4-10 in" in second
     assert losses(first) + losses(second) == whole
+    third = run(["examples/clip_train.py", "--steps", "10", "--checkpoint", ckpt], tmp_path)
+    assert "clip: nothing left to train: the checkpoint is at step 10, --steps is 10" in third
+    assert not losses(third)
 
 
 def test_ddp_two_ranks_disjoint_cover_and_equal_batches(tmp_path):
@@ -216,6 +220,9 @@ def test_image_profile_reports_threads_and_gpu_use(tmp_path):
     assert any(frame.startswith("dali/pipeline.py:") for frame in mmproxy["runner"]["top"])
     assert any(frame.startswith("dali/pipeline.py:") for frame in reader["main"]["top"])
     assert 0 < sum(mmproxy["runner"]["top"].values()) <= 1.001  # shares of its samples
+    gc_seen = report["systems"]["mmproxy#0"]["gc"]
+    assert set(gc_seen) == {"full_collections", "paused_ms", "longest_ms"}
+    assert report["freeze_gc"] is True
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -224,13 +231,13 @@ def test_image_profile_reports_threads_and_gpu_use(tmp_path):
         sys.path.pop(0)
     import time
 
-    base = time.mktime((2026, 11, 30, 23, 40, 0, 0, 0, -1))
-    lines = ["#Time        gpu    sm   mem   enc   dec   jpg   ofa",
-             "#HH:MM:SS    Idx     %     %     %     %     %     %",
-             " 23:40:01      0    40     3     0     0    60     0",
-             " 23:40:02      0    60     5     0     0    80     0",
-             " 23:40:03      0     -     -     -     -     -     -",
-             " 23:40:04      0    10     1     0     0    20     0"]
+    base = time.mktime((2026, 11, 30, 23, 59, 58, 0, 0, -1))  # windows across midnight
+    lines = ["#Date       Time        gpu    sm   mem   enc   dec   jpg   ofa",
+             "#YYYYMMDD   HH:MM:SS    Idx     %     %     %     %     %     %",
+             " 20261130   23:59:59      0    40     3     0     0    60     0",
+             " 20261201   00:00:00      0    60     5     0     0    80     0",
+             " 20261201   00:00:01      0     -     -     -     -     -     -",
+             " 20261201   00:00:02      0    10     1     0     0    20     0"]
     use = _gpu_use(lines, [("a", base, base + 3), ("b", base + 3, base + 4)])
     assert use == {"a": {"seconds_sampled": 3, "sm": 50.0, "mem": 4.0, "jpg": 70.0, "dec": 0.0},
                    "b": {"seconds_sampled": 1, "sm": 10.0, "mem": 1.0, "jpg": 20.0, "dec": 0.0}}
