@@ -87,6 +87,7 @@ def members(data: memoryview) -> Iterator[tuple[str, int, int]]:
             yield name, start, size
     if pos < end and not any(data[pos:end]):
         return  # cut inside the end-of-archive zeros: every member is whole
-    if pos != end:  # cut inside a header or a member's padding (a writer always pads)
+    if pos != end:  # cut inside a header or a member's padding (a writer always pads); a member
+        # whole before the cut came out above (shards._grouped says why its sample does not)
         where = "its last member's padding" if pos > end else f"the header at byte {pos}"
         raise tarfile.ReadError(f"the shard ends at byte {end}, inside {where} (truncated?)")

@@ -30,13 +30,15 @@ from mmproxy.errors import ShardError
 from ._tar import members
 from .remote import RemoteOptions, RemoteShard, is_remote, open_remote
 
-__all__ = ["expand", "is_local", "is_remote", "rank_shards", "read_local_tar", "read_remote_tar",
-           "worker_info", "worker_shards"]
+__all__ = ["expand", "is_local", "is_remote", "local_glob", "rank_shards", "read_local_tar",
+           "read_remote_tar", "worker_info", "worker_shards"]
 
 
 def expand(urls: str | Sequence[str]) -> list[str]:
     """Expands brace patterns (``data-{000..009}.tar``), ``::``-separated lists, and globs of
-    local paths (``/data/*.tar``, sorted; one that matches nothing is a :class:`ShardError`)."""
+    local paths (``/data/*.tar``: the regular files matching, sorted; one that matches none is a
+    :class:`ShardError`). A local path that exists is taken as written, ``[`` in its name or not;
+    see :func:`local_glob` for a glob under a folder whose name holds ``[``."""
     items = [urls] if isinstance(urls, str) else list(urls)
     out: list[str] = []
     for item in items:
@@ -44,13 +46,25 @@ def expand(urls: str | Sequence[str]) -> list[str]:
             if not (is_local(url) and any(c in url for c in "*?[") and not os.path.exists(url)):
                 out.append(url)
                 continue
-            matches = sorted(glob.glob(url))
+            matches = local_glob(url)
             if not matches:
-                raise ShardError(f"no shard matches {url}")
+                raise ShardError(f"no shard matches {url} (a shard is a file, not a folder)")
             out.extend(matches)
     if not out:
         raise ShardError(f"the shard list {urls!r} is empty")
     return out
+
+
+def local_glob(pattern: str) -> list[str]:
+    """The regular files (not folders) that a local glob matches, sorted. The longest leading
+    folder of ``pattern`` that exists as written is taken literally, so ``/data/run[1]/*.tar``
+    globs the folder ``run[1]`` (when it exists; else ``[1]`` is a pattern, as in :mod:`glob`)."""
+    folder = os.path.dirname(pattern)
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    if folder:
+        pattern = glob.escape(folder) + pattern[len(folder):]
+    return sorted(path for path in glob.glob(pattern) if os.path.isfile(path))
 
 
 def worker_info() -> tuple[int, int, int, int]:
@@ -129,6 +143,12 @@ def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
     """The tar's members grouped into samples by key; with ``filling``, each member once its
     bytes have arrived."""
     data = view if filling is None else cast(memoryview, filling.members)  # slicing waits
+    # A sample goes out once the next key starts or the tar ends, so when members() raises for a
+    # cut shard the sample being gathered is dropped with the error, even when the cut is only in
+    # the padding after its last member and that member is whole: the cut also lost whatever
+    # followed, perhaps more fields of the same sample, so it could go out incomplete (a "missing
+    # field" skip, or a SampleError in place of the shard's own error). The cut shard stays one
+    # record, its unread samples uncounted.
     current: dict[str, Any] | None = None
     for name, offset, size in members(data):
         prefix, suffix = wds.tariterators.base_plus_ext(name)

@@ -50,6 +50,10 @@ def main():
         loader.load_state_dict(saved["loader"])  # the next batch is the one after the last step
         step = first = saved["step"]
         print(f"resumed at step {step} (epoch {saved['loader']['epoch']})")
+        if step >= args.steps:
+            print(f"clip: nothing left to train: the checkpoint is at step {step}, --steps is "
+                  f"{args.steps}")
+            return
     with image:
         while step < args.steps:
             for batch in loader:

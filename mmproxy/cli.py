@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "through an image server and an audio server, with captions tokenized in "
                           "the workers, then prints a throughput summary. Without --data it first "
                           "writes a small synthetic set to the cache folder.")
-    demo.add_argument("--data", help="your shards: a brace pattern, a path, a folder of .tar files or "
-                      "a quoted glob (default: synthetic "
+    demo.add_argument("--data", help="your shards: a folder of .tar files, or paths, brace patterns "
+                      "and quoted globs, several joined by :: (default: synthetic "
                       "set); the fields of its first sample pick the servers: image (jpg, png, "
                       "webp, bmp, tiff), audio (flac, wav, ogg), video (mp4, mov, webm, mkv, avi), "
                       "text (txt), label (cls)")
@@ -120,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=int, default=1,
                        help="run every system this many times, interleaved; reports the median and "
                        "the range over the runs of the rates and of mmproxy's ratios")
-    bench.add_argument("--data", help="your own shards (a brace pattern, a folder of .tar files or "
-                       "a quoted glob) instead of the bench's synthetic ones: every system on them")
+    bench.add_argument("--data", help="your own shards (a folder of .tar files, or paths, brace "
+                       "patterns and quoted globs, several joined by ::) instead of the bench's "
+                       "synthetic ones: every system on them")
     bench.add_argument("--field", help="with --data: the extension of the field to load (an image "
                        "or audio one; default: the first of the first sample)")
     bench.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")

@@ -39,7 +39,7 @@ _KINDS = ("unreadable shard", "empty shard", "missing field", "bad header", "fie
 
 
 class SkippedSample(NamedTuple):
-    """One skipped sample (or unreadable shard, then ``key`` is empty)."""
+    """One skipped sample (or unreadable or empty shard, then ``key`` is empty)."""
 
     shard: str
     key: str
@@ -56,9 +56,10 @@ class SkipReport:
 
     Attributes:
         delivered: Samples handed to the training loop.
-        skipped: Samples and unreadable shards skipped (a shard counts once, however many
-            samples it held or had left: they were never read, so nobody counted them).
-        shards: Of those, the shards (records without a sample key).
+        skipped: Samples and shards skipped, unreadable or empty (a shard counts once, however
+            many samples it held or had left: they were never read, so nobody counted them).
+        shards: Of those, the shards (records without a sample key): unreadable ones, and empty
+            ones (:attr:`empty_shards`).
         records: The first 10,000 :class:`SkippedSample` records, in arrival order.
         by_kind: Skips per kind of failure (see :func:`kind_of`).
     """
@@ -123,9 +124,21 @@ class SkipReport:
     def seen(self) -> int:
         return self.delivered + self.skipped
 
+    @property
+    def empty_shards(self) -> int:
+        """Of :attr:`shards`, those that hold no files (the others could not be read)."""
+        return self.by_kind["empty shard"]
+
+    def shards_text(self) -> str:
+        """The skipped shards in words: ``"2 unreadable shard(s)"``, ``"1 empty shard(s)"`` or
+        ``"2 unreadable and 1 empty shard(s)"``; empty when none was skipped."""
+        counts = {"unreadable": self.shards - self.empty_shards, "empty": self.empty_shards}
+        words = " and ".join(f"{n} {what}" for what, n in counts.items() if n)
+        return f"{words} shard(s)" if words else ""
+
     def summary(self) -> str:
         """Counts and the first record of each kind, one kind per line."""
-        shards = (f" and {self.shards} unreadable shard(s), their unread samples not counted"
+        shards = (f" and {self.shards_text()}, their unread samples not counted"
                   if self.shards else "")
         lines = [f"epoch {self.epoch}: {self.delivered} samples delivered, "
                  f"{self.skipped - self.shards} samples skipped{shards}"]
@@ -148,7 +161,7 @@ class SkipReport:
         self._checked_at = self.seen
         if self.skipped > max_skipped * self.seen:
             share = f"{self.skipped / self.seen:.1%}"
-            what = (f"{self.skipped - self.shards} samples and {self.shards} unreadable shard(s) "
+            what = (f"{self.skipped - self.shards} samples and {self.shards_text()} "
                     f"skipped of {self.seen} ({share}, a shard counted as one sample)"
                     if self.shards else f"{self.skipped} of {self.seen} samples skipped ({share})")
             raise SkipLimitError(

@@ -546,3 +546,30 @@ def test_unreadable_shards_are_counted_apart_from_samples():
     assert SkipReport.merged([state, state], epoch=1).shards == 2
     del state["shards"]  # a state saved before shards were counted
     assert SkipReport.from_state(state).shards == 0
+
+
+def test_an_empty_shard_is_reported_as_empty_not_as_unreadable(good_shard, image_server, tmp_path):
+    """A shard holding no files counts in ``shards`` like an unreadable one, and the summary and
+    the limit's message say which is which (they called both unreadable)."""
+    from mmproxy.skips import SkipReport
+
+    empty, cut = tmp_path / "empty-000.tar", tmp_path / "cut-000.tar"
+    empty.write_bytes(bytes(10240))  # a tar of no files: only the end-of-archive blocks
+    cut.write_bytes((good_shard / "g-000.tar").read_bytes()[:1500])
+    ds = MultiModalDataset([str(good_shard / "g-000.tar"), str(empty), str(cut)],
+                           {"x": ("jpg", image_server.proxy)}, batch_size=4, shuffle_shards=False,
+                           on_error="skip", max_skipped=None)
+    loader = ds.loader(image_server, num_workers=0)
+    assert sum(len(b["__key__"]) for b in loader) == 12
+    report = loader.skipped
+    assert (report.skipped, report.shards, report.empty_shards) == (2, 2, 1)
+    assert report.summary().splitlines()[0] == (
+        f"epoch {report.epoch}: 12 samples delivered, 0 samples skipped and 1 unreadable and 1 "
+        "empty shard(s), their unread samples not counted")
+    only_empty = SkipReport(epoch=3)
+    only_empty.add(3, [(str(empty), "", "empty shard: it holds no files")])
+    assert "0 samples skipped and 1 empty shard(s)," in only_empty.summary()
+    with pytest.raises(mmproxy.SkipLimitError, match=r"^0 samples and 1 empty shard\(s\) skipped of 4"):
+        only_empty.check(0.1, final=True)
+    merged = SkipReport.merged([report.state_dict(), only_empty.state_dict()], epoch=3)
+    assert merged.shards_text() == "1 unreadable and 2 empty shard(s)"

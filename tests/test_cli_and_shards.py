@@ -18,7 +18,7 @@ from mmproxy.datasets import Tokenize, image_text_dataset, load_tokenizer, make_
 
 import mmproxy
 from mmproxy import cli
-from mmproxy.testing import audio_bytes, image_bytes, make_tokenizer, synth_speech
+from mmproxy.testing import audio_bytes, image_bytes, make_tokenizer, synth_speech, write_tar
 
 ROOT = Path(__file__).resolve().parents[1]
 HINT = "(run with --debug for the traceback)"
@@ -318,6 +318,32 @@ def test_demo_without_image_audio_or_video_fails_in_one_line(tmp_path):
     proc = run_cli(["demo", "--data", str(tmp_path / "none-{0..3}.tar")], tmp_path)
     assert proc.returncode == 1 and "error: no shard at" in proc.stderr and "none-0.tar" in proc.stderr
     assert "and 1 more (4 of the 4 that --data names)" in proc.stderr
+
+
+def test_data_expands_as_the_datasets_do_and_still_refuses_missing_shards(tmp_path):
+    """--data goes through the datasets' expand(): ``::`` lists and braces with a glob (which it
+    used to take as one path, or glob without the braces); a folder whose name holds ``[``; and a
+    pattern naming local shards that do not exist is still refused, before anything runs."""
+    from mmproxy.apps.data import expand_data, first_sample_fields
+
+    shards = {}
+    for folder in ("a", "b", "run[1]"):
+        (tmp_path / folder).mkdir()
+        for k in range(2):
+            shards[folder, k] = str(tmp_path / folder / f"s-{k}.tar")
+            write_tar(shards[folder, k], [{"__key__": f"k{k}", "txt": "hello", "cls": 1}])
+    assert expand_data(f"{shards['a', 1]}::{shards['b', 0]}") == [shards["a", 1], shards["b", 0]]
+    assert expand_data(str(tmp_path / "{a,b}" / "*.tar")) == [
+        shards["a", 0], shards["a", 1], shards["b", 0], shards["b", 1]]
+    assert expand_data(str(tmp_path / "run[1]")) == [shards["run[1]", 0], shards["run[1]", 1]]
+    assert expand_data(str(tmp_path / "run[1]" / "*.tar")) == [shards["run[1]", 0], shards["run[1]", 1]]
+    assert first_sample_fields(expand_data(str(tmp_path / "a" / "s-{0..1}.tar")))[1] == ["txt", "cls"]
+    with pytest.raises(mmproxy.ShardError, match=r"no shard matches .*/c/\*\.tar"):
+        expand_data(str(tmp_path / "c" / "*.tar"))
+    named = f"{shards['a', 0]}::{tmp_path / 'b' / 's-{1..4}.tar'}"
+    with pytest.raises(FileNotFoundError, match=r"^no shard at .*/b/s-2\.tar, .*/b/s-3\.tar, "
+                       r".*/b/s-4\.tar \(3 of the 5 that --data names\)$"):
+        first_sample_fields(expand_data(named))
 
 
 # tokenizers ----------------------------------------------------------------------------------

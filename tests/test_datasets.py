@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tarfile
 import time
 
 import numpy as np
@@ -276,3 +277,47 @@ def test_a_glob_of_local_shards_is_expanded_and_one_matching_nothing_is_an_error
         *every, "s3://b/x-0.tar", "s3://b/x-1.tar"]  # remote URLs are not globbed
     with pytest.raises(mmproxy.ShardError, match=r"no shard matches .*/\*\.tgz"):
         expand(os.path.join(folder, "*.tgz"))
+
+
+def test_a_glob_keeps_regular_files_and_a_literal_bracket_in_a_name_is_taken_as_written(tmp_path):
+    """A folder a glob matches is not a shard; a folder named ``run[1]`` can hold a glob (its
+    ``[1]`` is not a pattern while the folder exists), and a file named with ``[`` is itself."""
+    from mmproxy.datasets.shards import expand
+
+    for folder in ("run[1]", "run1", "sub.tar"):
+        (tmp_path / folder).mkdir()
+    for path in ("run[1]/a-0.tar", "run[1]/a-1.tar", "run1/decoy.tar", "b[0].tar", "s-0.tar"):
+        (tmp_path / path).write_bytes(b"")
+    assert expand(str(tmp_path / "*.tar")) == [str(tmp_path / "b[0].tar"), str(tmp_path / "s-0.tar")]
+    assert expand(str(tmp_path / "run[1]" / "*.tar")) == [
+        str(tmp_path / "run[1]" / "a-0.tar"), str(tmp_path / "run[1]" / "a-1.tar")]
+    assert expand(str(tmp_path / "run[0-9]" / "*.tar")) == [str(tmp_path / "run1" / "decoy.tar")]
+    assert expand(str(tmp_path / "b[0].tar")) == [str(tmp_path / "b[0].tar")]
+    assert expand(str(tmp_path / "[bs]-0.tar")) == [str(tmp_path / "s-0.tar")]
+    with pytest.raises(mmproxy.ShardError, match=r"no shard matches .*/sub\*.*not a folder"):
+        expand(str(tmp_path / "sub*"))
+
+
+def test_a_shard_cut_in_its_last_members_padding_reports_the_cut_without_that_sample(tmp_path,
+                                                                                     image_server):
+    """The member before the cut is whole, but the cut took what followed it (here the rest of
+    its sample), so its sample is not delivered half; the samples before it are, then the error."""
+    from mmproxy.datasets._tar import members
+    from mmproxy.datasets.shards import read_local_tar
+
+    shard = tmp_path / "p-000.tar"
+    write_tar(shard, [{"__key__": f"k{i}", "jpg": b"jpeg", "cls": i} for i in range(2)])
+    data = shard.read_bytes()
+    name, offset, size = list(members(memoryview(data)))[2]
+    assert name == "k1.jpg"
+    shard.write_bytes(data[:offset + size + 100])  # inside k1.jpg's padding: k1.cls is gone
+    got = []
+    with pytest.raises(tarfile.ReadError, match=r"inside its last member's padding"):
+        got.extend(read_local_tar(str(shard)))
+    assert [(s["__key__"], sorted(k for k in s if not k.startswith("__"))) for s in got] == [
+        ("k0", ["cls", "jpg"])]
+    ds = MultiModalDataset([str(shard)], {"label": ("cls", int)}, batch_size=4, on_error="skip",
+                           max_skipped=None)
+    loader = ds.loader(image_server, num_workers=0)
+    assert [k for b in loader for k in b["__key__"]] == ["k0"]
+    assert loader.skipped.shards == 1 and loader.skipped.by_kind == {"unreadable shard": 1}

@@ -12,22 +12,17 @@ __all__ = ["expand_data", "first_sample_fields"]
 
 
 def expand_data(data: str) -> list[str]:
-    """The shards ``--data`` names: a brace pattern or path, a folder of ``.tar`` files, or a glob."""
-    import glob
-
-    from braceexpand import braceexpand
+    """The shards ``--data`` names: a folder of ``.tar`` files, or anything the datasets take
+    (:func:`~mmproxy.datasets.shards.expand`: a path, a brace pattern, a glob of local paths,
+    ``::``-separated lists of them, URLs)."""
+    from mmproxy.datasets.shards import expand, local_glob
 
     if os.path.isdir(data):
-        shards = sorted(glob.glob(os.path.join(data, "*.tar")))
+        shards = local_glob(os.path.join(data, "*.tar"))
         if not shards:
             raise FileNotFoundError(f"no .tar shard in the folder {data}")
         return shards
-    if any(c in data for c in "*?[") and "://" not in data and not data.startswith("pipe:"):
-        shards = sorted(glob.glob(data))
-        if not shards:
-            raise FileNotFoundError(f"no shard matches {data}")
-        return shards
-    return list(braceexpand(data)) or [data]
+    return expand(data)
 
 
 def first_sample_fields(shards: list[str]) -> tuple[list[str], list[str]]:

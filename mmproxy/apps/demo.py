@@ -111,6 +111,8 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
     import torch
     from tqdm import tqdm
 
+    from mmproxy.skips import SkipReport
+
     sizes = {"image": lambda b: len(b["image"]), "audio": lambda b: b["audio"][0].data.shape[0],
              "video": lambda b: len(b["video"]),
              "text": lambda b: b["input_ids"].shape[0], "label": lambda b: len(b["label"])}
@@ -131,9 +133,9 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
     for server in servers.values():
         print(f"  main loop waited {server.wait_seconds:6.2f} s on server {server.name!r} "
               f"(which waited {server.starved_seconds:.2f} s for inputs from workers)")
-    samples = sum(r.skipped - r.shards for r in reports)
-    shards = sum(r.shards for r in reports)
-    print(f"  skipped {samples} samples" + (f" and {shards} unreadable shard(s)" if shards else ""))
+    total = SkipReport.merged([r.state_dict() for r in reports], epoch=0)
+    print(f"  skipped {total.skipped - total.shards} samples"
+          + (f" and {total.shards_text()}" if total.shards else ""))
     for report in reports:
         if report.skipped:
             print("  " + report.summary().replace("\n", "\n  "))
