@@ -9,7 +9,8 @@ process with two probes and prints, per system:
 - the garbage collector's full (generation 2) collections in the system's epochs: how many, and
   how long they stopped every thread of the process.
 
-``--no-freeze-gc`` runs mmproxy's loaders with ``freeze_gc=False`` (see ``mmproxy.DataLoader``).
+``--no-freeze-gc`` leaves the collector as it is: the process counts as frozen already, so no
+loader freezes it (as ``freeze_gc=False`` would; see ``mmproxy.DataLoader``).
 
 Each system run is labelled ``NAME#K``: its name, and K its place among all the runs (``--runs``
 interleaves them).
@@ -173,7 +174,7 @@ def main() -> int:
 
     systems.time_epochs = time_epochs
     if args.no_freeze_gc:
-        loader.freeze_gc_once = lambda: None  # the loader looks it up on each iteration
+        loader._gc_frozen = True  # what the loaders check before freezing
     pauses = GcPauses()
     gc.callbacks.append(pauses)
     dmon = _dmon()
@@ -185,7 +186,11 @@ def main() -> int:
         lines: list[str] = []
         if dmon is not None:
             dmon.terminate()
-            lines = (dmon.communicate(timeout=10)[0] or "").splitlines()
+            try:
+                lines = (dmon.communicate(timeout=10)[0] or "").splitlines()
+            except subprocess.TimeoutExpired:
+                dmon.kill()
+                dmon.communicate()
     gpu = _gpu_use(lines, windows)
     report: dict[str, Any] = {"bench": bench, "freeze_gc": not args.no_freeze_gc, "systems": {}}
     for label, start, end in windows:

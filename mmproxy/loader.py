@@ -72,12 +72,12 @@ class _WorkerInit:
             self.user(worker_id)
 
 
-_gc_frozen = False
+_gc_frozen = False  # set once the process's heap was frozen (by any loader)
 
 
-def freeze_gc_once() -> None:
-    """Moves every object alive now into the garbage collector's permanent generation, once per
-    process (see :class:`DataLoader`'s ``freeze_gc``)."""
+def _freeze_gc_once() -> None:
+    """``gc.collect()`` then ``gc.freeze()``, once per process (see ``DataLoader``'s ``freeze_gc``).
+    Nothing when the collector is disabled: a later loader's first iteration tries again."""
     global _gc_frozen
     if _gc_frozen or not gc.isenabled():
         return
@@ -92,17 +92,18 @@ class DataLoader(torch.utils.data.DataLoader):
     Args:
         dali_server: One server, a sequence of servers, or a mapping of name to server.
         *args: Passed to ``torch.utils.data.DataLoader``.
-        freeze_gc: On the first iteration of any mmproxy loader in the process (before its
-            workers start), collect garbage once and then ``gc.freeze()`` what is alive: the
-            modules, the model, the pipelines. The main loop's allocations (the servers'
-            threads, the batches in flight) make Python run a full collection every few hundred
-            batches, and a full collection walks every object not frozen: with torch and DALI
-            loaded, a 50-140 ms pause of every thread (measured), in which the servers cannot
-            feed DALI. Frozen objects are still freed when their last reference goes; only
-            reference cycles among them that become garbage later stay until ``gc.unfreeze()``.
-            Workers forked afterwards inherit the frozen generation, so their collections are
-            short too, and they copy fewer of the parent's pages. ``False`` leaves the
-            collector as it is.
+        freeze_gc: On the first iteration of the first loader in the process that has it (before
+            that loader's workers start), run ``gc.collect()`` once and then ``gc.freeze()``
+            what is alive: the modules, the model, the pipelines. The main loop's allocations
+            (the servers' threads, the batches in flight) make Python run full collections, and
+            a full collection walks every object not frozen while every Python thread waits:
+            with torch and DALI loaded, 118-137 ms on the H200 (BENCHMARKS.md), in which the
+            servers cannot feed DALI. Frozen objects are still freed when their last reference
+            goes; only reference cycles among them that become garbage later stay until
+            ``gc.unfreeze()``. The one ``gc.collect()`` runs every pending finalizer then (in a
+            process holding much cyclic garbage, a long pause once). Nothing happens while the
+            collector is disabled (``gc.disable()``); a loader's later first iteration tries
+            again. ``False`` leaves the collector as it is.
         **kwargs: Passed to ``torch.utils.data.DataLoader``.
     """
 
@@ -191,7 +192,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         if self._freeze_gc:
-            freeze_gc_once()
+            _freeze_gc_once()
         self.ensure_server_listening()
         self._epoch.value += 1
         workers = max(1, self.num_workers)

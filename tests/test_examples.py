@@ -226,10 +226,20 @@ def test_image_profile_reports_threads_and_gpu_use(tmp_path):
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from image_profile import _gpu_use
+        from image_profile import GcPauses, _gpu_use
     finally:
         sys.path.pop(0)
     import time
+
+    pauses = GcPauses()  # only full collections count, each in the window where it started
+    for generation in (2, 0, 2):
+        pauses("start", {"generation": generation})
+        pauses("stop", {"generation": generation})
+    assert len(pauses.pauses) == 2
+    pauses.pauses[:] = [(10.0, 0.05), (12.0, 0.125)]
+    assert pauses.within(9.0, 11.0) == {"full_collections": 1, "paused_ms": 50.0, "longest_ms": 50.0}
+    assert pauses.within(9.0, 13.0)["paused_ms"] == 175.0
+    assert pauses.within(13.0, 14.0) == {"full_collections": 0, "paused_ms": 0.0, "longest_ms": 0.0}
 
     base = time.mktime((2026, 11, 30, 23, 59, 58, 0, 0, -1))  # windows across midnight
     lines = ["#Date       Time        gpu    sm   mem   enc   dec   jpg   ofa",
