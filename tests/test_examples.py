@@ -251,3 +251,16 @@ def test_image_profile_reports_threads_and_gpu_use(tmp_path):
     use = _gpu_use(lines, [("a", base, base + 3), ("b", base + 3, base + 4)])
     assert use == {"a": {"seconds_sampled": 3, "sm": 50.0, "mem": 4.0, "jpg": 70.0, "dec": 0.0},
                    "b": {"seconds_sampled": 1, "sm": 10.0, "mem": 1.0, "jpg": 20.0, "dec": 0.0}}
+
+
+def test_feed_probe_runs_the_graph_behind_the_reader_and_each_external_feed(tmp_path):
+    """benchmarks/feed_probe.py on CPU: every feed runs the same number of batches and reports a
+    rate (and the external feeds their feed_input time); the pinned feed needs a GPU."""
+    out = run(["benchmarks/feed_probe.py", "--cpu", "--data-dir", str(tmp_path / "data"),
+               "--samples", "128", "--batch", "32", "--threads", "1", "--warmup", "1",
+               "--iters", "3", "--rounds", "1", "--json", str(tmp_path / "probe.json")], tmp_path)
+    assert "round 1 views" in out
+    results = json.loads((tmp_path / "probe.json").read_text())["results"]
+    assert sorted(results) == ["contiguous", "reader", "views"]
+    assert all(r[0]["img_per_s"] > 0 for r in results.values())
+    assert results["views"][0]["feed_ms"] > 0 and "feed_ms" not in results["reader"][0]
