@@ -8,6 +8,8 @@
 #                proxy with its defaults and with its documentation's prefetch_queue_depth=2*workers
 #   PART=photos  the same on shards of real photographs (benchmarks/photo_shards.py)
 #   (the JSON is written after every system, so a call cut short keeps what it measured)
+#   PART=apart   mmproxy with its workers on cores 8-15 and everything else on 0-7
+#                (--worker-cpus), against the same without, and the reader; then feed_probe.py
 #   PART=s3      remote_bench (interleaved) with the S3 / HTTP servers on cores 16-31, and on the
 #                loader's own cores; then mmproxy bench's remote systems, servers on 16-31
 # DDP: benchmarks/gpu_ddp.sh.
@@ -32,6 +34,14 @@ photos)
   one 520 python3 -m mmproxy.cli bench --data '/tmp/photos/photo-{0000..0255}.tar' --workers 15 \
     --threads 8 --epochs 5 --runs 3 --systems mmproxy,dali-reader,dali-proxy,dali-proxy-seed \
     --json "$out/image-photos-runs.json" 2>&1 | quiet 12 ;;
+apart)  # is it the workers sharing the cores with DALI's threads? (BENCHMARKS.md, session 9)
+  for cpus in 8-15 ""; do
+    one 200 python3 -m mmproxy.cli bench --workload image --samples 16384 --workers 15 --threads 8 \
+      --data-dir /tmp/bench --epochs 5 --runs 3 --systems mmproxy,dali-reader \
+      ${cpus:+--worker-cpus $cpus} --json "$out/image-workers-apart-${cpus:-shared}.json" 2>&1 | quiet 3
+  done
+  one 120 python3 benchmarks/feed_probe.py --data-dir /tmp/bench --samples 16384 --threads 8 \
+    --iters 300 --rounds 2 --json "$out/feed-probe.json" 2>&1 | grep -a "^round" ;;
 s3)
   one 200 python3 benchmarks/remote_bench.py --systems http,s3 --samples 16384 --workers 15 \
     --threads 8 --rounds 4 --server-cpus 16-31 --data-dir /tmp/bench \
@@ -43,5 +53,5 @@ s3)
     --data-dir /tmp/bench --epochs 5 --runs 2 --server-cpus 16-31 \
     --systems mmproxy,mmproxy-http,mmproxy-s3,mmproxy-cached \
     --json "$out/bench-remote-servers-apart.json" 2>&1 | quiet 8 ;;
-*) echo "PART must be video, image, photos or s3" >&2; exit 2 ;;
+*) echo "PART must be video, image, photos, apart or s3" >&2; exit 2 ;;
 esac

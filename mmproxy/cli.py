@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--server-cpus", default=None,
                        help="mmproxy-http/-s3/-cached: run the local shard servers on these cores "
                        "(like 16-31), apart from the loader's, as a remote server would be")
+    bench.add_argument("--worker-cpus", default=None,
+                       help="the DataLoader workers of every system on these cores (like 8-15), "
+                       "the rest of the process (DALI's threads, the servers, the main loop) on "
+                       "the others it may use, so that neither takes the other's cores")
     bench.add_argument("--samples", type=int, default=1024, help="images (audio: clips / 4)")
     bench.add_argument("--batch-size", type=int, default=None, help="default: 256 images, 64 clips "
                        "on a GPU; 64 and 32 on CPU")

@@ -264,3 +264,30 @@ def test_feed_probe_runs_the_graph_behind_the_reader_and_each_external_feed(tmp_
     assert sorted(results) == ["contiguous", "reader", "views"]
     assert all(r[0]["img_per_s"] > 0 for r in results.values())
     assert results["views"][0]["feed_ms"] > 0 and "feed_ms" not in results["reader"][0]
+
+
+_PIN_SCRIPT = """
+import os, threading
+from mmproxy.apps.bench.cpu import PinWorker, pin_threads
+ready, done = threading.Event(), threading.Event()
+t = threading.Thread(target=lambda: (ready.set(), done.wait()))
+t.start(); ready.wait()
+pin_threads(frozenset({0}))
+print(sorted(os.sched_getaffinity(t.native_id)), sorted(os.sched_getaffinity(0)))
+seen = []
+PinWorker(frozenset({1}), seen.append)(3)
+print(sorted(os.sched_getaffinity(t.native_id)), seen)
+done.set(); t.join()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_bench_worker_cpus_moves_every_thread_and_the_workers_apart(tmp_path):
+    done = subprocess.run([sys.executable, "-c", _PIN_SCRIPT], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[0] [0]", "[1] [3]"]  # a thread started before, too
+    from mmproxy.apps.bench.session import _pin_apart
+
+    with pytest.raises(ValueError, match="--worker-cpus 0-4096: this process may use cores"):
+        _pin_apart("0-4096")

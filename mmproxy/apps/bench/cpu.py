@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["CPU_GROUPS", "cpu_ms_per_batch", "cpu_seconds"]
+import os
+from collections.abc import Callable
+
+__all__ = ["CPU_GROUPS", "PinWorker", "cpu_ms_per_batch", "cpu_seconds", "pin_threads"]
 
 CPU_GROUPS = ("workers", "main-thread", "server-threads", "dali-threads")
 
@@ -39,3 +42,25 @@ def cpu_ms_per_batch(before: dict[tuple[str, int], float], after: dict[tuple[str
     for (group, ident), seconds in after.items():
         out[group] += seconds - before.get((group, ident), 0.0)
     return {k: round(1000 * v / batches, 2) for k, v in out.items()}
+
+
+def pin_threads(cores: frozenset[int]) -> None:
+    """Puts every thread of this process on ``cores``: DALI's threads (started when a pipeline is
+    built) included; threads started later inherit it from the thread that starts them."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # a thread that has just ended
+            pass
+
+
+class PinWorker:
+    """A DataLoader ``worker_init_fn`` that moves the worker onto ``cores``, then calls ``then``."""
+
+    def __init__(self, cores: frozenset[int], then: Callable[[int], None] | None = None) -> None:
+        self.cores, self.then = cores, then
+
+    def __call__(self, worker_id: int) -> None:
+        pin_threads(self.cores)
+        if self.then is not None:
+            self.then(worker_id)

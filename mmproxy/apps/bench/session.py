@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,23 @@ from mmproxy.apps.bench.shards import write_shards
 from mmproxy.apps.bench.systems import WORKLOADS, Setup, select
 
 __all__ = ["run"]
+
+
+def _pin_apart(worker_cpus: str | None) -> None:
+    """``--worker-cpus``: this process's threads go to the cores it may use that are not the
+    workers' (each system's workers move to theirs as they start, see ``PinWorker``)."""
+    from mmproxy.apps.bench.cpu import pin_threads
+    from mmproxy.apps.bench.remote import cpu_list
+
+    workers = cpu_list(worker_cpus)
+    if workers is None:
+        return
+    mine = os.sched_getaffinity(0)
+    rest = frozenset(mine - workers)
+    if not workers <= mine or not rest:
+        raise ValueError(f"--worker-cpus {worker_cpus}: this process may use cores "
+                         f"{sorted(mine)}; the workers' cores must be among them, and leave some")
+    pin_threads(rest)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--runs and --epochs must be at least 1, got {args.runs} and {args.epochs}")
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     select("image", names, 0.0)  # unknown names fail before any shard is written
+    _pin_apart(getattr(args, "worker_cpus", None))
     out: dict[str, Any] = {"machine": machine(gpu),
                            "settings": {k: v for k, v in vars(args).items() if k != "func"},
                            "results": {}}

@@ -119,6 +119,15 @@ def _on_device(batch: Any, gpu: bool) -> Any:
     return batch.cuda(non_blocking=True)
 
 
+def _worker_init(setup: Setup, then: Any = None) -> Any:
+    """The workers' ``worker_init_fn``: onto ``--worker-cpus`` first, when given."""
+    from mmproxy.apps.bench.cpu import PinWorker
+    from mmproxy.apps.bench.remote import cpu_list
+
+    cores = cpu_list(getattr(setup.args, "worker_cpus", None))
+    return then if cores is None else PinWorker(cores, then)
+
+
 def _torch(setup: Setup, decoder: str) -> dict[str, Any]:
     import torch
 
@@ -126,7 +135,8 @@ def _torch(setup: Setup, decoder: str) -> dict[str, Any]:
     loader = torch.utils.data.DataLoader(
         WdsSamples(setup.paths, setup.ext, TorchImage(decoder) if image else torch_audio),
         batch_size=setup.batch, num_workers=setup.args.workers,
-        collate_fn=None if image else pad_collate, pin_memory=setup.gpu, persistent_workers=True)
+        collate_fn=None if image else pad_collate, pin_memory=setup.gpu, persistent_workers=True,
+        worker_init_fn=_worker_init(setup))
     return time_epochs(lambda: (_on_device(b, setup.gpu) for b in loader), setup.args.epochs,
                        setup.gpu)
 
@@ -148,7 +158,7 @@ def _dali_proxy(setup: Setup, seed_setting: bool = False) -> dict[str, Any]:
         data = (TinySamples(server.proxy, a.samples) if setup.workload == "machinery"
                 else WdsSamples(setup.paths, setup.ext, ProxyCall(server.proxy)))
         loader = dali_proxy.DataLoader(server, data, batch_size=setup.batch, num_workers=a.workers,
-                                       persistent_workers=True)
+                                       persistent_workers=True, worker_init_fn=_worker_init(setup))
         return time_epochs(lambda: loader, a.epochs, setup.gpu)
 
 
@@ -167,7 +177,7 @@ def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[s
         if setup.workload == "machinery":
             loader = mmproxy.DataLoader(server, TinySamples(server.proxy, a.samples),
                                         batch_size=setup.batch, num_workers=a.workers,
-                                        persistent_workers=True)
+                                        persistent_workers=True, worker_init_fn=_worker_init(setup))
         else:
             fields: dict[str, Any] = {setup.modality: (setup.ext, server.proxy)}
             transform = None
@@ -179,7 +189,7 @@ def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[s
                                         batch_transform=transform, prefetch_next_epoch=a.next_epoch,
                                         on_error="skip", **options)
             loader = dataset.loader(server, num_workers=a.workers, persistent_workers=True,
-                                    worker_init_fn=worker_init_fn)
+                                    worker_init_fn=_worker_init(setup, worker_init_fn))
         return time_epochs(lambda: loader, a.epochs, setup.gpu, server)
 
 
