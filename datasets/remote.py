@@ -191,7 +191,7 @@ def _map_readonly(fd: int) -> memoryview:
     try:
         size = os.fstat(fd).st_size
         if size == 0:
-            raise RemoteError("the shard is empty")
+            raise RemoteError("the shard is 0 bytes long (not a tar)")
         mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
         worker.register_file_mapping(mapping, fd)
     finally:
@@ -210,7 +210,7 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
         response = attempts.connect(0, None)
         size = response.size
         if size == 0:
-            raise RemoteError("the shard is empty")
+            raise RemoteError("the shard is 0 bytes long (not a tar)")
         if cache is not None and lock is not None:
             fd = cache.reserve(name, size) if size is not None else None
             if fd is None:  # it does not fit: stream it past the cache

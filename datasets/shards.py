@@ -123,7 +123,7 @@ def read_local_tar(url: str, name: str | None = None) -> Iterator[dict[str, Any]
     """
     with open(url, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
-            raise tarfile.ReadError("the shard is empty")
+            raise tarfile.ReadError("the file is 0 bytes long (not a tar; an empty tar is 1,024 zero bytes)")
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         worker.register_file_mapping(mapping, f.fileno())
     yield from _grouped(memoryview(mapping), name or url)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -151,10 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    if len(lines) > 2 and "Traceback (most recent call last)" in str(err):
-        # torch re-raises a worker's error with its traceback in the message: keep its last line
-        lines = [f"{lines[-1]} ({lines[0].rstrip('.')})"]
+    """The error's message on one line; a skip limit's summary follows on lines of its own."""
+    text = str(err)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 2 and "Traceback (most recent call last)" in text:
+        # torch re-raises a worker's error with its traceback in the message: keep its last line,
+        # without the exception's module (mmproxy.errors.ShardError: ...), and say where it was
+        where = re.search(r"in DataLoader (worker process \d+)", lines[0])
+        last = re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", lines[-1])
+        return f"{last} (in DataLoader {where[1]})" if where else f"{last} ({lines[0].rstrip('.')})"
+    from mmproxy.errors import SkipLimitError
+
+    if isinstance(err, SkipLimitError) and len(lines) > 1:
+        return "\n".join([lines[0], *("  " + line for line in text.splitlines()[1:] if line)])
     text = " ".join(lines) or type(err).__name__
     return text if len(text) <= 500 else text[:497] + "..."
 

@@ -226,6 +226,28 @@ def test_cli_errors_are_one_line_with_a_hint_and_debug_gives_the_traceback(tmp_p
         assert lines == [error, HINT]
 
 
+def test_a_workers_error_and_a_skip_limit_read_as_the_other_cli_errors():
+    """A worker's error (torch puts its traceback in the message) is its own last line, without
+    the exception's module, and says which worker; a skip limit keeps its summary, one kind of
+    skip per line, after the one-line message."""
+    from mmproxy.errors import ShardError, SkipLimitError
+
+    worker = ShardError("Caught ShardError in DataLoader worker process 3.\nOriginal Traceback "
+                        "(most recent call last):\n  File \"x.py\", line 1, in f\n"
+                        "mmproxy.errors.ShardError: shard /d/a.tar: cannot be read: ReadError: bad")
+    assert cli._one_line(worker) == ("ShardError: shard /d/a.tar: cannot be read: ReadError: bad "
+                                     "(in DataLoader worker process 3)")
+    limit = SkipLimitError("3 of 10 samples skipped (30.0%), more than max_skipped=10.0% (raise "
+                           "max_skipped, --max-skipped on the command line, to accept it):\n"
+                           "epoch 1: 7 samples delivered, 3 samples skipped\n"
+                           "  3 x bad header; first: /d/a.tar, sample 'k1': bad header")
+    assert cli._one_line(limit).splitlines() == [
+        "3 of 10 samples skipped (30.0%), more than max_skipped=10.0% (raise max_skipped, "
+        "--max-skipped on the command line, to accept it):",
+        "  epoch 1: 7 samples delivered, 3 samples skipped",
+        "    3 x bad header; first: /d/a.tar, sample 'k1': bad header"]
+
+
 def test_mmproxy_errors_interrupts_and_bugs(tmp_path, capsys, monkeypatch):
     import mmproxy.datasets as datasets
 
@@ -246,8 +268,8 @@ def test_mmproxy_errors_interrupts_and_bugs(tmp_path, capsys, monkeypatch):
     fail(mmproxy.ShardError(worker))
     assert cli.main(args) == 1
     assert capsys.readouterr().err.splitlines()[0] == (
-        "mmproxy make-shards: error: mmproxy.errors.ShardError: worker 1 of 2 gets no shards "
-        "(Caught ShardError in DataLoader worker process 1)")
+        "mmproxy make-shards: error: ShardError: worker 1 of 2 gets no shards "
+        "(in DataLoader worker process 1)")
 
     fail(KeyboardInterrupt())
     assert cli.main(args) == 130
@@ -301,6 +323,27 @@ def test_demo_names_every_missing_shard_and_reports_an_unreadable_one(tmp_path):
     assert re.search(r"epoch \d+: 5 samples delivered, 0 samples skipped and 1 unreadable shard\(s\)"
                      r".*\n  +1 x unreadable shard; first: .*shard-000001\.tar: unreadable shard",
                      proc.stdout), proc.stdout
+
+
+def test_a_damaged_or_empty_first_shard_does_not_stop_the_demo(tmp_path):
+    """The fields are read from the first shard that has a sample: a folder whose first shard (by
+    name) is a 0-byte file and whose second holds no files runs, and reports both; when no shard
+    has a sample, the error names what was wrong with each (up to three)."""
+    src = image_folder(tmp_path / "src", per_class=5)
+    make_shards(src, tmp_path / "out", max_count=5)
+    (tmp_path / "out" / "a-broken.tar").write_bytes(b"")
+    with tarfile.open(tmp_path / "out" / "b-none.tar", "w"):
+        pass
+    proc = run_cli(["demo", "--data", str(tmp_path / "out"), "--quiet", "--batch-size", "4",
+                    "--workers", "2", "--device", "cpu", "--max-skipped", "0.5"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "skipped 0 samples and 1 unreadable and 1 empty shard(s)" in proc.stdout, proc.stdout
+    assert "a-broken.tar: unreadable shard: ReadError: the file is 0 bytes long" in proc.stdout
+    proc = run_cli(["demo", "--data", str(tmp_path / "out" / "[ab]-*.tar"), "--quiet"], tmp_path)
+    assert proc.returncode == 1
+    assert re.search(r"error: no sample to read the fields from in the first 2 shards: "
+                     r".*a-broken\.tar cannot be read: the file is 0 bytes long .*; "
+                     r".*b-none\.tar holds no samples", proc.stderr), proc.stderr
 
 
 def test_demo_without_image_audio_or_video_fails_in_one_line(tmp_path):

@@ -291,3 +291,30 @@ def test_bench_worker_cpus_moves_every_thread_and_the_workers_apart(tmp_path):
 
     with pytest.raises(ValueError, match="--worker-cpus 0-4096: this process may use cores"):
         _pin_apart("0-4096")
+
+
+def test_the_bench_best_epoch_leaves_the_warm_up_out():
+    """A warm-up epoch that looks fast (a reader's first batches made before the timer starts) is
+    reported but never counts as the best one, unless it is the only epoch."""
+    import time
+
+    import torch
+
+    from mmproxy.apps.bench.timing import time_epochs
+
+    calls = []
+
+    def make_iter():
+        calls.append(1)
+        for _ in range(3):
+            if len(calls) > 1:
+                time.sleep(0.01)  # later epochs take ~30 ms; the first, nothing
+            yield torch.zeros(8, 1)
+
+    result = time_epochs(make_iter, 3, gpu=False)
+    assert result["epochs"][0] > 10 * max(result["epochs"][1:])
+    assert result["samples_per_s"] == pytest.approx(max(result["epochs"][1:]), abs=0.1)
+    calls.clear()
+    alone = time_epochs(make_iter, 1, gpu=False)
+    assert alone["samples_per_s"] == pytest.approx(alone["epochs"][0], abs=0.1)
+    assert alone["samples_per_s"] > 1000

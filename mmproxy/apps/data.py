@@ -4,7 +4,6 @@ demo`` and ``mmproxy bench`` on your own shards)."""
 from __future__ import annotations
 
 import os
-import re
 import tarfile
 from typing import Any
 
@@ -25,45 +24,47 @@ def expand_data(data: str) -> list[str]:
     return expand(data)
 
 
+_PROBED = 8  # shards tried for a first sample before --data is refused
+
+
+def _first_sample(shard: str) -> dict[str, Any]:
+    """The first sample of ``shard`` (empty when it holds none), read as the datasets read it."""
+    from mmproxy.datasets.shards import is_local, read_local_tar
+
+    if is_local(shard):
+        return next(iter(read_local_tar(shard)), {})
+    if shard.startswith(("http://", "https://", "s3://")):
+        from mmproxy.datasets.remote import RemoteError, RemoteOptions
+        from mmproxy.datasets.shards import read_remote_tar
+
+        try:
+            return next(iter(read_remote_tar(shard, RemoteOptions())), {})
+        except RemoteError as err:
+            raise ValueError(str(err)) from err
+    import webdataset as wds
+
+    return next(iter(wds.WebDataset(shard, shardshuffle=False)), {})
+
+
 def first_sample_fields(shards: list[str]) -> tuple[list[str], list[str]]:
-    """The shards and the extensions (fields) of the first shard's first sample."""
-    first = shards[0]
-    local = "://" not in first and not first.startswith("pipe:")
+    """The shards and the extensions (fields) of the first sample of the first shard that has
+    one: a damaged or empty shard is passed over (the run reports it), up to 8 of them."""
     missing = [s for s in shards if "://" not in s and not s.startswith("pipe:")
                and not os.path.isfile(s)]
     if missing:  # all of them, so no run (or comparison) goes on with part of the data
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise FileNotFoundError(f"no shard at {', '.join(missing[:3])}{more} ({len(missing)} of "
                                 f"the {len(shards)} that --data names)")
-    exts: list[str] = []
-    try:
-        if local:
-            with tarfile.open(first) as tar:
-                key = None
-                for member in tar:  # KEY.EXT as webdataset splits it: at the name's first dot
-                    match = re.match(r"^((?:.*/|)[^./][^.]*)[.]([^/]*)$", member.name)
-                    if not member.isfile() or match is None:
-                        continue
-                    if key is not None and match[1] != key:
-                        break
-                    key = match[1]
-                    exts.append(match[2].lower())
-        elif first.startswith(("http://", "https://", "s3://")):
-            from mmproxy.datasets.remote import RemoteError, RemoteOptions
-            from mmproxy.datasets.shards import read_remote_tar
-
-            try:
-                sample: dict[str, Any] = next(iter(read_remote_tar(first, RemoteOptions())), {})
-            except RemoteError as err:
-                raise ValueError(str(err)) from err
-            exts = [k for k in sample if not k.startswith("__")]
-        else:
-            import webdataset as wds
-
-            sample = next(iter(wds.WebDataset(first, shardshuffle=False)), {})
-            exts = [k for k in sample if not k.startswith("__")]
-    except (tarfile.TarError, OSError, ValueError) as err:
-        raise ValueError(f"cannot read the first sample of {first}: {err}") from err
-    if not exts:
-        raise ValueError(f"{first} holds no samples (no tar members named KEY.EXT)")
-    return shards, exts
+    problems = []
+    for shard in shards[:_PROBED]:
+        try:
+            sample = _first_sample(shard)
+        except (tarfile.TarError, OSError, ValueError) as err:
+            problems.append(f"{shard} cannot be read: {err}")
+            continue
+        exts = [k.lower() for k in sample if not k.startswith("__")]
+        if exts:
+            return shards, exts
+        problems.append(f"{shard} holds no samples (no tar members named KEY.EXT)")
+    tried = f"the first {len(problems)} shards" if len(problems) > 1 else "the shard"
+    raise ValueError(f"no sample to read the fields from in {tried}: {'; '.join(problems[:3])}")

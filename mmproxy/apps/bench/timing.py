@@ -25,7 +25,8 @@ def count_samples(batch: Any) -> int:
 
 def time_epochs(make_iter: Callable[[], Iterable[Any]], epochs: int, gpu: bool,
                 server: Any = None) -> dict[str, Any]:
-    """Times each epoch of ``make_iter()``; the best one counts. Reports each epoch's time to its
+    """Times each epoch of ``make_iter()``; the best one after the first (the warm-up, reported
+    apart; it counts only when it is the only one) counts. Reports each epoch's time to its
     first batch (the first epoch's includes starting the workers) and, for the best epoch, the CPU
     time per batch of the workers and of the main process's threads, and (for mmproxy's
     ``server``) how long the server starved and the main loop waited, per batch."""
@@ -50,7 +51,7 @@ def time_epochs(make_iter: Callable[[], Iterable[Any]], epochs: int, gpu: bool,
             torch.cuda.synchronize()
         rates.append(n / (time.perf_counter() - start))
         total += n if epoch else 0
-        if rates[-1] == max(rates):
+        if rates[-1] == max(rates[1:] or rates):  # the warm-up counts only while it is alone
             best = {"cpu_ms_per_batch": cpu_ms_per_batch(cpu0, cpu_seconds(), batches)}
             if server:
                 best["server_starved_per_batch_ms"] = round(
@@ -59,6 +60,6 @@ def time_epochs(make_iter: Callable[[], Iterable[Any]], epochs: int, gpu: bool,
                     1000 * (server.wait_seconds - waited0) / batches, 3)
     # Also the rate over every epoch after the first, wall clock, gaps between epochs included.
     sustained = total / (time.perf_counter() - since) if epochs > 1 else None
-    return {"samples_per_s": max(rates), "epochs": [round(r, 1) for r in rates], "samples": n,
-            "batches": batches, "sustained_samples_per_s": sustained, "first_batch_s": first,
+    return {"samples_per_s": max(rates[1:] or rates), "epochs": [round(r, 1) for r in rates],
+            "samples": n, "batches": batches, "sustained_samples_per_s": sustained, "first_batch_s": first,
             **(best or {})}
