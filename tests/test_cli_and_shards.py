@@ -335,9 +335,12 @@ def test_a_damaged_or_empty_first_shard_does_not_stop_the_demo(tmp_path):
     with tarfile.open(tmp_path / "out" / "b-none.tar", "w"):
         pass
     proc = run_cli(["demo", "--data", str(tmp_path / "out"), "--quiet", "--batch-size", "4",
-                    "--workers", "2", "--device", "cpu", "--max-skipped", "0.5"], tmp_path)
+                    "--workers", "2", "--device", "cpu", "--max-skipped", "0.5", "--epochs", "2"],
+                   tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "skipped 0 samples and 1 unreadable and 1 empty shard(s)" in proc.stdout, proc.stdout
+    assert ("skipped 0 samples and 2 unreadable and 2 empty shard(s) over 2 epochs (each epoch "
+            "counts its own)") in proc.stdout, proc.stdout
+    assert re.search(r"4 shard\(s\): \S+a-broken\.tar, \.\.\., \S+shard-000001\.tar", proc.stdout)
     assert "a-broken.tar: unreadable shard: ReadError: the file is 0 bytes long" in proc.stdout
     proc = run_cli(["demo", "--data", str(tmp_path / "out" / "[ab]-*.tar"), "--quiet"], tmp_path)
     assert proc.returncode == 1

@@ -49,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     workers = min(args.workers, len(shards))  # every worker needs a shard of its own
     print(f"mmproxy demo: {'GPU' if gpu else 'CPU'} pipelines, {workers} worker{'' if workers == 1 else 's'}"
           + (f" (one per shard, not {args.workers})" if workers < args.workers else "") + ", "
-          f"batch {args.batch_size}, {len(urls)} shard(s): {urls[0]}"
-          + (f" ... {urls[-1]}" if len(urls) > 1 else ""))
+          f"batch {args.batch_size}, {len(urls)} shard(s): "
+          + (", ".join(urls) if len(urls) <= 3 else f"{urls[0]}, ..., {urls[-1]}"))
     servers = _servers(args, used)
     dataset = _dataset(args, urls, {name: wanted[name] for name in used}, servers)
     with contextlib.ExitStack() as stack:
@@ -134,8 +134,9 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
         print(f"  main loop waited {server.wait_seconds:6.2f} s on server {server.name!r} "
               f"(which waited {server.starved_seconds:.2f} s for inputs from workers)")
     total = SkipReport.merged([r.state_dict() for r in reports], epoch=0)
+    over = f" over {args.epochs} epochs (each epoch counts its own)" if args.epochs > 1 else ""
     print(f"  skipped {total.skipped - total.shards} samples"
-          + (f" and {total.shards_text()}" if total.shards else ""))
+          + (f" and {total.shards_text()}" if total.shards else "") + over)
     for report in reports:
         if report.skipped:
             print("  " + report.summary().replace("\n", "\n  "))
