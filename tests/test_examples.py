@@ -106,6 +106,7 @@ def test_bench_on_your_own_shards_reports_runs_and_spread(tmp_path):
          "--json", str(out)], tmp_path)
     result = json.loads(out.read_text())["results"]["image"]
     assert result["field"] == "jpg" and result["samples"] == 24
+    assert result["systems"]["mmproxy"]["skipped"] == {"samples": 0, "shards": 0}
     torch_run = result["systems"]["torch"]
     assert len(torch_run["runs"]) == 2 and len(torch_run["warmup_epochs"]) == 2
     ratio = torch_run["mmproxy_ratio_sustained"]
@@ -318,3 +319,16 @@ def test_the_bench_best_epoch_leaves_the_warm_up_out():
     alone = time_epochs(make_iter, 1, gpu=False)
     assert alone["samples_per_s"] == pytest.approx(alone["epochs"][0], abs=0.1)
     assert alone["samples_per_s"] > 1000
+
+
+def test_bench_damage_reports_what_mmproxy_skipped(tmp_path):
+    """--damage: mmproxy on a copy of the shards with that share of JPEGs cut short; the result
+    says how many samples its last epoch skipped, next to its rate."""
+    out = tmp_path / "bench.json"
+    run(["-m", "mmproxy.cli", "bench", "--workload", "image", "--samples", "64", "--batch-size",
+         "16", "--epochs", "1", "--device", "cpu", "--data-dir", str(tmp_path / "data"),
+         "--damage", "0.0625", "--systems", "mmproxy", "--json", str(out)], tmp_path)
+    systems = json.loads(out.read_text())["results"]["image"]["systems"]
+    assert systems["mmproxy"]["skipped"] == {"samples": 0, "shards": 0}
+    assert systems["mmproxy-damaged"]["skipped"] == {"samples": 4, "shards": 0}
+    assert systems["mmproxy-damaged"]["samples"] == 60

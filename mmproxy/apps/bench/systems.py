@@ -190,7 +190,10 @@ def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[s
                                         on_error="skip", **options)
             loader = dataset.loader(server, num_workers=a.workers, persistent_workers=True,
                                     worker_init_fn=_worker_init(setup, worker_init_fn))
-        return time_epochs(lambda: loader, a.epochs, setup.gpu, server)
+        result = time_epochs(lambda: loader, a.epochs, setup.gpu, server)
+        report = loader.skipped  # the last epoch's: what bad data cost, next to the rate
+        result["skipped"] = {"samples": report.skipped - report.shards, "shards": report.shards}
+        return result
 
 
 def _mmproxy_damaged(setup: Setup) -> dict[str, Any]:
