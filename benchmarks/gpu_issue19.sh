@@ -9,7 +9,8 @@
 #   PART=photos  the same on shards of real photographs (benchmarks/photo_shards.py)
 #   (the JSON is written after every system, so a call cut short keeps what it measured)
 #   PART=apart   mmproxy with its workers on cores 8-15 and everything else on 0-7
-#                (--worker-cpus), against the same without, and the reader; then feed_probe.py
+#                (--worker-cpus; the reader, without workers, keeps 0-15), against the same
+#                without; then feed_probe.py (two calls' worth: run it alone)
 #   PART=s3      remote_bench (interleaved) with the S3 / HTTP servers on cores 16-31, and on the
 #                loader's own cores; then mmproxy bench's remote systems, servers on 16-31
 # DDP: benchmarks/gpu_ddp.sh.
@@ -36,7 +37,7 @@ photos)
     --json "$out/image-photos-runs.json" 2>&1 | quiet 12 ;;
 apart)  # is it the workers sharing the cores with DALI's threads? (BENCHMARKS.md, session 9)
   for cpus in 8-15 ""; do
-    one 200 python3 -m mmproxy.cli bench --workload image --samples 16384 --workers 15 --threads 8 \
+    one 300 python3 -m mmproxy.cli bench --workload image --samples 16384 --workers 15 --threads 8 \
       --data-dir /tmp/bench --epochs 5 --runs 3 --systems mmproxy,dali-reader \
       ${cpus:+--worker-cpus $cpus} --json "$out/image-workers-apart-${cpus:-shared}.json" 2>&1 | quiet 3
   done

@@ -113,19 +113,23 @@ def is_local(url: str) -> bool:
     return not url.startswith("pipe:") and "://" not in url
 
 
-def read_local_tar(url: str, name: str | None = None) -> Iterator[dict[str, Any]]:
+def read_local_tar(url: str, name: str | None = None, *,
+                   register: bool = True) -> Iterator[dict[str, Any]]:
     """Samples of a local tar, grouped by key like webdataset's; fields are memoryviews of a
     read-only mapping of the file (no copy). Raises ``tarfile.ReadError`` for a damaged shard.
     ``name`` is the shard's ``__url__`` (default: ``url``).
 
-    The mapping is registered with the transport while the shard is read, so a worker sends the
-    server the shard's descriptor and the members' offsets instead of copying their bytes.
+    The mapping is registered with the transport (unless ``register`` is False) while the shard
+    is read, so a worker sends the server the shard's descriptor and the members' offsets instead
+    of copying their bytes.
     """
     with open(url, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
-            raise tarfile.ReadError("the file is 0 bytes long (not a tar; an empty tar is 1,024 zero bytes)")
+            raise tarfile.ReadError("the file is 0 bytes long (not a tar; an empty tar is 1,024 "
+                                    "zero bytes)")
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        worker.register_file_mapping(mapping, f.fileno())
+        if register:
+            worker.register_file_mapping(mapping, f.fileno())
     yield from _grouped(memoryview(mapping), name or url)
 
 

@@ -153,18 +153,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _one_line(err: BaseException) -> str:
     """The error's message on one line; a skip limit's summary follows on lines of its own."""
+    from mmproxy.errors import EmptyEpochError, SkipLimitError
+
     text = str(err)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if len(lines) > 2 and "Traceback (most recent call last)" in text:
-        # torch re-raises a worker's error with its traceback in the message: keep its last line,
-        # without the exception's module (mmproxy.errors.ShardError: ...), and say where it was
-        where = re.search(r"in DataLoader (worker process \d+)", lines[0])
-        last = re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", lines[-1])
-        return f"{last} (in DataLoader {where[1]})" if where else f"{last} ({lines[0].rstrip('.')})"
-    from mmproxy.errors import SkipLimitError
-
-    if isinstance(err, SkipLimitError) and len(lines) > 1:
-        return "\n".join([lines[0], *("  " + line for line in text.splitlines()[1:] if line)])
+    caught = re.match(r"Caught (\w+) in DataLoader (worker process \d+)", lines[0]) if lines else None
+    if caught and "Traceback (most recent call last)" in text:
+        # torch re-raises a worker's error with its traceback in the message: keep the error's
+        # own line(s), its type without its module, and say which worker
+        name, where = caught[1], caught[2]
+        own = re.compile(rf"^(?:[\w.]+\.)?{name}(?=: |$)")
+        at = max((i for i, line in enumerate(lines) if own.match(line)), default=len(lines) - 1)
+        message = " ".join([own.sub(name, lines[at]), *lines[at + 1:]])
+        return f"{message} (in DataLoader {where})"
+    if isinstance(err, (SkipLimitError, EmptyEpochError)) and len(lines) > 1:
+        head = lines[0].replace("raise max_skipped", "raise --max-skipped")
+        return "\n".join([head, *("  " + line for line in text.splitlines()[1:] if line)])
     text = " ".join(lines) or type(err).__name__
     return text if len(text) <= 500 else text[:497] + "..."
 

@@ -166,8 +166,7 @@ class SkipReport:
                     if self.shards else f"{self.skipped} of {self.seen} samples skipped ({share})")
             raise SkipLimitError(
                 f"{what}, "
-                f"more than max_skipped={max_skipped:.1%} (raise max_skipped, --max-skipped on "
-                "the command line, to accept it):\n"
+                f"more than max_skipped={max_skipped:.1%} (raise max_skipped to accept it):\n"
                 f"{self.summary()}")
 
     def __repr__(self) -> str:

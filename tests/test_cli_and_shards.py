@@ -227,23 +227,26 @@ def test_cli_errors_are_one_line_with_a_hint_and_debug_gives_the_traceback(tmp_p
 
 
 def test_a_workers_error_and_a_skip_limit_read_as_the_other_cli_errors():
-    """A worker's error (torch puts its traceback in the message) is its own last line, without
-    the exception's module, and says which worker; a skip limit keeps its summary, one kind of
-    skip per line, after the one-line message."""
+    """A worker's error (torch puts its traceback in the message) is its own line(s), its type
+    without the module, and which worker; a skip limit keeps its summary, one kind of skip per
+    line, after the one-line message, which names the CLI's option."""
     from mmproxy.errors import ShardError, SkipLimitError
 
-    worker = ShardError("Caught ShardError in DataLoader worker process 3.\nOriginal Traceback "
-                        "(most recent call last):\n  File \"x.py\", line 1, in f\n"
-                        "mmproxy.errors.ShardError: shard /d/a.tar: cannot be read: ReadError: bad")
-    assert cli._one_line(worker) == ("ShardError: shard /d/a.tar: cannot be read: ReadError: bad "
+    trace = ("Caught ShardError in DataLoader worker process 3.\nOriginal Traceback (most recent "
+             "call last):\n  File \"x.py\", line 1, in f\n")
+    worker = ShardError(trace + "mmproxy.errors.ShardError: shard /d/a.tar: cannot be read: bad")
+    assert cli._one_line(worker) == ("ShardError: shard /d/a.tar: cannot be read: bad "
                                      "(in DataLoader worker process 3)")
+    two_lines = ShardError(trace + "mmproxy.errors.ShardError: shard data.tar: first\nsecond line")
+    assert cli._one_line(two_lines) == ("ShardError: shard data.tar: first second line "
+                                        "(in DataLoader worker process 3)")
     limit = SkipLimitError("3 of 10 samples skipped (30.0%), more than max_skipped=10.0% (raise "
-                           "max_skipped, --max-skipped on the command line, to accept it):\n"
+                           "max_skipped to accept it):\n"
                            "epoch 1: 7 samples delivered, 3 samples skipped\n"
                            "  3 x bad header; first: /d/a.tar, sample 'k1': bad header")
     assert cli._one_line(limit).splitlines() == [
-        "3 of 10 samples skipped (30.0%), more than max_skipped=10.0% (raise max_skipped, "
-        "--max-skipped on the command line, to accept it):",
+        "3 of 10 samples skipped (30.0%), more than max_skipped=10.0% (raise --max-skipped to "
+        "accept it):",
         "  epoch 1: 7 samples delivered, 3 samples skipped",
         "    3 x bad header; first: /d/a.tar, sample 'k1': bad header"]
 
@@ -341,6 +344,7 @@ def test_a_damaged_or_empty_first_shard_does_not_stop_the_demo(tmp_path):
     assert ("skipped 0 samples and 2 unreadable and 2 empty shard(s) over 2 epochs (each epoch "
             "counts its own)") in proc.stdout, proc.stdout
     assert re.search(r"4 shard\(s\): \S+a-broken\.tar, \.\.\., \S+shard-000001\.tar", proc.stdout)
+    assert re.search(r"\(from the first sample of \S+shard-000000\.tar\)", proc.stdout), proc.stdout
     assert "a-broken.tar: unreadable shard: ReadError: the file is 0 bytes long" in proc.stdout
     proc = run_cli(["demo", "--data", str(tmp_path / "out" / "[ab]-*.tar"), "--quiet"], tmp_path)
     assert proc.returncode == 1

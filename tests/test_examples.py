@@ -268,30 +268,35 @@ def test_feed_probe_runs_the_graph_behind_the_reader_and_each_external_feed(tmp_
 
 
 _PIN_SCRIPT = """
-import os, threading
+import os, sys, threading
 from mmproxy.apps.bench.cpu import PinWorker, pin_threads
+a, b = (int(c) for c in sys.argv[1:3])
 ready, done = threading.Event(), threading.Event()
 t = threading.Thread(target=lambda: (ready.set(), done.wait()))
 t.start(); ready.wait()
-pin_threads(frozenset({0}))
-print(sorted(os.sched_getaffinity(t.native_id)), sorted(os.sched_getaffinity(0)))
+pin_threads(frozenset({a}))
+print(sorted(os.sched_getaffinity(t.native_id)) == [a], sorted(os.sched_getaffinity(0)) == [a])
 seen = []
-PinWorker(frozenset({1}), seen.append)(3)
-print(sorted(os.sched_getaffinity(t.native_id)), seen)
+PinWorker(frozenset({b}), seen.append)(3)
+print(sorted(os.sched_getaffinity(t.native_id)) == [b], seen)
 done.set(); t.join()
 """
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_bench_worker_cpus_moves_every_thread_and_the_workers_apart(tmp_path):
-    done = subprocess.run([sys.executable, "-c", _PIN_SCRIPT], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    done = subprocess.run([sys.executable, "-c", _PIN_SCRIPT, str(a), str(b)], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[:2] == ["[0] [0]", "[1] [3]"]  # a thread started before, too
-    from mmproxy.apps.bench.session import _pin_apart
+    assert done.stdout.split("\n")[:2] == ["True True", "True [3]"]  # a thread started before too
+    from mmproxy.apps.bench.session import _cores_apart
 
-    with pytest.raises(ValueError, match="--worker-cpus 0-4096: this process may use cores"):
-        _pin_apart("0-4096")
+    mine = frozenset(os.sched_getaffinity(0))
+    assert _cores_apart(str(b)) == (mine, mine - {b})
+    for wrong in ("0-4096", "9-8", ",".join(map(str, sorted(mine)))):  # too many, none, all
+        with pytest.raises(ValueError, match=f"--worker-cpus {wrong}: this process may use cores"):
+            _cores_apart(wrong)
 
 
 def test_the_bench_best_epoch_leaves_the_warm_up_out():

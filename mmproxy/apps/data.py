@@ -24,16 +24,20 @@ def expand_data(data: str) -> list[str]:
     return expand(data)
 
 
-_PROBED = 8  # shards tried for a first sample before --data is refused
+_PROBED = 8  # local shards tried for a first sample before --data is refused
 
 
 def _first_sample(shard: str) -> dict[str, Any]:
     """The first sample of ``shard`` (empty when it holds none), read as the datasets read it."""
-    from mmproxy.datasets.shards import is_local, read_local_tar
+    from mmproxy.datasets.shards import is_local, is_remote, read_local_tar
 
     if is_local(shard):
-        return next(iter(read_local_tar(shard)), {})
-    if shard.startswith(("http://", "https://", "s3://")):
+        samples = read_local_tar(shard, register=False)  # the probe sends nothing to a server
+        try:
+            return next(samples, {})
+        finally:
+            samples.close()
+    if is_remote(shard):
         from mmproxy.datasets.remote import RemoteError, RemoteOptions
         from mmproxy.datasets.shards import read_remote_tar
 
@@ -46,11 +50,14 @@ def _first_sample(shard: str) -> dict[str, Any]:
     return next(iter(wds.WebDataset(shard, shardshuffle=False)), {})
 
 
-def first_sample_fields(shards: list[str]) -> tuple[list[str], list[str]]:
-    """The shards and the extensions (fields) of the first sample of the first shard that has
-    one: a damaged or empty shard is passed over (the run reports it), up to 8 of them."""
-    missing = [s for s in shards if "://" not in s and not s.startswith("pipe:")
-               and not os.path.isfile(s)]
+def first_sample_fields(shards: list[str]) -> tuple[str, list[str]]:
+    """The shard the fields were read from and the extensions (fields) of its first sample: the
+    first shard that has a sample. A damaged or empty local shard is passed over (the run reports
+    it), up to 8 of them; a remote or ``pipe:`` shard that cannot be read stops the search (its
+    retries would only be repeated)."""
+    from mmproxy.datasets.shards import is_local
+
+    missing = [s for s in shards if is_local(s) and not os.path.isfile(s)]
     if missing:  # all of them, so no run (or comparison) goes on with part of the data
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise FileNotFoundError(f"no shard at {', '.join(missing[:3])}{more} ({len(missing)} of "
@@ -59,12 +66,18 @@ def first_sample_fields(shards: list[str]) -> tuple[list[str], list[str]]:
     for shard in shards[:_PROBED]:
         try:
             sample = _first_sample(shard)
-        except (tarfile.TarError, OSError, ValueError) as err:
+        except tarfile.TarError as err:  # damaged content: the next shard may do
             problems.append(f"{shard} cannot be read: {err}")
-            continue
-        exts = [k.lower() for k in sample if not k.startswith("__")]
-        if exts:
-            return shards, exts
-        problems.append(f"{shard} holds no samples (no tar members named KEY.EXT)")
+        except (OSError, ValueError) as err:  # not there, not reachable: say so now
+            raise ValueError(f"cannot read the first sample of {shard}: {err}") from err
+        else:
+            exts = [k.lower() for k in sample if not k.startswith("__")]
+            if exts:
+                return shard, exts
+            problems.append(f"{shard} holds no samples (no tar members named KEY.EXT)")
+        if not is_local(shard):
+            break
     tried = f"the first {len(problems)} shards" if len(problems) > 1 else "the shard"
-    raise ValueError(f"no sample to read the fields from in {tried}: {'; '.join(problems[:3])}")
+    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+    raise ValueError(f"no sample to read the fields from in {tried}: "
+                     f"{'; '.join(problems[:3])}{more}")

@@ -32,8 +32,7 @@ def run(args: argparse.Namespace) -> int:
         urls = expand_data(demo_shards(args.samples,
                                         max(1, min(64, args.samples // (2 * max(1, args.workers)))),
                                         video=args.video))
-    shards, exts = first_sample_fields(urls)
-    first = shards[0]
+    first, exts = first_sample_fields(urls)
     wanted = {"image": IMAGE_EXTS, "audio": AUDIO_EXTS, "video": VIDEO_EXTS, "text": "txt;caption",
               "label": "cls"}
     found = {name: [e for e in spec.split(";") if e in exts] for name, spec in wanted.items()}
@@ -46,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
           + (", ".join(f"{n} (no {wanted[n].replace(';', '/')})" for n in wanted if n not in used)
              or "none") + f" (from the first sample of {first})")
     gpu, _ = resolve_device(args.device)
-    workers = min(args.workers, len(shards))  # every worker needs a shard of its own
+    workers = min(args.workers, len(urls))  # every worker needs a shard of its own
     print(f"mmproxy demo: {'GPU' if gpu else 'CPU'} pipelines, {workers} worker{'' if workers == 1 else 's'}"
           + (f" (one per shard, not {args.workers})" if workers < args.workers else "") + ", "
           f"batch {args.batch_size}, {len(urls)} shard(s): "

@@ -47,11 +47,17 @@ def cpu_ms_per_batch(before: dict[tuple[str, int], float], after: dict[tuple[str
 def pin_threads(cores: frozenset[int]) -> None:
     """Puts every thread of this process on ``cores``: DALI's threads (started when a pipeline is
     built) included; threads started later inherit it from the thread that starts them."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except ProcessLookupError:  # a thread that has just ended
-            pass
+    done: set[str] = set()
+    while True:  # again until no new thread shows up (one may start while the others move)
+        new = set(os.listdir("/proc/self/task")) - done
+        if not new:
+            return
+        for tid in new:
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except ProcessLookupError:  # a thread that has just ended
+                pass
+        done |= new
 
 
 class PinWorker:

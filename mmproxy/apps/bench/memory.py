@@ -17,6 +17,7 @@ def memory(setup: Setup, epochs: int) -> dict[str, Any]:
     import psutil
 
     import mmproxy
+    from mmproxy.apps.bench.systems import worker_init
     from mmproxy.datasets import MultiModalDataset
 
     me = psutil.Process()
@@ -25,7 +26,8 @@ def memory(setup: Setup, epochs: int) -> dict[str, Any]:
     with server:
         dataset = MultiModalDataset(setup.paths, {"image": ("jpg", server.proxy)},
                                     batch_size=setup.batch)
-        loader = dataset.loader(server, num_workers=setup.args.workers, persistent_workers=True)
+        loader = dataset.loader(server, num_workers=setup.args.workers, persistent_workers=True,
+                                worker_init_fn=worker_init(setup))
         for epoch in range(epochs):
             for k, _ in enumerate(loader):
                 if epoch % 2 and k == 2:

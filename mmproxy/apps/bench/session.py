@@ -19,6 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from mmproxy.apps.bench.cpu import pin_threads
 from mmproxy.apps.bench.memory import memory
 from mmproxy.apps.bench.report import add_ratios, error_line, machine, plot, print_summary
 from mmproxy.apps.bench.shards import write_shards
@@ -27,21 +28,19 @@ from mmproxy.apps.bench.systems import WORKLOADS, Setup, select
 __all__ = ["run"]
 
 
-def _pin_apart(worker_cpus: str | None) -> None:
-    """``--worker-cpus``: this process's threads go to the cores it may use that are not the
-    workers' (each system's workers move to theirs as they start, see ``PinWorker``)."""
-    from mmproxy.apps.bench.cpu import pin_threads
+def _cores_apart(worker_cpus: str | None) -> tuple[frozenset[int], frozenset[int]] | None:
+    """``--worker-cpus``: (all the cores this process may use, those that are not the workers')."""
     from mmproxy.apps.bench.remote import cpu_list
 
     workers = cpu_list(worker_cpus)
     if workers is None:
-        return
-    mine = os.sched_getaffinity(0)
-    rest = frozenset(mine - workers)
-    if not workers <= mine or not rest:
+        return None
+    mine = frozenset(os.sched_getaffinity(0))
+    rest = mine - workers
+    if not workers or not workers <= mine or not rest:
         raise ValueError(f"--worker-cpus {worker_cpus}: this process may use cores "
-                         f"{sorted(mine)}; the workers' cores must be among them, and leave some")
-    pin_threads(rest)
+                         f"{sorted(mine)}; the workers' cores must be some of them, not all")
+    return mine, rest
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--runs and --epochs must be at least 1, got {args.runs} and {args.epochs}")
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     select("image", names, 0.0)  # unknown names fail before any shard is written
-    _pin_apart(getattr(args, "worker_cpus", None))
+    apart = _cores_apart(getattr(args, "worker_cpus", None))
     out: dict[str, Any] = {"machine": machine(gpu),
                            "settings": {k: v for k, v in vars(args).items() if k != "func"},
                            "results": {}}
@@ -71,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         runs: dict[str, list[dict[str, Any]]] = {}
         for number in range(args.runs):
             for system in select(workload, names, args.damage):
+                if apart:  # DALI's threads off the workers' cores; a system without workers
+                    pin_threads(apart[1] if system.has_workers else apart[0])  # gets them all
                 gc.collect()  # destroy the last system's pipelines here, not in forked workers
                 try:
                     result = system.run(setup)
@@ -85,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_epochs:
         setup = Setup(args, "image", write_shards(folder, "image", args.samples, args.workers),
                       folder, gpu, device_id, args.batch_size or (256 if gpu else 64))
+        if apart:
+            pin_threads(apart[1])
         out["memory"] = memory(setup, args.memory_epochs)
         print("[memory]", out["memory"])
     Path(args.json).write_text(json.dumps(out, indent=2))
@@ -144,11 +147,12 @@ def _user_setup(args: argparse.Namespace, folder: Path, gpu: bool,
     from mmproxy.apps.data import expand_data, first_sample_fields
     from mmproxy.datasets.recipes import AUDIO_EXTS, IMAGE_EXTS
 
-    paths, exts = first_sample_fields(expand_data(args.data))
+    paths = expand_data(args.data)
+    first, exts = first_sample_fields(paths)
     images, audio = IMAGE_EXTS.split(";"), AUDIO_EXTS.split(";")
     field = args.field or next((e for e in exts if e in images + audio), None)
     if field is None or field not in exts:
-        raise ValueError(f"the first sample of {paths[0]} has "
+        raise ValueError(f"the first sample of {first} has "
                          + (f"no field {field!r}" if field else "no image or audio field")
                          + f" (it has {', '.join(exts)}); name it with --field")
     if field not in images + audio:

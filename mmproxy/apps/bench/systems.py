@@ -96,6 +96,7 @@ class System:
     workloads: frozenset[str]
     run: Callable[[Setup], dict[str, Any]]
     needs_damage: bool = False
+    has_workers: bool = True  # DataLoader workers (--worker-cpus moves them)
 
 
 def select(workload: str, names: list[str], damage: float) -> list[System]:
@@ -119,7 +120,7 @@ def _on_device(batch: Any, gpu: bool) -> Any:
     return batch.cuda(non_blocking=True)
 
 
-def _worker_init(setup: Setup, then: Any = None) -> Any:
+def worker_init(setup: Setup, then: Any = None) -> Any:
     """The workers' ``worker_init_fn``: onto ``--worker-cpus`` first, when given."""
     from mmproxy.apps.bench.cpu import PinWorker
     from mmproxy.apps.bench.remote import cpu_list
@@ -136,7 +137,7 @@ def _torch(setup: Setup, decoder: str) -> dict[str, Any]:
         WdsSamples(setup.paths, setup.ext, TorchImage(decoder) if image else torch_audio),
         batch_size=setup.batch, num_workers=setup.args.workers,
         collate_fn=None if image else pad_collate, pin_memory=setup.gpu, persistent_workers=True,
-        worker_init_fn=_worker_init(setup))
+        worker_init_fn=worker_init(setup))
     return time_epochs(lambda: (_on_device(b, setup.gpu) for b in loader), setup.args.epochs,
                        setup.gpu)
 
@@ -158,7 +159,7 @@ def _dali_proxy(setup: Setup, seed_setting: bool = False) -> dict[str, Any]:
         data = (TinySamples(server.proxy, a.samples) if setup.workload == "machinery"
                 else WdsSamples(setup.paths, setup.ext, ProxyCall(server.proxy)))
         loader = dali_proxy.DataLoader(server, data, batch_size=setup.batch, num_workers=a.workers,
-                                       persistent_workers=True, worker_init_fn=_worker_init(setup))
+                                       persistent_workers=True, worker_init_fn=worker_init(setup))
         return time_epochs(lambda: loader, a.epochs, setup.gpu)
 
 
@@ -177,7 +178,7 @@ def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[s
         if setup.workload == "machinery":
             loader = mmproxy.DataLoader(server, TinySamples(server.proxy, a.samples),
                                         batch_size=setup.batch, num_workers=a.workers,
-                                        persistent_workers=True, worker_init_fn=_worker_init(setup))
+                                        persistent_workers=True, worker_init_fn=worker_init(setup))
         else:
             fields: dict[str, Any] = {setup.modality: (setup.ext, server.proxy)}
             transform = None
@@ -189,7 +190,7 @@ def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[s
                                         batch_transform=transform, prefetch_next_epoch=a.next_epoch,
                                         on_error="skip", **options)
             loader = dataset.loader(server, num_workers=a.workers, persistent_workers=True,
-                                    worker_init_fn=_worker_init(setup, worker_init_fn))
+                                    worker_init_fn=worker_init(setup, worker_init_fn))
         result = time_epochs(lambda: loader, a.epochs, setup.gpu, server)
         report = loader.skipped  # the last epoch's: what bad data cost, next to the rate
         result["skipped"] = {"samples": report.skipped - report.shards, "shards": report.shards}
@@ -227,7 +228,8 @@ SYSTEMS: dict[str, System] = {system.name: system for system in (
     System("dali-proxy", frozenset({"image", "audio", "machinery"}), _dali_proxy),
     System("dali-proxy-seed", frozenset({"image", "audio", "machinery"}),
            partial(_dali_proxy, seed_setting=True)),
-    System("dali-reader", frozenset({"image", "audio", "image-text"}), _dali_reader),
+    System("dali-reader", frozenset({"image", "audio", "image-text"}), _dali_reader,
+           has_workers=False),
     *(System(name, frozenset({"image", "audio", "image-text"}), partial(_remote, name))
       for name in ("mmproxy-http", "mmproxy-s3", "mmproxy-cached")),
 )}
