@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import sys
 import time
 from typing import Any
 
 import numpy as np
-from mmproxy.datasets._tar import members
+from mmproxy.datasets.shards import read_local_tar
 from mmproxy.pipelines import image_train_graph
 
 from mmproxy.apps.bench.shards import write_shards
@@ -37,15 +36,10 @@ FEEDS = ("reader", "views", "contiguous", "pinned")
 
 
 def jpeg_views(paths: list[str]) -> list[np.ndarray]:
-    """One read-only view per ``.jpg`` member of the shards, in order (the mappings stay open)."""
-    views = []
-    for path in paths:
-        with open(path, "rb") as f:
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        for name, offset, size in members(memoryview(mapping)):
-            if name.endswith(".jpg"):
-                views.append(np.frombuffer(mapping, np.uint8, size, offset))
-    return views
+    """One view per ``.jpg`` field of the shards, in order: views of each shard's read-only
+    mapping, as the datasets read it (the mappings stay open while the views live)."""
+    return [np.frombuffer(sample["jpg"], np.uint8) for path in paths
+            for sample in read_local_tar(path, register=False) if "jpg" in sample]
 
 
 def batches_of(views: list[np.ndarray], batch: int, feed: str) -> list[Any]:
@@ -69,8 +63,8 @@ def batches_of(views: list[np.ndarray], batch: int, feed: str) -> list[Any]:
         array = flat.numpy()
         for v, a in zip(part, offsets):
             array[a:a + len(v)] = v
-        out.append([TensorCPU(array[a:b], "", True) for a, b in zip(offsets[:-1], offsets[1:])])
-        out[-1].append(flat)  # kept alive with the batch; dropped before feeding
+        tensors = [TensorCPU(array[a:b], "", True) for a, b in zip(offsets[:-1], offsets[1:])]
+        out.append((tensors, flat))  # the buffer kept alive with its batch
     return out
 
 
@@ -93,7 +87,7 @@ def run_external(args: argparse.Namespace, batches: list[Any], feed: str) -> dic
             start = time.perf_counter()
         data = batches[i % len(batches)]
         if feed == "pinned":
-            data = data[:-1]
+            data = data[0]
         t = time.perf_counter()
         p.feed_input("data", data)
         if i >= args.warmup:

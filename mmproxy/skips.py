@@ -125,6 +125,11 @@ class SkipReport:
         return self.delivered + self.skipped
 
     @property
+    def samples_skipped(self) -> int:
+        """Of :attr:`skipped`, the samples (the rest are whole shards)."""
+        return self.skipped - self.shards
+
+    @property
     def empty_shards(self) -> int:
         """Of :attr:`shards`, those that hold no files (the others could not be read)."""
         return self.by_kind["empty shard"]
@@ -141,7 +146,7 @@ class SkipReport:
         shards = (f" and {self.shards_text()}, their unread samples not counted"
                   if self.shards else "")
         lines = [f"epoch {self.epoch}: {self.delivered} samples delivered, "
-                 f"{self.skipped - self.shards} samples skipped{shards}"]
+                 f"{self.samples_skipped} samples skipped{shards}"]
         for kind, count in self.by_kind.most_common():
             first = self._first[kind]
             where = f"{first.shard}, sample {first.key!r}" if first.key else first.shard
@@ -161,7 +166,7 @@ class SkipReport:
         self._checked_at = self.seen
         if self.skipped > max_skipped * self.seen:
             share = f"{self.skipped / self.seen:.1%}"
-            what = (f"{self.skipped - self.shards} samples and {self.shards_text()} "
+            what = (f"{self.samples_skipped} samples and {self.shards_text()} "
                     f"skipped of {self.seen} ({share}, a shard counted as one sample)"
                     if self.shards else f"{self.skipped} of {self.seen} samples skipped ({share})")
             raise SkipLimitError(

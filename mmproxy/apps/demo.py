@@ -134,7 +134,7 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
               f"(which waited {server.starved_seconds:.2f} s for inputs from workers)")
     total = SkipReport.merged([r.state_dict() for r in reports], epoch=0)
     over = f" over {args.epochs} epochs (each epoch counts its own)" if args.epochs > 1 else ""
-    print(f"  skipped {total.skipped - total.shards} samples"
+    print(f"  skipped {total.samples_skipped} samples"
           + (f" and {total.shards_text()}" if total.shards else "") + over)
     for report in reports:
         if report.skipped:

@@ -193,7 +193,7 @@ def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[s
                                     worker_init_fn=worker_init(setup, worker_init_fn))
         result = time_epochs(lambda: loader, a.epochs, setup.gpu, server)
         report = loader.skipped  # the last epoch's: what bad data cost, next to the rate
-        result["skipped"] = {"samples": report.skipped - report.shards, "shards": report.shards}
+        result["skipped"] = {"samples": report.samples_skipped, "shards": report.shards}
         return result
 
 
