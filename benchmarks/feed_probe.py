@@ -6,7 +6,10 @@ itself or mmproxy's engine around it.
 Ways of feeding (``--feeds``, each timed over ``--iters`` batches after ``--warmup``):
 
 - ``reader``: ``fn.readers.webdataset`` (the bench's ``dali-reader``);
-- ``views``: one numpy view per JPEG into the shard's read-only mapping (what the server feeds);
+- ``views``: one numpy view per JPEG into the shard's read-only mapping, fed as a Python list
+  (what the server fed until session 10);
+- ``tensorlist``: the same views wrapped in one ``TensorListCPU`` that shares their memory (what
+  the server feeds now, ``mmproxy._dali._tensor_list``); building it is timed with the feed;
 - ``contiguous``: the batch's JPEGs copied into one buffer beforehand, fed as one
   ``TensorListCPU`` (DALI's own layout; the copy is not timed);
 - ``pinned``: the same buffer in page-locked memory (``TensorListCPU(..., is_pinned=True)``).
@@ -30,9 +33,10 @@ import numpy as np
 from mmproxy.datasets.shards import read_local_tar
 from mmproxy.pipelines import image_train_graph
 
+from mmproxy._dali import _tensor_list
 from mmproxy.apps.bench.shards import write_shards
 
-FEEDS = ("reader", "views", "contiguous", "pinned")
+FEEDS = ("reader", "views", "tensorlist", "contiguous", "pinned")
 
 
 def jpeg_views(paths: list[str]) -> list[np.ndarray]:
@@ -49,7 +53,7 @@ def batches_of(views: list[np.ndarray], batch: int, feed: str) -> list[Any]:
     out: list[Any] = []
     for lo in range(0, len(views) - batch + 1, batch):
         part = views[lo:lo + batch]
-        if feed == "views":
+        if feed in ("views", "tensorlist"):
             out.append(part)
             continue
         if feed == "contiguous":  # DALI copies the samples into one buffer of its own
@@ -89,7 +93,7 @@ def run_external(args: argparse.Namespace, batches: list[Any], feed: str) -> dic
         if feed == "pinned":
             data = data[0]
         t = time.perf_counter()
-        p.feed_input("data", data)
+        p.feed_input("data", _tensor_list(data) if feed == "tensorlist" else data)
         if i >= args.warmup:
             fed += time.perf_counter() - t
         p._run_once()

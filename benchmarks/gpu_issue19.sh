@@ -8,6 +8,10 @@
 #                proxy with its defaults and with its documentation's prefetch_queue_depth=2*workers
 #   PART=photos  the same on shards of real photographs (benchmarks/photo_shards.py)
 #   (the JSON is written after every system, so a call cut short keeps what it measured)
+#   PART=ab      benchmarks/engine_ab.py: mmproxy against one variant of its engine (VARIANT, e.g.
+#                mmproxy-list-feed, mmproxy-depth4, mmproxy-pinned-maps) and the reader, 5 epochs x
+#                RUNS (8) interleaved runs, on DATA=synthetic (the bench's) or DATA=photos; ~2.5 min
+#   PART=probe   feed_probe.py: the reader against the list and tensor-list feeds
 #   PART=apart   mmproxy with its workers on cores 8-15 and everything else on 0-7
 #                (--worker-cpus; the reader, without workers, keeps 0-15), against the same
 #                without; then feed_probe.py (two calls' worth: run it alone)
@@ -35,6 +39,21 @@ photos)
   one 520 python3 -m mmproxy.cli bench --data '/tmp/photos/photo-{0000..0255}.tar' --workers 15 \
     --threads 8 --epochs 5 --runs 3 --systems mmproxy,dali-reader,dali-proxy,dali-proxy-seed \
     --json "$out/image-photos-runs.json" 2>&1 | quiet 12 ;;
+ab)  # session 10
+  variant=${VARIANT:-mmproxy-list-feed}
+  if [[ ${DATA:-synthetic} == photos ]]; then
+    python3 benchmarks/photo_shards.py /tmp/photos --count 16384 2>&1 | tail -1
+    data=(--data '/tmp/photos/photo-{0000..0255}.tar')
+  else
+    data=(--workload image --samples 16384 --data-dir /tmp/bench)
+  fi
+  one 400 python3 benchmarks/engine_ab.py "${data[@]}" --workers 15 --threads 8 --epochs 5 \
+    --runs "${RUNS:-8}" --systems "mmproxy,$variant,dali-reader" \
+    --json "$out/image-${DATA:-synthetic}-$variant-ab.json" 2>&1 | quiet 4 ;;
+probe)
+  one 100 python3 benchmarks/feed_probe.py --data-dir /tmp/bench --samples 16384 --threads 8 \
+    --iters 300 --rounds 2 --feeds reader,views,tensorlist --json "$out/feed-probe-tensorlist.json" \
+    2>&1 | grep -a "^round" ;;
 apart)  # is it the workers sharing the cores with DALI's threads? (BENCHMARKS.md, session 9)
   for cpus in 8-15 ""; do
     one 300 python3 -m mmproxy.cli bench --workload image --samples 16384 --workers 15 --threads 8 \
@@ -54,5 +73,5 @@ s3)
     --data-dir /tmp/bench --epochs 5 --runs 2 --server-cpus 16-31 \
     --systems mmproxy,mmproxy-http,mmproxy-s3,mmproxy-cached \
     --json "$out/bench-remote-servers-apart.json" 2>&1 | quiet 8 ;;
-*) echo "PART must be video, image, photos, apart or s3" >&2; exit 2 ;;
+*) echo "PART must be video, image, photos, ab, probe, apart or s3" >&2; exit 2 ;;
 esac

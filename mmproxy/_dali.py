@@ -80,7 +80,8 @@ class Pipe:
     def feed(self, inputs: Sequence[Sequence[Any]], rows: Sequence[int] | None = None) -> None:
         """Feeds one run (``rows`` of it, when given) and schedules it."""
         for name, arrays in zip(self.input_names, inputs):
-            self.pipeline.feed_input(name, arrays if rows is None else [arrays[i] for i in rows])
+            chosen = arrays if rows is None else [arrays[i] for i in rows]
+            self.pipeline.feed_input(name, _tensor_list(chosen))
         self.pipeline._run_once()
 
     def outputs(self, pad: set[int], stream: Any = None) -> tuple[tuple[Any, ...], Any]:
@@ -125,6 +126,24 @@ class Pipe:
         pipe._built = False
         pipe._backend_prepared = False
         pipe.build()
+
+
+def _tensor_list(arrays: Sequence[Any]) -> Any:
+    """One input's samples as one ``TensorListCPU`` that shares their memory (no copy).
+
+    Fed as a Python list, DALI converts and checks every sample while holding the GIL: about
+    1.2 ms a batch of 256 on a CPU pipeline and 1.4-2.5 ms on a GPU one (measured), in which no
+    other thread of the main process (the training loop included) runs. As one tensor list the
+    feed takes ~0.1 ms and building it ~0.3 ms. Samples DALI cannot put in one list (different
+    dimensionality, types) are fed as the list, so that DALI's own error names the problem.
+    """
+    from nvidia.dali.backend import TensorCPU, TensorListCPU
+
+    try:
+        # DALI's type stubs lack ``contiguous`` (DALI 2.x has it: False shares the samples)
+        return TensorListCPU([TensorCPU(a) for a in arrays], contiguous=False)  # type: ignore[call-overload]
+    except (TypeError, RuntimeError, ValueError):
+        return list(arrays)
 
 
 _NAMED = re.compile(r"sample #(\d+)")

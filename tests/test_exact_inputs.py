@@ -186,3 +186,23 @@ def test_uncollated_references_leaving_a_torch_worker_fail_at_once(double_server
     samples = ExactInputs(double_server.proxy, ["dtype float32"], n=4)
     loader = mmproxy.DataLoader(double_server, samples, batch_size=None, num_workers=1)
     first_batch_error(loader, r"uncollated DALI sample reference.*'double'")
+
+
+def test_a_run_reaches_dali_as_one_tensor_list_sharing_the_samples_memory():
+    """The server feeds each input as one TensorListCPU whose samples are the arrays themselves
+    (no copy: a run's bytes stay in the shard or memfd mapping), 0-d and empty samples included;
+    samples DALI cannot hold in one list are fed as the list, so DALI's own error names them."""
+    from nvidia.dali.backend import TensorListCPU
+
+    from mmproxy._dali import _tensor_list
+
+    buffer = np.arange(100, dtype=np.uint8)
+    samples = [buffer[0:10], buffer[10:10], buffer[40:100]]
+    batch = _tensor_list(samples)
+    assert isinstance(batch, TensorListCPU)
+    assert [batch[i].data_ptr() for i in (0, 2)] == [a.ctypes.data for a in (samples[0], samples[2])]
+    assert [tuple(s) for s in batch.shape()] == [(10,), (0,), (60,)]
+    scalars = _tensor_list([np.array(1.5, np.float32), np.array(2.5, np.float32)])
+    assert [tuple(s) for s in scalars.shape()] == [(), ()]
+    mixed = [np.zeros(3, np.uint8), np.zeros((3, 2), np.uint8)]
+    assert _tensor_list(mixed) == mixed

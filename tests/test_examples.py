@@ -262,9 +262,10 @@ def test_feed_probe_runs_the_graph_behind_the_reader_and_each_external_feed(tmp_
                "--iters", "3", "--rounds", "1", "--json", str(tmp_path / "probe.json")], tmp_path)
     assert "round 1 views" in out
     results = json.loads((tmp_path / "probe.json").read_text())["results"]
-    assert sorted(results) == ["contiguous", "reader", "views"]
+    assert sorted(results) == ["contiguous", "reader", "tensorlist", "views"]
     assert all(r[0]["img_per_s"] > 0 for r in results.values())
     assert results["views"][0]["feed_ms"] > 0 and "feed_ms" not in results["reader"][0]
+    assert results["tensorlist"][0]["feed_ms"] > 0
 
 
 _PIN_SCRIPT = """
@@ -337,3 +338,16 @@ def test_bench_damage_reports_what_mmproxy_skipped(tmp_path):
     assert systems["mmproxy"]["skipped"] == {"samples": 0, "shards": 0}
     assert systems["mmproxy-damaged"]["skipped"] == {"samples": 4, "shards": 0}
     assert systems["mmproxy-damaged"]["samples"] == 60
+
+
+def test_engine_ab_runs_a_variant_next_to_mmproxy(tmp_path):
+    """benchmarks/engine_ab.py: the old list feed runs as a system of its own, every sample of
+    every epoch delivered, reported next to mmproxy with the ratio between them."""
+    out = run(["benchmarks/engine_ab.py", "--workload", "image", "--samples", "64", "--workers",
+               "1", "--threads", "1", "--epochs", "2", "--batch-size", "16", "--data-dir",
+               str(tmp_path / "data"), "--systems", "mmproxy,mmproxy-list-feed",
+               "--json", str(tmp_path / "ab.json")], tmp_path)
+    assert "mmproxy-list-feed" in out
+    systems = json.loads((tmp_path / "ab.json").read_text())["results"]["image"]["systems"]
+    assert sorted(systems) == ["mmproxy", "mmproxy-list-feed"]
+    assert all(s["samples"] == 64 and len(s["epochs"]) == 2 for s in systems.values())

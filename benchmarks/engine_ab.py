@@ -1,0 +1,111 @@
+"""``mmproxy bench`` with variants of one engine detail as extra systems, so that a change is
+measured against the alternative in the same call, interleaved with the reference systems.
+
+Variants (each is mmproxy with one thing changed):
+
+- ``mmproxy-list-feed``: the server feeds DALI each input as a Python list of per-sample arrays
+  (before session 10) instead of one ``TensorListCPU`` sharing their memory.
+- ``mmproxy-depth4``: the pipeline keeps 4 runs in flight (``prefetch_queue_depth=4``) instead
+  of ``--prefetch`` (2), so that DALI has more than one run queued while the server's runner
+  takes a run's outputs and feeds the next.
+- ``mmproxy-pinned-maps`` (GPU only; tried in session 10, not kept: 8% slower on the bench's
+  images, no change on photographs): every shard mapping the server makes is page-locked with
+  ``cudaHostRegister`` (read-only) and its samples are fed as pinned, as a reader's output is, so
+  DALI need not copy them into pinned memory before the decoder.
+
+Every other argument is ``mmproxy bench``'s::
+
+    CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 python benchmarks/engine_ab.py --workload image \\
+        --samples 16384 --workers 15 --threads 8 --epochs 5 --runs 3 \\
+        --systems mmproxy,mmproxy-list-feed,dali-reader
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from mmproxy import _dali, _transport, cli
+from mmproxy.apps.bench import systems
+
+
+def _as_list(arrays: Any) -> Any:
+    return list(arrays)
+
+
+@contextlib.contextmanager
+def _list_feed() -> Iterator[None]:
+    kept = _dali._tensor_list
+    _dali._tensor_list = _as_list
+    try:
+        yield
+    finally:
+        _dali._tensor_list = kept
+
+
+@contextlib.contextmanager
+def _pinned_maps() -> Iterator[None]:
+    import torch
+    from nvidia.dali.backend import TensorCPU, TensorListCPU
+
+    cudart = torch.cuda.cudart()
+    registered: dict[int, Any] = {}  # address -> mapping, kept mapped while registered
+    map_file, tensor_list = _transport._map_file, _dali._tensor_list
+
+    def pinned_map_file(fd: int) -> Any:
+        mapping = map_file(fd)
+        address = _transport._address(mapping)
+        if address not in registered:
+            err = cudart.cudaHostRegister(address, len(mapping), 8)  # cudaHostRegisterReadOnly
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister failed: {cudart.cudaGetErrorString(err)}")
+            registered[address] = mapping
+        return mapping
+
+    def pinned_list(arrays: Any) -> Any:
+        return TensorListCPU([TensorCPU(a, "", True) for a in arrays],  # type: ignore[call-overload]
+                             contiguous=False)
+
+    _transport._map_file, _dali._tensor_list = pinned_map_file, pinned_list
+    try:
+        yield
+    finally:
+        _transport._map_file, _dali._tensor_list = map_file, tensor_list
+        for address in registered:
+            cudart.cudaHostUnregister(address)
+
+
+VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "mmproxy-list-feed": _list_feed,
+    "mmproxy-pinned-maps": _pinned_maps,
+}
+
+
+def _depth4(setup: systems.Setup) -> dict[str, Any]:
+    args = argparse.Namespace(**{**vars(setup.args), "prefetch": 4})
+    return systems.SYSTEMS["mmproxy"].run(dataclasses.replace(setup, args=args))
+
+
+def _variant(patch: Callable[[], contextlib.AbstractContextManager[None]],
+             setup: systems.Setup) -> dict[str, Any]:
+    with patch():
+        return systems.SYSTEMS["mmproxy"].run(setup)
+
+
+def register() -> None:
+    mmproxy = systems.SYSTEMS["mmproxy"]
+    for name, patch in VARIANTS.items():
+        systems.SYSTEMS[name] = dataclasses.replace(
+            mmproxy, name=name, run=functools.partial(_variant, patch))
+    systems.SYSTEMS["mmproxy-depth4"] = dataclasses.replace(mmproxy, name="mmproxy-depth4",
+                                                            run=_depth4)
+
+
+if __name__ == "__main__":
+    register()
+    sys.exit(cli.main(["bench", *sys.argv[1:]]))
