@@ -12,6 +12,9 @@
 #                mmproxy-list-feed, mmproxy-depth4, mmproxy-pinned-maps) and the reader, 5 epochs x
 #                RUNS (8) interleaved runs, on DATA=synthetic (the bench's) or DATA=photos; ~2.5 min
 #   PART=probe   feed_probe.py: the reader against the list and tensor-list feeds
+#   PART=held    image_profile.py on mmproxy at depths 2 and 4 and the reader: how long DALI held
+#                one run instead of two, and the runner's gap between a run's outputs and the next
+#                run (next session's first call: is the gap what depth 4 recovers?)
 #   PART=apart   mmproxy with its workers on cores 8-15 and everything else on 0-7
 #                (--worker-cpus; the reader, without workers, keeps 0-15), against the same
 #                without; then feed_probe.py (two calls' worth: run it alone)
@@ -50,6 +53,11 @@ ab)  # session 10
   one 400 python3 benchmarks/engine_ab.py "${data[@]}" --workers 15 --threads 8 --epochs 5 \
     --runs "${RUNS:-8}" --systems "mmproxy,$variant,dali-reader" \
     --json "$out/image-${DATA:-synthetic}-$variant-ab.json" 2>&1 | quiet 4 ;;
+held)
+  one 300 python3 benchmarks/image_profile.py --json "$out/profile-held.json" -- --workload image \
+    --samples 16384 --workers 15 --threads 8 --epochs 5 --runs 3 --data-dir /tmp/bench \
+    --systems mmproxy,mmproxy-depth4,dali-reader --json "$out/bench-held.json" 2>&1 \
+    | grep -a -E "^(==|   DALI|  image)" ;;
 probe)
   one 100 python3 benchmarks/feed_probe.py --data-dir /tmp/bench --samples 16384 --threads 8 \
     --iters 300 --rounds 2 --feeds reader,views,tensorlist --json "$out/feed-probe-tensorlist.json" \
@@ -73,5 +81,5 @@ s3)
     --data-dir /tmp/bench --epochs 5 --runs 2 --server-cpus 16-31 \
     --systems mmproxy,mmproxy-http,mmproxy-s3,mmproxy-cached \
     --json "$out/bench-remote-servers-apart.json" 2>&1 | quiet 8 ;;
-*) echo "PART must be video, image, photos, ab, probe, apart or s3" >&2; exit 2 ;;
+*) echo "PART must be video, image, photos, ab, held, probe, apart or s3" >&2; exit 2 ;;
 esac

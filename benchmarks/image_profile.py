@@ -7,7 +7,11 @@ process with two probes and prints, per system:
 - the GPU's use from ``nvidia-smi dmon`` (SM, memory, and the JPEG decoder engines' ``jpg``
   column), averaged over the system's epochs (needs ``nvidia-smi``; skipped without it);
 - the garbage collector's full (generation 2) collections in the system's epochs: how many, and
-  how long they stopped every thread of the process.
+  how long they stopped every thread of the process;
+- for mmproxy, how many runs DALI held (fed and scheduled by the server's runner, outputs not yet
+  taken) over the system's time: the share of time with 0, 1, 2... runs queued, the runner's
+  mean times in ``Pipe.feed`` and waiting in DALI's ``outputs``, and the *gap*: from a run's
+  outputs coming back to the next run being scheduled, the time DALI had one run fewer.
 
 ``--no-freeze-gc`` leaves the collector as it is: the process counts as frozen already, so no
 loader freezes it (as ``freeze_gc=False`` would; see ``mmproxy.DataLoader``).
@@ -20,12 +24,14 @@ interleaves them).
     CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 python benchmarks/image_profile.py -- --workload image \\
         --samples 16384 --workers 15 --threads 8 --epochs 8 --systems mmproxy,dali-reader
 
-``mmproxy bench``'s own JSON and report still come out (pass ``--json`` after ``--``).
+``mmproxy bench``'s own JSON and report still come out (pass ``--json`` after ``--``). The
+engine variants of ``engine_ab.py`` (e.g. ``mmproxy-depth4``) can be named in ``--systems``.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import dataclasses
 import gc
@@ -37,6 +43,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+import engine_ab  # this script's folder is on the path
 
 from mmproxy import cli, loader
 from mmproxy.apps.bench import systems
@@ -104,6 +112,77 @@ class GcPauses:
                 "longest_ms": round(1000 * max(inside, default=0.0), 1)}
 
 
+class Queued:
+    """Runs held by DALI in mmproxy's servers over time: ``Pipe.feed`` returning schedules one,
+    DALI's ``Pipeline.outputs`` returning in a runner thread (named ``mmproxy-NAME-run``) gives
+    one back. Every server counts in one total (the bench runs one at a time)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, int]] = []  # (time, +1 scheduled / -1 outputs taken)
+        self.feeds: list[tuple[float, float]] = []  # (start, end) of Pipe.feed
+        self.waits: list[tuple[float, float]] = []  # (start, end) of DALI's outputs in a runner
+
+    def install(self) -> None:
+        from nvidia.dali.pipeline import Pipeline
+
+        from mmproxy._dali import Pipe
+
+        feed, outputs = Pipe.feed, Pipeline.outputs
+
+        def timed_feed(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            feed(pipe, *args, **kwargs)
+            end = time.perf_counter()
+            self.feeds.append((start, end))
+            self.events.append((end, 1))
+
+        def timed_outputs(pipeline: Any, *args: Any, **kwargs: Any) -> Any:
+            if not threading.current_thread().name.endswith("-run"):
+                return outputs(pipeline, *args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return outputs(pipeline, *args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                self.waits.append((start, end))
+                self.events.append((end, -1))
+
+        Pipe.feed, Pipeline.outputs = timed_feed, timed_outputs  # type: ignore[method-assign,assignment]
+
+    def within(self, start: float, end: float) -> dict[str, Any]:
+        """Over [start, end] (perf_counter): the share of time with each number of runs held,
+        mean feed and outputs-wait times, and the mean and 90th percentile gap, in ms."""
+        level = sum(d for t, d in self.events if t < start)
+        held: dict[int, float] = collections.defaultdict(float)
+        last = start
+        for t, d in [*sorted(e for e in self.events if start <= e[0] <= end), (end, 0)]:
+            if t > last:
+                held[level] += t - last
+            level, last = level + d, t
+        total = sum(held.values()) or 1.0
+        feeds = [(a, b) for a, b in self.feeds if start <= a <= end]
+        waits = [(a, b) for a, b in self.waits if start <= a <= end]
+        ends = sorted(b for _, b in feeds)
+        gaps = []
+        for _, back in waits:  # outputs came back: until the next run is scheduled
+            i = bisect.bisect_left(ends, back)
+            if i < len(ends):
+                gaps.append(ends[i] - back)
+        gaps.sort()
+
+        def mean_ms(spans: list[tuple[float, float]]) -> float:
+            return round(1000 * sum(b - a for a, b in spans) / max(1, len(spans)), 3)
+
+        if not waits:
+            return {}
+        return {"share_of_time_with_runs_held": {str(k): round(v / total, 3)
+                                                 for k, v in sorted(held.items())},
+                "feed_ms": mean_ms(feeds), "outputs_wait_ms": mean_ms(waits),
+                "gap_ms": round(1000 * sum(gaps) / max(1, len(gaps)), 3),
+                "gap_p90_ms": round(1000 * gaps[int(0.9 * (len(gaps) - 1))], 3) if gaps else 0.0,
+                "runs": len(waits)}
+
+
 def _gpu_index() -> str:
     """The GPU the bench uses (the first of CUDA_VISIBLE_DEVICES), as nvidia-smi names it."""
     return (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
@@ -150,8 +229,12 @@ def main() -> int:
     parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then mmproxy bench's arguments")
     args = parser.parse_args()
     bench = [a for a in args.bench if a != "--"]
+    engine_ab.register()
     sampler = Sampler()
     windows: list[tuple[str, float, float]] = []
+    spans: dict[str, tuple[float, float]] = {}  # the same windows in perf_counter time
+    queued = Queued()
+    queued.install()
     timed, running = systems.time_epochs, ["?"]
 
     def named(name: str, run: Any) -> Any:
@@ -165,12 +248,13 @@ def main() -> int:
 
     def time_epochs(make_iter: Any, epochs: int, gpu: bool, server: Any = None) -> Any:
         label = f"{running[0]}#{len(windows)}"  # the system's name, and its place in the run
-        sampler.label, start = label, time.time()
+        sampler.label, start, clock = label, time.time(), time.perf_counter()
         try:
             return timed(make_iter, epochs, gpu, server)
         finally:
             sampler.label = None
             windows.append((label, start, time.time()))
+            spans[label] = (clock, time.perf_counter())
 
     systems.time_epochs = time_epochs
     if args.no_freeze_gc:
@@ -200,9 +284,14 @@ def main() -> int:
             threads[kind] = {"samples": total, "top": {k: round(v / total, 3)
                                                        for k, v in counter.most_common(8)}}
         collections_ = pauses.within(start, end)
+        held = queued.within(*spans[label])
         report["systems"][label] = {"gpu": gpu.get(label, {}), "gc": collections_,
-                                    "threads": threads}
+                                    "threads": threads, **({"dali_runs": held} if held else {})}
         print(f"== {label}: GPU {gpu.get(label, {})}, GC {collections_}")
+        if held:
+            print(f"   DALI held runs (share of time) {held['share_of_time_with_runs_held']}; "
+                  f"feed {held['feed_ms']} ms, outputs wait {held['outputs_wait_ms']} ms, "
+                  f"gap {held['gap_ms']} ms (p90 {held['gap_p90_ms']})")
         for kind in ("main", "runner", "listener"):
             if kind in threads:
                 top = ", ".join(f"{k} {v:.0%}" for k, v in list(threads[kind]["top"].items())[:5])

@@ -224,13 +224,26 @@ def test_image_profile_reports_threads_and_gpu_use(tmp_path):
     gc_seen = report["systems"]["mmproxy#0"]["gc"]
     assert set(gc_seen) == {"full_collections", "paused_ms", "longest_ms"}
     assert report["freeze_gc"] is True
+    # 2 epochs of 4 batches, and the third epoch's first batch, which the workers prepare early
+    held = report["systems"]["mmproxy#0"]["dali_runs"]
+    assert held["runs"] == 9 and held["feed_ms"] > 0 and held["outputs_wait_ms"] > 0
+    assert abs(sum(held["share_of_time_with_runs_held"].values()) - 1) < 0.01
+    assert "dali_runs" not in report["systems"]["dali-reader#1"]
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from image_profile import GcPauses, _gpu_use
+        from image_profile import GcPauses, Queued, _gpu_use
     finally:
         sys.path.pop(0)
     import time
+
+    queued = Queued()  # two runs fed at 0 and 1; outputs back at 4 and 6; the next fed at 5
+    queued.feeds = [(-0.5, 0.0), (0.5, 1.0), (4.5, 5.0)]
+    queued.waits = [(1.0, 4.0), (5.0, 6.0)]
+    queued.events = [(0.0, 1), (1.0, 1), (4.0, -1), (5.0, 1), (6.0, -1)]
+    seen = queued.within(0.0, 6.0)
+    assert seen["share_of_time_with_runs_held"] == {"1": 0.333, "2": 0.667}  # 1 in 0-1 and 4-5
+    assert seen["gap_ms"] == 1000.0 and seen["runs"] == 2 and seen["outputs_wait_ms"] == 2000.0
 
     pauses = GcPauses()  # only full collections count, each in the window where it started
     for generation in (2, 0, 2):
