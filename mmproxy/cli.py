@@ -166,9 +166,12 @@ def _one_line(err: BaseException) -> str:
         at = max((i for i, line in enumerate(lines) if own.match(line)), default=len(lines) - 1)
         message = " ".join([own.sub(name, lines[at]), *lines[at + 1:]])
         return f"{message} (in DataLoader {where})"
-    if isinstance(err, (SkipLimitError, EmptyEpochError)) and len(lines) > 1:
-        head = lines[0].replace("raise max_skipped", "raise --max-skipped")
-        return "\n".join([head, *("  " + line for line in text.splitlines()[1:] if line)])
+    if isinstance(err, SkipLimitError):  # worded with the option that sets the limit
+        head = (f"{err.counted}, more than --max-skipped={err.limit:.1%} "
+                "(raise --max-skipped to accept it):")
+        return "\n".join([head, *("  " + line for line in err.summary.splitlines() if line)])
+    if isinstance(err, EmptyEpochError) and len(lines) > 1:
+        return "\n".join([lines[0], *("  " + line for line in text.splitlines()[1:] if line)])
     text = " ".join(lines) or type(err).__name__
     return text if len(text) <= 500 else text[:497] + "..."
 

@@ -86,7 +86,20 @@ class EmptyEpochError(MmproxyError, RuntimeError):
 
 
 class SkipLimitError(MmproxyError, RuntimeError):
-    """More samples were skipped than the dataset's ``max_skipped`` fraction allows."""
+    """More samples were skipped than the dataset's ``max_skipped`` fraction allows.
+
+    Besides its message: ``counted`` (what was skipped, of how many), ``limit`` (the fraction
+    allowed) and ``summary`` (the epoch's skip summary), for callers that word it their own way
+    (the CLI names its ``--max-skipped`` option).
+    """
+
+    def __init__(self, counted: str, limit: float, summary: str) -> None:
+        super().__init__(f"{counted}, more than max_skipped={limit:.1%} "
+                         f"(raise max_skipped to accept it):\n{summary}")
+        self.counted, self.limit, self.summary = counted, limit, summary
+
+    def __reduce__(self) -> tuple[object, ...]:  # picklable with its fields
+        return (type(self), (self.counted, self.limit, self.summary))
 
 
 class RemoteTraceback(Exception):

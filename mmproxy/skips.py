@@ -169,10 +169,7 @@ class SkipReport:
             what = (f"{self.samples_skipped} samples and {self.shards_text()} "
                     f"skipped of {self.seen} ({share}, a shard counted as one sample)"
                     if self.shards else f"{self.skipped} of {self.seen} samples skipped ({share})")
-            raise SkipLimitError(
-                f"{what}, "
-                f"more than max_skipped={max_skipped:.1%} (raise max_skipped to accept it):\n"
-                f"{self.summary()}")
+            raise SkipLimitError(what, max_skipped, self.summary())
 
     def __repr__(self) -> str:
         return f"SkipReport(epoch={self.epoch}, delivered={self.delivered}, skipped={self.skipped})"

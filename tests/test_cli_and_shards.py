@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -240,15 +241,18 @@ def test_a_workers_error_and_a_skip_limit_read_as_the_other_cli_errors():
     two_lines = ShardError(trace + "mmproxy.errors.ShardError: shard data.tar: first\nsecond line")
     assert cli._one_line(two_lines) == ("ShardError: shard data.tar: first second line "
                                         "(in DataLoader worker process 3)")
-    limit = SkipLimitError("3 of 10 samples skipped (30.0%), more than max_skipped=10.0% (raise "
-                           "max_skipped to accept it):\n"
+    limit = SkipLimitError("3 of 10 samples skipped (30.0%)", 0.1,
                            "epoch 1: 7 samples delivered, 3 samples skipped\n"
                            "  3 x bad header; first: /d/a.tar, sample 'k1': bad header")
+    assert str(limit).splitlines()[0] == ("3 of 10 samples skipped (30.0%), more than "
+                                          "max_skipped=10.0% (raise max_skipped to accept it):")
     assert cli._one_line(limit).splitlines() == [
-        "3 of 10 samples skipped (30.0%), more than max_skipped=10.0% (raise --max-skipped to "
+        "3 of 10 samples skipped (30.0%), more than --max-skipped=10.0% (raise --max-skipped to "
         "accept it):",
         "  epoch 1: 7 samples delivered, 3 samples skipped",
         "    3 x bad header; first: /d/a.tar, sample 'k1': bad header"]
+    again = pickle.loads(pickle.dumps(limit))  # as it crosses processes, fields and all
+    assert (str(again), again.counted, again.limit) == (str(limit), limit.counted, 0.1)
 
 
 def test_mmproxy_errors_interrupts_and_bugs(tmp_path, capsys, monkeypatch):
