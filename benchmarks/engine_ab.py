@@ -8,10 +8,11 @@ Variants (each is mmproxy with one thing changed):
 - ``mmproxy-depth4``: the pipeline keeps 4 runs in flight (``prefetch_queue_depth=4``) instead
   of ``--prefetch`` (2), so that DALI has more than one run queued while the server's runner
   takes a run's outputs and feeds the next.
-- ``mmproxy-pinned-maps`` (GPU only; tried in session 10, not kept: 8% slower on the bench's
-  images, no change on photographs): every shard mapping the server makes is page-locked with
-  ``cudaHostRegister`` (read-only) and its samples are fed as pinned, as a reader's output is, so
-  DALI need not copy them into pinned memory before the decoder.
+- ``mmproxy-pinned-maps`` (GPU only): every shard the server maps is mapped once for the
+  variant's run and page-locked with ``cudaHostRegister`` (read-only), and samples inside those
+  mappings are fed as pinned, as a reader's output is, so DALI need not copy them into pinned
+  memory before the decoder. (Session 10 measured an earlier form of it, on code that kept every
+  mapping: 8% slower on the bench's images, no change on photographs; HISTORY.md.)
 
 Every other argument is ``mmproxy bench``'s::
 
@@ -23,6 +24,7 @@ Every other argument is ``mmproxy bench``'s::
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -50,25 +52,37 @@ def _list_feed() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _pinned_maps() -> Iterator[None]:
+    import mmap
+    import os
+
     import torch
     from nvidia.dali.backend import TensorCPU, TensorListCPU
 
     cudart = torch.cuda.cudart()
-    registered: dict[int, Any] = {}  # address -> mapping, kept mapped while registered
+    by_file: dict[tuple[int, int, int, int], mmap.mmap] = {}  # each shard mapped and locked once
+    ranges: list[tuple[int, int]] = []  # (start, end) of the locked mappings, sorted
     map_file, tensor_list = _transport._map_file, _dali._tensor_list
 
     def pinned_map_file(fd: int) -> Any:
-        mapping = map_file(fd)
-        address = _transport._address(mapping)
-        if address not in registered:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if key not in by_file:
+            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            address = _transport._address(mapping)
             err = cudart.cudaHostRegister(address, len(mapping), 8)  # cudaHostRegisterReadOnly
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister failed: {cudart.cudaGetErrorString(err)}")
-            registered[address] = mapping
-        return mapping
+            by_file[key] = mapping
+            bisect.insort(ranges, (address, address + len(mapping)))
+        return by_file[key]
 
-    def pinned_list(arrays: Any) -> Any:
-        return TensorListCPU([TensorCPU(a, "", True) for a in arrays],  # type: ignore[call-overload]
+    def locked(a: Any) -> bool:
+        address = a.__array_interface__["data"][0]
+        i = bisect.bisect_right(ranges, (address, float("inf"))) - 1
+        return i >= 0 and address + a.nbytes <= ranges[i][1]
+
+    def pinned_list(arrays: Any) -> Any:  # a memfd's payloads are not locked: fed as they are
+        return TensorListCPU([TensorCPU(a, "", locked(a)) for a in arrays],  # type: ignore[call-overload]
                              contiguous=False)
 
     _transport._map_file, _dali._tensor_list = pinned_map_file, pinned_list
@@ -76,8 +90,8 @@ def _pinned_maps() -> Iterator[None]:
         yield
     finally:
         _transport._map_file, _dali._tensor_list = map_file, tensor_list
-        for address in registered:
-            cudart.cudaHostUnregister(address)
+        for start, _ in ranges:
+            cudart.cudaHostUnregister(start)
 
 
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {

@@ -81,6 +81,9 @@ class Pipe:
         """Feeds one run (``rows`` of it, when given) and schedules it."""
         for name, arrays in zip(self.input_names, inputs):
             chosen = arrays if rows is None else [arrays[i] for i in rows]
+            if len(chosen) > self.max_batch_size:  # DALI checks a list, not a tensor list
+                raise ValueError(f"{len(chosen)} samples for input {name!r}, more than the "
+                                 f"pipeline's batch_size={self.max_batch_size}")
             self.pipeline.feed_input(name, _tensor_list(chosen))
         self.pipeline._run_once()
 
@@ -131,10 +134,11 @@ class Pipe:
 def _tensor_list(arrays: Sequence[Any]) -> Any:
     """One input's samples as one ``TensorListCPU`` that shares their memory (no copy).
 
-    Fed as a Python list, DALI converts and checks every sample while holding the GIL: about
-    1.2 ms a batch of 256 on a CPU pipeline and 1.4-2.5 ms on a GPU one (measured), in which no
-    other thread of the main process (the training loop included) runs. As one tensor list the
-    feed takes ~0.1 ms and building it ~0.3 ms. Samples DALI cannot put in one list (different
+    Fed as a Python list, DALI converts and checks every sample while holding the GIL, in which
+    no other thread of the main process (the training loop included) runs: 1.1-1.4 ms a batch
+    of 256 JPEGs on a 2-core CPU machine, 1.6-1.7 ms on the H200 machine. As one tensor list:
+    ~0.3 ms to build and ~0.1 ms to feed on the CPU machine, 0.8-0.9 ms for both on the H200
+    (``benchmarks/feed_probe.py``). Samples DALI cannot put in one list (different
     dimensionality, types) are fed as the list, so that DALI's own error names the problem.
     """
     from nvidia.dali.backend import TensorCPU, TensorListCPU

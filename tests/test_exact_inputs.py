@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from conftest import cpu, decode_pipe
+from conftest import cpu, decode_pipe, double_pipe
 from datasets_for_tests import EXACT_CASES, ExactInputs, ImageAndLabel, grid
 from nvidia.dali import fn, pipeline_def
 from torch.utils.data import default_collate
@@ -190,19 +190,33 @@ def test_uncollated_references_leaving_a_torch_worker_fail_at_once(double_server
 
 def test_a_run_reaches_dali_as_one_tensor_list_sharing_the_samples_memory():
     """The server feeds each input as one TensorListCPU whose samples are the arrays themselves
-    (no copy: a run's bytes stay in the shard or memfd mapping), 0-d and empty samples included;
-    samples DALI cannot hold in one list are fed as the list, so DALI's own error names them."""
+    (no copy: a run's bytes stay in the shard or memfd mapping), 0-d and empty samples included,
+    and the outputs are those of the samples given; samples DALI cannot hold in one list are fed
+    as the list, so that DALI's own error names them; more samples than the pipeline's batch size
+    are refused before DALI sees them (DALI checks a list's length, not a tensor list's)."""
     from nvidia.dali.backend import TensorListCPU
 
-    from mmproxy._dali import _tensor_list
+    from mmproxy._dali import Pipe, _tensor_list
 
-    buffer = np.arange(100, dtype=np.uint8)
-    samples = [buffer[0:10], buffer[10:10], buffer[40:100]]
-    batch = _tensor_list(samples)
-    assert isinstance(batch, TensorListCPU)
-    assert [batch[i].data_ptr() for i in (0, 2)] == [a.ctypes.data for a in (samples[0], samples[2])]
-    assert [tuple(s) for s in batch.shape()] == [(10,), (0,), (60,)]
+    pipe = Pipe(cpu(double_pipe, batch_size=4), "t")
+    fed = []
+    feed_input = pipe.pipeline.feed_input
+    pipe.pipeline.feed_input = lambda name, data, **kw: (fed.append(data), feed_input(name, data, **kw))
+    buffer = np.arange(40, dtype=np.float32)
+    samples = [buffer[0:10], buffer[10:10], buffer[20:40]]
+    pipe.feed([samples])
+    (out,), _ = pipe.outputs(set())
+    assert isinstance(fed[0], TensorListCPU)
+    assert [fed[0][i].data_ptr() for i in (0, 2)] == [a.ctypes.data for a in (samples[0], samples[2])]
+    assert [o.tolist() for o in out] == [(2 * a).tolist() for a in samples]
+    pipe.feed([samples], rows=[2, 0])
+    (out,), _ = pipe.outputs(set())
+    assert [o.tolist() for o in out] == [(2 * samples[i]).tolist() for i in (2, 0)]
+    with pytest.raises(ValueError, match="5 samples for input 'x', more than the pipeline's "
+                                         "batch_size=4"):
+        pipe.feed([[buffer[:1]] * 5])
     scalars = _tensor_list([np.array(1.5, np.float32), np.array(2.5, np.float32)])
     assert [tuple(s) for s in scalars.shape()] == [(), ()]
     mixed = [np.zeros(3, np.uint8), np.zeros((3, 2), np.uint8)]
     assert _tensor_list(mixed) == mixed
+    pipe.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -243,7 +244,10 @@ def test_image_profile_reports_threads_and_gpu_use(tmp_path):
     queued.events = [(0.0, 1), (1.0, 1), (4.0, -1), (5.0, 1), (6.0, -1)]
     seen = queued.within(0.0, 6.0)
     assert seen["share_of_time_with_runs_held"] == {"1": 0.333, "2": 0.667}  # 1 in 0-1 and 4-5
-    assert seen["gap_ms"] == 1000.0 and seen["runs"] == 2 and seen["outputs_wait_ms"] == 2000.0
+    assert seen["gap_ms"] == seen["gap_median_ms"] == 1000.0
+    assert seen["runs"] == 2 and seen["outputs_wait_ms"] == 2000.0
+    later = queued.within(2.0, 6.0)  # two runs held already when the window opens
+    assert later["share_of_time_with_runs_held"] == {"1": 0.25, "2": 0.75}
 
     pauses = GcPauses()  # only full collections count, each in the window where it started
     for generation in (2, 0, 2):
@@ -361,6 +365,23 @@ def test_engine_ab_runs_a_variant_next_to_mmproxy(tmp_path):
                str(tmp_path / "data"), "--systems", "mmproxy,mmproxy-list-feed",
                "--json", str(tmp_path / "ab.json")], tmp_path)
     assert "mmproxy-list-feed" in out
-    systems = json.loads((tmp_path / "ab.json").read_text())["results"]["image"]["systems"]
+    results = json.loads((tmp_path / "ab.json").read_text())
+    code = results["machine"]["mmproxy"]  # which code was measured, written with the figures
+    assert re.fullmatch(r"[0-9a-f]{12}", code["source"]) and re.match(r"[0-9a-f]{7,}", code["commit"])
+    systems = results["results"]["image"]["systems"]
     assert sorted(systems) == ["mmproxy", "mmproxy-list-feed"]
     assert all(s["samples"] == 64 and len(s["epochs"]) == 2 for s in systems.values())
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import engine_ab
+    finally:
+        sys.path.pop(0)
+    import numpy as np
+
+    from mmproxy import _dali
+
+    arrays = [np.zeros(3, np.uint8)]
+    with engine_ab._list_feed():  # the variant feeds the list itself, and puts the feed back
+        assert _dali._tensor_list(arrays) == arrays
+    assert not isinstance(_dali._tensor_list(arrays), list)

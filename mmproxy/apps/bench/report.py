@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 from typing import Any
@@ -10,13 +11,52 @@ __all__ = ["add_ratios", "error_line", "machine", "plot", "print_summary"]
 
 
 def machine(gpu: bool) -> dict[str, Any]:
-    """The GPU's name (None on CPU), CPU count and the versions that matter."""
+    """The GPU's name (None on CPU), CPU count, the versions that matter, and the code measured."""
     import nvidia.dali
     import torch
 
     return {"gpu": torch.cuda.get_device_name() if gpu else None, "cpus": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "dali": nvidia.dali.__version__}
+            "dali": nvidia.dali.__version__, "mmproxy": revision()}
+
+
+def revision() -> dict[str, str]:
+    """The code measured: ``source``, a hash of mmproxy's Python files (the engine, datasets and
+    pipelines: the same files give the same hash, in a checkout, an installed copy or a copied
+    tree), and ``commit``, the git commit of the checkout that runs (``+changes`` when its
+    tracked files differ from it), or "" outside one."""
+    import hashlib
+    import subprocess
+
+    import mmproxy
+    import mmproxy.datasets
+    import mmproxy.pipelines
+
+    digest = hashlib.sha256()
+    for name, package in (("mmproxy", mmproxy), ("datasets", mmproxy.datasets),
+                          ("pipelines", mmproxy.pipelines)):
+        folder = os.path.dirname(os.path.abspath(package.__file__ or ""))
+        for path in sorted(glob.glob(os.path.join(folder, "**", "*.py"), recursive=True)):
+            relative = os.path.relpath(path, folder)
+            if name == "mmproxy" and relative.split(os.sep)[0] in ("datasets", "pipelines"):
+                continue  # installed, they sit inside mmproxy/: counted as their own packages
+            digest.update(f"{name}/{relative}".encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mmproxy.__file__ or "")))
+    commit = ""
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        top, _, sha = head.stdout.strip().partition("\n")
+        if head.returncode == 0 and os.path.realpath(top) == os.path.realpath(root):
+            dirty = subprocess.run(["git", "-C", root, "status", "--porcelain",
+                                    "--untracked-files=no"], capture_output=True, text=True,
+                                   timeout=10)
+            commit = sha + ("+changes" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return {"source": digest.hexdigest()[:12], "commit": commit}
 
 
 def error_line(err: BaseException) -> str:
