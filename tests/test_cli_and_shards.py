@@ -496,3 +496,18 @@ def test_a_failed_bench_system_is_reported_by_dalis_own_reason(tmp_path):
         reader().build()
     assert re.fullmatch(r"RuntimeError: fn\.readers\.webdataset: .*gone\.tar.*", error_line(info.value))
     assert error_line(ValueError("first\nsecond")) == "ValueError: first"
+
+
+def test_bench_summary_lines_up_long_system_names(capsys):
+    """Every system's rate starts in the same column, however long its name (an engine variant's
+    name pushed its numbers out of line)."""
+    from mmproxy.apps.bench.report import print_summary
+
+    systems = {"mmproxy": {"samples_per_s": 100.0, "mmproxy_ratio": 1.0},
+               "mmproxy-list-feed": {"samples_per_s": 95.0, "mmproxy_ratio": 1.05},
+               "torch": {"error": "RuntimeError: failed"}}
+    print_summary({"machine": {"gpu": None}, "results": {"image": {"systems": systems}}}, 2)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  image")]
+    assert len(lines) == 3
+    assert lines[0].index("100.0") + 1 == lines[1].index("95.0")  # right-aligned in one column
+    assert lines[2].index("RuntimeError") == lines[0].index("mmproxy ") + len("mmproxy-list-feed") + 1

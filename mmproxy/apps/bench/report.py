@@ -96,6 +96,7 @@ def print_summary(out: dict[str, Any], workers: int) -> None:
     gpu = out["machine"]["gpu"]
     print(f"\nmmproxy bench ({'GPU ' + str(gpu) if gpu else 'CPU'}, {workers} workers): "
           "throughput, and mmproxy's ratio to each system")
+    width = max((len(n) for r in out["results"].values() for n in r["systems"]), default=15)
     for kind, r in out["results"].items():
         for name, s in r["systems"].items():
             if "samples_per_s" in s:
@@ -103,10 +104,10 @@ def print_summary(out: dict[str, Any], workers: int) -> None:
                 spread = (f"; sustained, median of {runs['runs']} runs: {runs['median']:.2f} "
                           f"(range {runs['range'][0]:.2f}-{runs['range'][1]:.2f})"
                           if runs and runs["runs"] > 1 else "")
-                print(f"  {kind:10s} {name:15s} {s['samples_per_s']:10.1f} samples/s   "
+                print(f"  {kind:10s} {name:{width}s} {s['samples_per_s']:10.1f} samples/s   "
                       f"mmproxy / this = {s.get('mmproxy_ratio', float('nan')):.2f}{spread}")
             else:
-                print(f"  {kind:10s} {name:15s} {s['error']}")
+                print(f"  {kind:10s} {name:{width}s} {s['error']}")
 
 
 def plot(out: dict[str, Any], path: str) -> None:
