@@ -511,3 +511,25 @@ def test_bench_summary_lines_up_long_system_names(capsys):
     assert len(lines) == 3
     assert lines[0].index("100.0") + 1 == lines[1].index("95.0")  # right-aligned in one column
     assert lines[2].index("RuntimeError") == lines[0].index("mmproxy ") + len("mmproxy-list-feed") + 1
+
+
+def test_the_bench_names_the_commit_from_the_checkouts_git_folder(tmp_path):
+    """The commit measured is read from .git without running git: a branch's loose ref, a packed
+    ref, a detached HEAD, a worktree's "gitdir:" file; nothing there gives ""."""
+    from mmproxy.apps.bench.report import _git_head
+
+    git = tmp_path / "a" / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "refs" / "heads" / "main").write_text("0123456789abcdef0123456789abcdef01234567\n")
+    assert _git_head(str(git)) == "0123456789ab"
+    (git / "refs" / "heads" / "main").unlink()
+    (git / "packed-refs").write_text("# pack-refs with: peeled\n"
+                                     "fedcba9876543210fedcba9876543210fedcba98 refs/heads/main\n")
+    assert _git_head(str(git)) == "fedcba987654"
+    (git / "HEAD").write_text("1111111111112222222222223333333333334444\n")
+    assert _git_head(str(git)) == "111111111111"
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / ".git").write_text(f"gitdir: {git}\n")
+    assert _git_head(str(tmp_path / "b" / ".git")) == "111111111111"
+    assert _git_head(str(tmp_path / "nowhere" / ".git")) == ""

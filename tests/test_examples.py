@@ -367,7 +367,7 @@ def test_engine_ab_runs_a_variant_next_to_mmproxy(tmp_path):
     assert "mmproxy-list-feed" in out
     results = json.loads((tmp_path / "ab.json").read_text())
     code = results["machine"]["mmproxy"]  # which code was measured, written with the figures
-    assert re.fullmatch(r"[0-9a-f]{12}", code["source"]) and re.match(r"[0-9a-f]{7,}", code["commit"])
+    assert re.fullmatch(r"[0-9a-f]{12}", code["source"]) and re.fullmatch(r"[0-9a-f]{12}", code["commit"])
     systems = results["results"]["image"]["systems"]
     assert sorted(systems) == ["mmproxy", "mmproxy-list-feed"]
     assert all(s["samples"] == 64 and len(s["epochs"]) == 2 for s in systems.values())

@@ -23,10 +23,9 @@ def machine(gpu: bool) -> dict[str, Any]:
 def revision() -> dict[str, str]:
     """The code measured: ``source``, a hash of mmproxy's Python files (the engine, datasets and
     pipelines: the same files give the same hash, in a checkout, an installed copy or a copied
-    tree), and ``commit``, the git commit of the checkout that runs (``+changes`` when its
-    tracked files differ from it), or "" outside one."""
+    tree, so it also tells whether a checkout's files are its commit's), and ``commit``, the
+    HEAD of the git checkout that runs, or "" outside one (read from ``.git``, no git run)."""
     import hashlib
-    import subprocess
 
     import mmproxy
     import mmproxy.datasets
@@ -44,19 +43,36 @@ def revision() -> dict[str, str]:
             with open(path, "rb") as f:
                 digest.update(f.read())
     root = os.path.dirname(os.path.dirname(os.path.abspath(mmproxy.__file__ or "")))
-    commit = ""
+    return {"source": digest.hexdigest()[:12], "commit": _git_head(os.path.join(root, ".git"))}
+
+
+def _git_head(git: str) -> str:
+    """The commit a checkout's ``.git`` names as HEAD (a branch's ref, a packed ref, or a
+    detached commit), or "" when there is none."""
     try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--show-toplevel", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10)
-        top, _, sha = head.stdout.strip().partition("\n")
-        if head.returncode == 0 and os.path.realpath(top) == os.path.realpath(root):
-            dirty = subprocess.run(["git", "-C", root, "status", "--porcelain",
-                                    "--untracked-files=no"], capture_output=True, text=True,
-                                   timeout=10)
-            commit = sha + ("+changes" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.TimeoutExpired):
+        if os.path.isfile(git):  # a worktree or submodule: "gitdir: PATH"
+            with open(git) as f:
+                git = os.path.join(os.path.dirname(git), f.read().split(":", 1)[1].strip())
+        with open(os.path.join(git, "HEAD")) as f:
+            head = f.read().strip()
+        if not head.startswith("ref: "):
+            return head[:12]
+        ref = head[5:]
+        common = git
+        if os.path.exists(os.path.join(git, "commondir")):
+            with open(os.path.join(git, "commondir")) as f:
+                common = os.path.join(git, f.read().strip())
+        for where in (git, common):
+            if os.path.exists(os.path.join(where, ref)):
+                with open(os.path.join(where, ref)) as f:
+                    return f.read().strip()[:12]
+        with open(os.path.join(common, "packed-refs")) as f:
+            for line in f:
+                if line.rstrip().endswith(" " + ref):
+                    return line.split()[0][:12]
+    except (OSError, IndexError):
         pass
-    return {"source": digest.hexdigest()[:12], "commit": commit}
+    return ""
 
 
 def error_line(err: BaseException) -> str:
