@@ -48,7 +48,7 @@ def expand(urls: str | Sequence[str]) -> list[str]:
                 continue
             matches = local_glob(url)
             if not matches:
-                raise ShardError(f"no shard matches {url} (a shard is a file, not a folder)")
+                raise ShardError(f"no shard matches {url} ({_why_none(url)})")
             out.extend(matches)
     if not out:
         raise ShardError(f"the shard list {urls!r} is empty")
@@ -65,6 +65,19 @@ def local_glob(pattern: str) -> list[str]:
     if folder:
         pattern = glob.escape(folder) + pattern[len(folder):]
     return sorted(path for path in glob.glob(pattern) if os.path.isfile(path))
+
+
+def _why_none(pattern: str) -> str:
+    """Why a local glob matched no file: it matched only folders, or its folder has no match, or
+    its folder does not exist."""
+    folders = [p for p in glob.glob(pattern) if os.path.isdir(p)]
+    if folders:
+        return (f"it matches {len(folders)} folder(s), e.g. {folders[0]}; a shard is a .tar file: "
+                "add /*.tar")
+    folder = os.path.dirname(pattern)
+    if folder and not any(c in folder for c in "*?[") and not os.path.isdir(folder):
+        return f"there is no folder {folder}"
+    return "no file there has a matching name"
 
 
 def worker_info() -> tuple[int, int, int, int]:

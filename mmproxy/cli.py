@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fail when more than this fraction of an epoch's samples is skipped "
                       "(default 0.1)")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
-    demo.set_defaults(func=_app("demo"))
+    demo.set_defaults(func=_app("demo"), command_parser=demo)
 
     shards = sub.add_parser("make-shards", parents=[common], help="turn a folder into WebDataset shards",
                             description="Writes images with captions (ImageFolder tree or image + "
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     shards.add_argument("--prefix", default="shard", help="shard names start with it (default shard)")
     shards.add_argument("--overwrite", action="store_true",
                         help="replace the shard set already in OUTPUT (otherwise refused)")
-    shards.set_defaults(func=_app("shards"))
+    shards.set_defaults(func=_app("shards"), command_parser=shards)
 
     bench = sub.add_parser("bench", parents=[common],
                            help="compare mmproxy with plain PyTorch, DALI's proxy and a pure DALI "
@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "the range over the runs of the rates and of mmproxy's ratios")
     bench.add_argument("--data", help="your own shards (a folder of .tar files, or paths, brace "
                        "patterns and quoted globs, several joined by ::) instead of the bench's "
-                       "synthetic ones: every system on them")
+                       "synthetic ones: every system on them, mmproxy first; when it skips "
+                       "damaged files, DALI's proxy and reader are not run (they may crash on them)")
     bench.add_argument("--field", help="with --data: the extension of the field to load (an image "
                        "or audio one; default: the first of the first sample)")
     bench.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
@@ -147,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None, help="write a PNG bar chart here")
     bench.add_argument("--memory-epochs", type=int, default=0,
                        help="also run mmproxy this many epochs and record RSS and shared memory")
-    bench.set_defaults(func=_app("bench"))
+    bench.set_defaults(func=_app("bench"), command_parser=bench)
     return parser
 
 
@@ -178,7 +179,10 @@ def _one_line(err: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns the exit code (0, 1 for an error, 130 for an interrupt)."""
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    command_parser = args.__dict__.pop("command_parser")  # not a setting (bench writes them out)
+    if extra:  # a mistyped option: the command's own usage, not the top level's
+        command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     where = f"mmproxy {args.command}"
     try:
         return int(args.func(args) or 0)

@@ -291,6 +291,13 @@ def test_argparse_errors_still_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["make-shards"])
     assert exit_info.value.code == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:  # a typo: the command's usage, which has --device
+        cli.main(["demo", "--devcie", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: mmproxy demo ") and "--device" in err
+    assert err.rstrip().endswith("mmproxy demo: error: unrecognized arguments: --devcie cpu")
 
 
 # demo --data ---------------------------------------------------------------------------------
@@ -300,9 +307,10 @@ def test_demo_on_image_only_shards_uses_the_image_server_and_says_audio_is_missi
     src = image_folder(tmp_path / "src", per_class=5)
     written = make_shards(src, tmp_path / "out", max_count=5)
     proc = run_cli(["demo", "--data", str(tmp_path / "out" / "shard-{000000..000001}.tar"),
-                    "--quiet", "--batch-size", "4", "--workers", "2", "--device", "cpu"], tmp_path)
+                    "--batch-size", "4", "--workers", "2", "--device", "cpu"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout
+    assert "batches:" not in proc.stderr  # no progress bar in a pipe
     assert "fields image (png), text (txt), label (cls); missing: audio (no flac/wav/ogg)" in out
     counts = dict(re.findall(r"^  (\w+) +(\d+) samples +[\d.]+ samples/s", out, re.M))
     assert counts == {"image": "10", "text": "10", "label": "10"} and written.samples == 10
@@ -350,6 +358,9 @@ def test_a_damaged_or_empty_first_shard_does_not_stop_the_demo(tmp_path):
     assert re.search(r"4 shard\(s\): \S+a-broken\.tar, \.\.\., \S+shard-000001\.tar", proc.stdout)
     assert re.search(r"\(from the first sample of \S+shard-000000\.tar\)", proc.stdout), proc.stdout
     assert "a-broken.tar: unreadable shard: ReadError: the file is 0 bytes long" in proc.stdout
+    listed = proc.stdout.split("  skipped, each once (2):\n", 1)[1].splitlines()[:2]  # not 4
+    assert [line.split(": ", 1)[0].rsplit("/", 1)[1] for line in listed] == ["a-broken.tar",
+                                                                             "b-none.tar"]
     proc = run_cli(["demo", "--data", str(tmp_path / "out" / "[ab]-*.tar"), "--quiet"], tmp_path)
     assert proc.returncode == 1
     assert re.search(r"error: no sample to read the fields from in the first 2 shards: "
@@ -533,3 +544,24 @@ def test_the_bench_names_the_commit_from_the_checkouts_git_folder(tmp_path):
     (tmp_path / "b" / ".git").write_text(f"gitdir: {git}\n")
     assert _git_head(str(tmp_path / "b" / ".git")) == "111111111111"
     assert _git_head(str(tmp_path / "nowhere" / ".git")) == ""
+
+
+def test_the_bench_reference_loaders_name_the_sample_they_stop_at(tmp_path):
+    """The reference systems skip nothing, as a plain loader would not, but their error says which
+    sample of which shard stopped them (a FLAC among WAVs was a bare KeyError: 'wav')."""
+    from mmproxy.apps.bench.workers import WdsSamples
+    from mmproxy.testing import write_tar
+
+    shard = str(tmp_path / "a.tar")
+    write_tar(shard, [{"__key__": "k0", "wav": b"RIFF", "cls": b"1"},
+                      {"__key__": "k1", "flac": b"fLaC", "cls": b"2"}])
+    with pytest.raises(ValueError, match=rf"sample 'k1' of {re.escape(shard)} has no 'wav' field "
+                                         r"\(it has flac, cls\)"):
+        list(WdsSamples([shard], "wav", len))
+
+    def decode(data):
+        raise OSError("cannot identify image file")
+
+    with pytest.raises(RuntimeError, match=rf"sample 'k0' of {re.escape(shard)}: OSError: cannot "
+                                           "identify image file"):
+        list(WdsSamples([shard], "wav", decode))

@@ -275,8 +275,12 @@ def test_a_glob_of_local_shards_is_expanded_and_one_matching_nothing_is_an_error
     assert expand(os.path.join(folder, "*.tar")) == every and len(every) > 1
     assert expand([os.path.join(folder, "*.tar"), "s3://b/x-{0..1}.tar"]) == [
         *every, "s3://b/x-0.tar", "s3://b/x-1.tar"]  # remote URLs are not globbed
-    with pytest.raises(mmproxy.ShardError, match=r"no shard matches .*/\*\.tgz"):
+    with pytest.raises(mmproxy.ShardError, match=r"no shard matches .*/\*\.tgz \(no file there "
+                       r"has a matching name\)$"):
         expand(os.path.join(folder, "*.tgz"))
+    with pytest.raises(mmproxy.ShardError, match=r"no shard matches .*/nowhere/\*\.tar \(there "
+                       r"is no folder .*/nowhere\)$"):
+        expand(os.path.join(folder, "nowhere", "*.tar"))
 
 
 def test_a_glob_keeps_regular_files_and_a_literal_bracket_in_a_name_is_taken_as_written(tmp_path):
@@ -294,7 +298,8 @@ def test_a_glob_keeps_regular_files_and_a_literal_bracket_in_a_name_is_taken_as_
     assert expand(str(tmp_path / "run[0-9]" / "*.tar")) == [str(tmp_path / "run1" / "decoy.tar")]
     assert expand(str(tmp_path / "b[0].tar")) == [str(tmp_path / "b[0].tar")]
     assert expand(str(tmp_path / "[bs]-0.tar")) == [str(tmp_path / "s-0.tar")]
-    with pytest.raises(mmproxy.ShardError, match=r"no shard matches .*/sub\*.*not a folder"):
+    with pytest.raises(mmproxy.ShardError, match=r"no shard matches .*/sub\* \(it matches "
+                       r"1 folder\(s\), e\.g\. .*/sub\.tar; a shard is a \.tar file: add /\*\.tar\)$"):
         expand(str(tmp_path / "sub*"))
 
 

@@ -118,6 +118,29 @@ def test_bench_on_your_own_shards_reports_runs_and_spread(tmp_path):
     assert bad.returncode == 1 and "neither an image" in bad.stderr
 
 
+def test_bench_on_damaged_data_does_not_feed_it_to_dalis_unchecked_decoders(tmp_path):
+    """A truncated JPEG in the user's shards: mmproxy (run first, whatever --systems says) skips it,
+    and the DALI systems that would decode it unchecked (one kind of damage crashes the process)
+    are reported as not run, with the reason; torch still runs and stops naming the sample."""
+    from mmproxy.testing import damage_jpeg, image_bytes, synth_image, write_tar
+
+    good = [{"__key__": f"k{i}", "jpg": image_bytes(synth_image(i)), "cls": b"1"} for i in range(15)]
+    good.insert(5, {"__key__": "cut", "jpg": damage_jpeg(good[5]["jpg"], "truncate"), "cls": b"1"})
+    (tmp_path / "mine").mkdir()
+    write_tar(tmp_path / "mine" / "a.tar", good)
+    out = tmp_path / "bench.json"
+    run(["-m", "mmproxy.cli", "bench", "--data", str(tmp_path / "mine"), "--epochs", "1",
+         "--batch-size", "4", "--workers", "1", "--device", "cpu",
+         "--systems", "dali-reader,torch,mmproxy", "--json", str(out)], tmp_path)
+    systems = json.loads(out.read_text())["results"]["image"]["systems"]
+    assert list(systems) == ["mmproxy", "dali-reader", "torch"]
+    assert systems["mmproxy"]["skipped"] == {"samples": 1, "shards": 0}
+    assert systems["mmproxy"]["samples"] == 15
+    assert systems["dali-reader"]["error"].startswith(
+        "not run: mmproxy skipped 1 sample(s) of your data; dali-reader would feed them to DALI's")
+    assert "sample 'cut' of " in systems["torch"]["error"], systems["torch"]
+
+
 def test_demo_command_runs(tmp_path):
     out = run(["-m", "mmproxy.cli", "demo", "--samples", "64", "--quiet"], tmp_path)
     assert "image      64 samples" in out and "skipped 0 samples" in out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import time
 from typing import Any
 
@@ -117,16 +118,17 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
              "text": lambda b: b["input_ids"].shape[0], "label": lambda b: len(b["label"])}
     counts = dict.fromkeys(used, 0)
     reports = []  # each epoch's skip report: samples and whole shards, with the reasons
+    bar = not args.quiet and sys.stderr.isatty()  # no bar fragments in a log file
     start = time.perf_counter()
     for _ in range(args.epochs):
-        for batch in tqdm(loader, desc="batches", unit="batch", disable=args.quiet):
+        for batch in tqdm(loader, desc="batches", unit="batch", disable=not bar):
             for name in counts:
                 counts[name] += sizes[name](batch)
         reports.append(loader.skipped)
     if gpu:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    print(("" if args.quiet else "\n") + f"mmproxy demo: {elapsed:.1f} s for {args.epochs} epoch(s)")
+    print(("\n" if bar else "") + f"mmproxy demo: {elapsed:.1f} s for {args.epochs} epoch(s)")
     for name, n in counts.items():
         print(f"  {name:6s} {n:6d} samples  {n / elapsed:8.1f} samples/s")
     for server in servers.values():
@@ -139,3 +141,17 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
     for report in reports:
         if report.skipped:
             print("  " + report.summary().replace("\n", "\n  "))
+    _list_skipped(reports)
+
+
+def _list_skipped(reports: list[Any], limit: int = 10) -> None:
+    """Each skipped sample or shard once (every epoch skips the same), up to ``limit``."""
+    seen = list(dict.fromkeys(r for report in reports for r in report.records))
+    if not seen:
+        return
+    print(f"  skipped, each once ({len(seen)}):" if len(seen) <= limit else
+          f"  skipped, each once (the first {limit} of {len(seen)}; a loader's "
+          "skipped.records lists them all):")
+    for record in seen[:limit]:
+        where = f"{record.shard}, sample {record.key!r}" if record.key else record.shard
+        print(f"    {where}: {record.reason}")

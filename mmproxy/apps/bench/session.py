@@ -61,22 +61,34 @@ def run(args: argparse.Namespace) -> int:
     select("image", names, 0.0)  # unknown names fail before any shard is written
     apart = _cores_apart(getattr(args, "worker_cpus", None))
     out: dict[str, Any] = {"machine": machine(gpu),
-                           "settings": {k: v for k, v in vars(args).items() if k != "func"},
+                           "settings": {k: v for k, v in vars(args).items()
+                                        if k not in ("func", "command_parser")},
                            "results": {}}
     setups = ([_user_setup(args, folder, gpu, device_id)] if args.data else
               [_setup(args, workload, folder, gpu, device_id) for workload in workloads])
     for setup in setups:
         workload = setup.workload
         runs: dict[str, list[dict[str, Any]]] = {}
+        damaged = ""  # what mmproxy skipped of your data (--data), once it has run
         for number in range(args.runs):
-            for system in select(workload, names, args.damage):
+            systems = select(workload, names, args.damage)
+            if args.data:  # mmproxy first: what it finds damaged decides what else may run
+                systems.sort(key=lambda s: s.name != "mmproxy")
+            for system in systems:
                 if apart:  # DALI's threads off the workers' cores; a system without workers
                     pin_threads(apart[1] if system.has_workers else apart[0])  # gets them all
                 gc.collect()  # destroy the last system's pipelines here, not in forked workers
-                try:
-                    result = system.run(setup)
-                except Exception as err:  # a reference system that cannot run is reported
-                    result = {"error": error_line(err)}
+                if damaged and system.dali_without_checks:
+                    result = {"error": f"not run: mmproxy skipped {damaged} of your data; "
+                              f"{system.name} would feed them to DALI's decoders unchecked, and "
+                              "some damaged files crash the process (bench clean shards to compare)"}
+                else:
+                    try:
+                        result = system.run(setup)
+                    except Exception as err:  # a reference system that cannot run is reported
+                        result = {"error": error_line(err)}
+                if system.name == "mmproxy" and args.data:
+                    damaged = damaged or _damage(result)
                 runs.setdefault(system.name, []).append(result)
                 print(f"[{workload}]{f' run {number + 1}' if args.runs > 1 else ''} "
                       f"{system.name:15s} {result}", flush=True)
@@ -107,6 +119,13 @@ def _workload(args: argparse.Namespace, setup: Setup,
     return {"batch_size": setup.batch, "systems": results,
             "samples": counted if args.data else _samples(args, setup.workload),
             **({"data": args.data, "field": setup.ext} if args.data else {})}
+
+
+def _damage(result: dict[str, Any]) -> str:
+    """mmproxy's skips in words ("3 sample(s) and 1 shard(s)"), or "" when it skipped nothing."""
+    skipped = result.get("skipped") or {}
+    parts = [f"{skipped[k]} {k[:-1]}(s)" for k in ("samples", "shards") if skipped.get(k)]
+    return " and ".join(parts)
 
 
 def _combine(results: list[dict[str, Any]]) -> dict[str, Any]:

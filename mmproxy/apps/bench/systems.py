@@ -97,6 +97,7 @@ class System:
     run: Callable[[Setup], dict[str, Any]]
     needs_damage: bool = False
     has_workers: bool = True  # DataLoader workers (--worker-cpus moves them)
+    dali_without_checks: bool = False  # DALI decodes the files with no header check first
 
 
 def select(workload: str, names: list[str], damage: float) -> list[System]:
@@ -225,11 +226,12 @@ SYSTEMS: dict[str, System] = {system.name: system for system in (
     System("mmproxy-damaged", frozenset({"image"}), _mmproxy_damaged, needs_damage=True),
     System("torch", frozenset({"image", "audio"}), partial(_torch, decoder="pil")),
     System("torch-tensor", frozenset({"image"}), partial(_torch, decoder="tensor")),
-    System("dali-proxy", frozenset({"image", "audio", "machinery"}), _dali_proxy),
+    System("dali-proxy", frozenset({"image", "audio", "machinery"}), _dali_proxy,
+           dali_without_checks=True),
     System("dali-proxy-seed", frozenset({"image", "audio", "machinery"}),
-           partial(_dali_proxy, seed_setting=True)),
+           partial(_dali_proxy, seed_setting=True), dali_without_checks=True),
     System("dali-reader", frozenset({"image", "audio", "image-text"}), _dali_reader,
-           has_workers=False),
+           has_workers=False, dali_without_checks=True),
     *(System(name, frozenset({"image", "audio", "image-text"}), partial(_remote, name))
       for name in ("mmproxy-http", "mmproxy-s3", "mmproxy-cached")),
 )}

@@ -16,7 +16,9 @@ __all__ = ["ProxyCall", "TinySamples", "TorchImage", "WdsSamples", "pad_collate"
 
 
 class WdsSamples(torch.utils.data.IterableDataset):
-    """``fn(bytes)`` of each sample's ``ext`` field in the shards, split by worker."""
+    """``fn(bytes)`` of each sample's ``ext`` field in the shards, split by worker. Like a plain
+    loader it skips nothing: a sample without the field, or one ``fn`` fails on, stops it with
+    an error naming the sample and its shard."""
 
     def __init__(self, paths: list[str], ext: str, fn: Callable[[bytes], Any]) -> None:
         self.paths, self.ext, self.fn = paths, ext, fn
@@ -27,7 +29,15 @@ class WdsSamples(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         mine = self.paths[info.id::info.num_workers] if info else self.paths
         for sample in wds.tariterators.tarfile_samples({"url": u} for u in mine):
-            yield self.fn(sample[self.ext])
+            where = f"sample {sample.get('__key__')!r} of {sample.get('__url__')}"
+            if self.ext not in sample:
+                fields = ", ".join(k for k in sample if not k.startswith("__"))
+                raise ValueError(f"{where} has no {self.ext!r} field (it has {fields})")
+            try:
+                data = self.fn(sample[self.ext])
+            except Exception as err:  # noqa: BLE001 - said with the sample, then raised
+                raise RuntimeError(f"{where}: {type(err).__name__}: {err}") from err
+            yield data
 
 
 class TinySamples(torch.utils.data.Dataset):
