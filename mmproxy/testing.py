@@ -235,7 +235,8 @@ def make_tokenizer(folder: str | os.PathLike[str], texts: Sequence[str] = WORDS,
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size,
-                                        special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"])
+                                        special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"],
+                                        show_progress=False)  # blank lines in a log
     tok.train_from_iterator(list(texts) * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
                                    cls_token="[CLS]", sep_token="[SEP]")

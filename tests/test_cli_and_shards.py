@@ -565,3 +565,11 @@ def test_the_bench_reference_loaders_name_the_sample_they_stop_at(tmp_path):
     with pytest.raises(RuntimeError, match=rf"sample 'k0' of {re.escape(shard)}: OSError: cannot "
                                            "identify image file"):
         list(WdsSamples([shard], "wav", decode))
+
+
+def test_training_the_demo_tokenizer_prints_nothing(tmp_path, capfd):
+    """The tokenizers trainer's progress bar wrote three blank lines into a first demo's log."""
+    from mmproxy.testing import make_tokenizer
+
+    make_tokenizer(tmp_path / "tok")
+    assert capfd.readouterr().out == ""
