@@ -8,6 +8,10 @@ Variants (each is mmproxy with one thing changed):
 - ``mmproxy-depth4``: the pipeline keeps 4 runs in flight (``prefetch_queue_depth=4``) instead
   of ``--prefetch`` (2), so that DALI has more than one run queued while the server's runner
   takes a run's outputs and feeds the next.
+- ``mmproxy-feed-ahead``: the server's runner feeds the next run's inputs before it waits for
+  the outputs of the runs in flight, and only schedules it once one comes back
+  (``Runner(feed_ahead=True)``), so that DALI's wait for its next run is the scheduling, not
+  the ~0.8 ms feed (session 11; not yet measured on the GPU).
 - ``mmproxy-pinned-maps`` (GPU only): every shard the server maps is mapped once for the
   variant's run and page-locked with ``cudaHostRegister`` (read-only), and samples inside those
   mappings are fed as pinned, as a reader's output is, so DALI need not copy them into pinned
@@ -94,9 +98,22 @@ def _pinned_maps() -> Iterator[None]:
             cudart.cudaHostUnregister(start)
 
 
+@contextlib.contextmanager
+def _feed_ahead() -> Iterator[None]:
+    from mmproxy import server
+
+    kept = server.Runner
+    server.Runner = functools.partial(kept, feed_ahead=True)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        server.Runner = kept  # type: ignore[misc]
+
+
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "mmproxy-list-feed": _list_feed,
     "mmproxy-pinned-maps": _pinned_maps,
+    "mmproxy-feed-ahead": _feed_ahead,
 }
 
 

@@ -9,12 +9,14 @@
 #   PART=photos  the same on shards of real photographs (benchmarks/photo_shards.py)
 #   (the JSON is written after every system, so a call cut short keeps what it measured)
 #   PART=ab      benchmarks/engine_ab.py: mmproxy against one variant of its engine (VARIANT, e.g.
-#                mmproxy-list-feed, mmproxy-depth4, mmproxy-pinned-maps) and the reader, 5 epochs x
-#                RUNS (8) interleaved runs, on DATA=synthetic (the bench's) or DATA=photos; ~2.5 min
+#                mmproxy-list-feed, mmproxy-depth4, mmproxy-feed-ahead, mmproxy-pinned-maps) and
+#                the reader, 5 epochs x RUNS (8) interleaved runs, on DATA=synthetic (the bench's)
+#                or DATA=photos; ~2.5 min
 #   PART=probe   feed_probe.py: the reader against the list and tensor-list feeds
-#   PART=held    image_profile.py on mmproxy at depths 2 and 4 and the reader: how long DALI held
-#                one run instead of two, and the runner's gap between a run's outputs and the next
-#                run (next session's first call: is the gap what depth 4 recovers?)
+#   PART=held    image_profile.py on mmproxy at depths 2 and 4, mmproxy feeding ahead, and the
+#                reader: how long DALI held one run instead of two, and the runner's gap between
+#                a run's outputs and the next run (next session's first call: is the gap what
+#                depth 4 recovers, and does feeding ahead close it?)
 #   PART=apart   mmproxy with its workers on cores 8-15 and everything else on 0-7
 #                (--worker-cpus; the reader, without workers, keeps 0-15), against the same
 #                without; then feed_probe.py (two calls' worth: run it alone)
@@ -54,9 +56,9 @@ ab)  # session 10
     --runs "${RUNS:-8}" --systems "mmproxy,$variant,dali-reader" \
     --json "$out/image-${DATA:-synthetic}-$variant-ab.json" 2>&1 | quiet 4 ;;
 held)
-  one 300 python3 benchmarks/image_profile.py --json "$out/profile-held.json" -- --workload image \
+  one 420 python3 benchmarks/image_profile.py --json "$out/profile-held.json" -- --workload image \
     --samples 16384 --workers 15 --threads 8 --epochs 5 --runs 3 --data-dir /tmp/bench \
-    --systems mmproxy,mmproxy-depth4,dali-reader --json "$out/bench-held.json" 2>&1 \
+    --systems mmproxy,mmproxy-depth4,mmproxy-feed-ahead,dali-reader --json "$out/bench-held.json" 2>&1 \
     | grep -a -E "^(==|   DALI|  image)" ;;
 probe)
   one 100 python3 benchmarks/feed_probe.py --data-dir /tmp/bench --samples 16384 --threads 8 \

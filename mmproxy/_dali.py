@@ -77,14 +77,21 @@ class Pipe:
         """Whether the pipeline stays usable after a run fails (the dynamic executor)."""
         return bool(self.pipeline.exec_dynamic)
 
-    def feed(self, inputs: Sequence[Sequence[Any]], rows: Sequence[int] | None = None) -> None:
-        """Feeds one run (``rows`` of it, when given) and schedules it."""
+    def feed(self, inputs: Sequence[Sequence[Any]], rows: Sequence[int] | None = None, *,
+             schedule: bool = True) -> None:
+        """Feeds one run (``rows`` of it, when given) and schedules it; with ``schedule=False``
+        the inputs wait in DALI's queue for :meth:`schedule` (runs take them in feeding order)."""
         for name, arrays in zip(self.input_names, inputs):
             chosen = arrays if rows is None else [arrays[i] for i in rows]
             if len(chosen) > self.max_batch_size:  # DALI checks a list, not a tensor list
                 raise ValueError(f"{len(chosen)} samples for input {name!r}, more than the "
                                  f"pipeline's batch_size={self.max_batch_size}")
             self.pipeline.feed_input(name, _tensor_list(chosen))
+        if schedule:
+            self.schedule()
+
+    def schedule(self) -> None:
+        """Schedules a run of the oldest inputs fed and not yet run."""
         self.pipeline._run_once()
 
     def outputs(self, pad: set[int], stream: Any = None) -> tuple[tuple[Any, ...], Any]:

@@ -1,7 +1,11 @@
 """Runner: the server thread that feeds runs to the pipeline, and finds the samples it cannot process.
 
 It keeps up to ``prefetch_queue_depth`` runs in flight: takes the next run from the run table,
-feeds it and schedules it; takes the oldest run's outputs and marks it READY. When a run fails:
+feeds it and schedules it; takes the oldest run's outputs and marks it READY. With ``feed_ahead``
+it also feeds one more run's inputs (when one has arrived) before it waits for outputs, and only
+schedules it once a run has come back, so that DALI waits for the next run for as long as the
+scheduling takes, not the feeding (~0.8 ms a batch of 256 JPEGs on the H200 machine). When a run
+fails:
 
 1. the runs queued behind it are finished first (the dynamic executor keeps them), or, with the
    classic executors, which invalidate the pipeline, it is rebuilt and every one of them is run
@@ -50,13 +54,16 @@ class Runner:
         pad: Output indices to pad (see :class:`~mmproxy.DALIServer`).
         device: The CUDA device of a GPU pipeline, or None.
         stop: Set when the server stops.
+        feed_ahead: Feed the run after those in flight before waiting for outputs (see above).
     """
 
     def __init__(self, pipe: Pipe, table: RunTable, pad: set[int], device: Any,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, feed_ahead: bool = False) -> None:
         self.pipe, self.table, self.pad, self.device, self.stop = pipe, table, pad, device, stop
+        self.feed_ahead = feed_ahead
         self.name = table.name
         self._stream: Any = None
+        self._ahead: Run | None = None  # fed, not scheduled: the next run DALI will take
 
     def __call__(self) -> None:
         if self.device is not None:
@@ -67,17 +74,22 @@ class Runner:
         inflight: deque[Run] = deque()
         try:
             while True:
+                if self._ahead is not None and (len(inflight) < self.pipe.queue_depth
+                                                or self.stop.is_set()):  # stopping: drained too
+                    fed = self._ahead
+                    try:
+                        inflight.append(self._schedule_ahead())
+                    except Exception as err:  # noqa: BLE001 - as a refusal by feed()
+                        self._refused(fed, err, inflight)
                 while len(inflight) < self.pipe.queue_depth and not self.stop.is_set():
                     run = self.table.next(block=not inflight, stop=self.stop)
                     if run is None:
                         break
-                    assert run.request is not None
-                    try:
-                        self.pipe.feed(run.request.inputs)
-                    except Exception as err:  # noqa: BLE001 - inputs the pipeline refuses
-                        self._refused(run, err, inflight)
-                        continue
-                    inflight.append(run)
+                    self._feed(run, inflight)
+                if self.feed_ahead and inflight and self._ahead is None and not self.stop.is_set():
+                    run = self.table.next(block=False, stop=self.stop)
+                    if run is not None:
+                        self._feed(run, inflight, schedule=False)
                 if not inflight:
                     if self.stop.is_set():
                         return
@@ -88,6 +100,10 @@ class Runner:
                 except Exception as err:  # noqa: BLE001 - a bad sample, or the pipeline itself
                     later = list(inflight)
                     inflight.clear()
+                    if self._ahead is not None:  # behind them in DALI's queue: runs after them
+                        later.append(self._ahead if not self.pipe.survives_errors
+                                     else self._schedule_ahead())
+                        self._ahead = None
                     self._recover(run, err, later)
                     continue
                 self.table.finish(run, *outputs)
@@ -100,6 +116,26 @@ class Runner:
                 PipelineError(f"server {self.name!r}: the pipeline failed: {summary(err)}"), err))
         finally:
             self._stream = None  # nothing CUDA-owning outlives the thread
+
+    def _feed(self, run: Run, inflight: deque[Run], schedule: bool = True) -> None:
+        """Feeds ``run``, scheduled (in flight) or not (ahead); a refusal fails it."""
+        assert run.request is not None
+        try:
+            self.pipe.feed(run.request.inputs, schedule=schedule)
+        except Exception as err:  # noqa: BLE001 - inputs the pipeline refuses
+            self._refused(run, err, inflight)
+            return
+        if schedule:
+            inflight.append(run)
+        else:
+            self._ahead = run
+
+    def _schedule_ahead(self) -> Run:
+        """Schedules the run fed ahead; returns it (it is no longer ahead even if this raises)."""
+        run, self._ahead = self._ahead, None
+        assert run is not None
+        self.pipe.schedule()
+        return run
 
     def _outputs(self) -> tuple[tuple[Any, ...], Any]:
         return self.pipe.outputs(self.pad, self._stream)

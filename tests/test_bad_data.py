@@ -8,6 +8,7 @@ cut in half, an image whose header declares a huge size.
 
 from __future__ import annotations
 
+import functools
 import gc
 import subprocess
 import sys
@@ -179,7 +180,7 @@ def test_raise_mode_names_the_bad_sample_itself(damaged_shards, workers, tmp_pat
         assert image.state is mmproxy.ServerState.RUNNING
 
 
-def _custom_decode(executor):
+def _custom_decode(executor, batch_size=8):
     kw = {"exec_dynamic": True} if executor == "dynamic" else (
         {"exec_dynamic": False} if executor == "async" else
         {"exec_dynamic": False, "exec_pipelined": False, "exec_async": False})
@@ -190,7 +191,7 @@ def _custom_decode(executor):
         img = fn.decoders.image(x, output_type=types.RGB)
         return fn.resize(img, size=[8, 8]), img.shape(dtype=types.INT64)  # two outputs
 
-    return pipe(batch_size=8, num_threads=1, device_id=None)
+    return pipe(batch_size=batch_size, num_threads=1, device_id=None)
 
 
 @pytest.mark.parametrize("executor", ["dynamic", "async", "sync"])
@@ -215,6 +216,48 @@ def test_a_users_own_pipeline_with_every_executor_keeps_going(executor, tmp_path
             labels += batch["label"].tolist()
         assert sorted(labels) == sorted(set(range(16)) - bad)
         assert time.perf_counter() - start < 60
+
+
+@pytest.mark.parametrize("executor", ["dynamic", "async", "sync"])
+def test_a_run_fed_ahead_keeps_its_place_when_a_run_before_it_fails(executor, tmp_path,
+                                                                    monkeypatch):
+    """The runner's feed_ahead (an engine variant, benchmarks/engine_ab.py): one more run's inputs
+    wait in DALI's queue while the runs in flight finish. When one of those fails, the run fed
+    ahead still runs after them with its own inputs, never taken by the search for the bad
+    sample: every row's colour is its label's."""
+    from mmproxy._runner import Runner
+
+    ahead = []
+
+    class Spy(Runner):
+        def _feed(self, run, inflight, schedule=True):
+            if not schedule:
+                ahead.append(run.id)
+            super()._feed(run, inflight, schedule)
+
+        def _outputs(self):
+            time.sleep(0.02)  # a slower pipeline: the runs arrive faster than they are run
+            return super()._outputs()
+
+    monkeypatch.setattr(mmproxy.server, "Runner", functools.partial(Spy, feed_ahead=True))
+    bad = {2, 9, 10, 21, 38, 39}
+    write_tar(tmp_path / "a-000.tar", [{"__key__": f"a{i:02d}", "cls": str(i),
+                                        "jpg": _undecodable(i) if i in bad else _jpeg(i)}
+                                       for i in range(48)])
+    server = mmproxy.DALIServer(lambda: _custom_decode(executor, batch_size=4), name=executor)
+    with server:
+        ds = MultiModalDataset(str(tmp_path / "a-000.tar"),
+                               {"small": ("jpg", server.proxy), "label": ("cls", int)},
+                               batch_size=4, on_error="skip", max_skipped=0.5)
+        labels = []
+        for batch in ds.loader(server, num_workers=2):
+            small, _ = batch["small"]
+            colours = small.float().mean(dim=(1, 2, 3)).round().tolist()
+            assert [abs(c - _color(i)) <= 3 for c, i in zip(colours, batch["label"].tolist())] \
+                == [True] * len(colours), (colours, batch["label"])
+            labels += batch["label"].tolist()
+    assert sorted(labels) == sorted(set(range(48)) - bad)
+    assert ahead, "no run was fed ahead: the test did not test it"
 
 
 # -- a run that reads nothing fails loudly, quickly, in words -----------------------------------

@@ -385,14 +385,14 @@ def test_engine_ab_runs_a_variant_next_to_mmproxy(tmp_path):
     every epoch delivered, reported next to mmproxy with the ratio between them."""
     out = run(["benchmarks/engine_ab.py", "--workload", "image", "--samples", "64", "--workers",
                "1", "--threads", "1", "--epochs", "2", "--batch-size", "16", "--data-dir",
-               str(tmp_path / "data"), "--systems", "mmproxy,mmproxy-list-feed",
+               str(tmp_path / "data"), "--systems", "mmproxy,mmproxy-list-feed,mmproxy-feed-ahead",
                "--json", str(tmp_path / "ab.json")], tmp_path)
-    assert "mmproxy-list-feed" in out
+    assert "mmproxy-list-feed" in out and "mmproxy-feed-ahead" in out
     results = json.loads((tmp_path / "ab.json").read_text())
     code = results["machine"]["mmproxy"]  # which code was measured, written with the figures
     assert re.fullmatch(r"[0-9a-f]{12}", code["source"]) and re.fullmatch(r"[0-9a-f]{12}", code["commit"])
     systems = results["results"]["image"]["systems"]
-    assert sorted(systems) == ["mmproxy", "mmproxy-list-feed"]
+    assert sorted(systems) == ["mmproxy", "mmproxy-feed-ahead", "mmproxy-list-feed"]
     assert all(s["samples"] == 64 and len(s["epochs"]) == 2 for s in systems.values())
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -408,3 +408,11 @@ def test_engine_ab_runs_a_variant_next_to_mmproxy(tmp_path):
     with engine_ab._list_feed():  # the variant feeds the list itself, and puts the feed back
         assert _dali._tensor_list(arrays) == arrays
     assert not isinstance(_dali._tensor_list(arrays), list)
+    from types import SimpleNamespace
+
+    from mmproxy import server
+
+    table = SimpleNamespace(name="t")
+    with engine_ab._feed_ahead():  # the variant's servers feed ahead; the others do not
+        assert server.Runner(None, table, set(), None, None).feed_ahead
+    assert not server.Runner(None, table, set(), None, None).feed_ahead
