@@ -2,8 +2,8 @@
 
 They look at a few bytes: the format's signature, a PNG's or JPEG's declared size (an image that
 claims to be 100,000 x 100,000 pixels would make the decoder allocate tens of gigabytes), whether a
-WAV file has a sound ``fmt `` chunk and any audio frames, and whether a JPEG, PNG or OGG was cut
-short (the most common damage in web-scale corpora: an interrupted download). A JPEG without an
+WAV file has a sound ``fmt `` chunk and any audio frames, and whether a JPEG, PNG, OGG or WAV was
+cut short (the most common damage in web-scale corpora: an interrupted download). A JPEG without an
 end-of-image marker after its first scan, or a PNG without its ``IEND`` chunk, fails DALI's
 decoders every time, and an OGG whose last page does not end the stream decodes to nothing, so
 catching them here saves the server a failed run; a good file pays for a look at its last bytes.
@@ -177,6 +177,20 @@ def _wav_format(data: Data) -> str | None:
     return "has no 'fmt ' chunk (its chunks run past the end of the file)"
 
 
+_OPEN_ENDED = (0xFFFFFFFF, 0x7FFFFFFF)  # a streaming writer's data size: "to the end of the file"
+
+
+def _wav_cut(data: Data) -> str | None:
+    """Why a WAV file looks cut short (its data chunk declares more bytes than follow), or None."""
+    for chunk, size, body in _wav_chunks(data):
+        if chunk == b"data":
+            there = len(data) - body
+            if size > there and size not in _OPEN_ENDED:
+                return f"is truncated (its data chunk declares {size} bytes, {there} follow)"
+            return None
+    return None
+
+
 def _wav_frames(data: Data) -> int | None:
     """Bytes in a WAV file's data chunk, or None if the chunk is not found in the header."""
     for chunk, size, body in _wav_chunks(data):
@@ -322,4 +336,5 @@ def check_header(ext: str, data: Data, max_pixels: int = MAX_PIXELS) -> str | No
             return problem
         if _wav_frames(data) == 0:
             return "holds no audio frames"
+        return _wav_cut(data)
     return _truncated(ext, data)

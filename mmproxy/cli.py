@@ -129,8 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "patterns and quoted globs, several joined by ::) instead of the bench's "
                        "synthetic ones: every system on them, mmproxy first; when it skips "
                        "damaged files, DALI's proxy and reader are not run (they may crash on them)")
-    bench.add_argument("--field", help="with --data: the extension of the field to load (an image "
-                       "or audio one; default: the first of the first sample)")
+    bench.add_argument("--field", help="with --data: the extension of the field to load, or several "
+                       "joined by ; (image or audio ones; default: every image extension, or every "
+                       "audio one, as the first sample has an image or audio field)")
+    bench.add_argument("--max-skipped", type=float, default=0.1,
+                       help="mmproxy's run fails when more than this fraction of an epoch's samples "
+                       "is skipped as damaged (default 0.1)")
     bench.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
     bench.add_argument("--cpu-resize", choices=["torchvision", "dali"], default="torchvision",
                        help="CPU image pipelines of every DALI system: resize with torchvision "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import re
 import subprocess
 import sys
 import time
@@ -105,9 +106,11 @@ def test_header_checks_catch_the_damage_that_crashes_dali_and_pass_good_files():
                "huffman table": ("jpg", damage_jpeg(jpeg, "corrupt")),
                "garbage after header": ("jpg", damage_jpeg(jpeg, "garbage")),
                "not an image": ("jpg", b"hello world " * 100), "truncated png": ("png", png[:-30]),
-               **_damaged_audio(1)}
+               "wav cut in half": ("wav", _wav(1)[: len(_wav(1)) // 2]), **_damaged_audio(1)}
     for name, (ext, data) in damaged.items():
         assert check_header(ext, memoryview(data)), name
+    assert re.fullmatch(r"is truncated \(its data chunk declares \d+ bytes, \d+ follow\)",
+                        check_header("wav", damaged["wav cut in half"][1]))
     good = [("jpg", jpeg), ("png", png), ("wav", _wav(1)), ("jpg", jpeg + b"\0" * 64)]
     for mode, kw in [("L", {}), ("RGB", {"progressive": True, "optimize": True}),
                      ("RGB", {"exif": b"Exif\0\0" + b"x" * 5000, "quality": 20})]:
@@ -565,7 +568,9 @@ def test_header_checks_accept_unusual_but_decodable_files():
     rifx = (b"RIFX" + struct.pack(">I", 36 + len(body)) + b"WAVE" + b"fmt " + struct.pack(">I", 16)
             + struct.pack(">HHIIHH", tag, channels, rate, rate2, align, bits) + b"data"
             + struct.pack(">I", len(body)) + body)
-    for ext, data in [("wav", long_header), ("wav", bytes(gsm)), ("wav", rifx),
+    at_data = wav.find(b"data")
+    streamed = wav[:at_data + 4] + b"\xff\xff\xff\xff" + wav[at_data + 8:]  # size not known
+    for ext, data in [("wav", long_header), ("wav", bytes(gsm)), ("wav", rifx), ("wav", streamed),
                       ("jpg", _jpeg(3, "PNG"))]:  # a PNG named .jpg: decoders go by the bytes
         assert check_header(ext, memoryview(data)) is None
 

@@ -401,6 +401,8 @@ def test_data_expands_as_the_datasets_do_and_still_refuses_missing_shards(tmp_pa
     assert expand_data(str(tmp_path / "{a,b}" / "*.tar")) == [
         shards["a", 0], shards["a", 1], shards["b", 0], shards["b", 1]]
     assert expand_data(str(tmp_path / "run[1]")) == [shards["run[1]", 0], shards["run[1]", 1]]
+    assert expand_data(f"{tmp_path / 'a'}::{shards['b', 0]}") == [  # a folder among several
+        shards["a", 0], shards["a", 1], shards["b", 0]]
     assert expand_data(str(tmp_path / "run[1]" / "*.tar")) == [shards["run[1]", 0], shards["run[1]", 1]]
     assert first_sample_fields(expand_data(str(tmp_path / "a" / "s-{0..1}.tar")))[1] == ["txt", "cls"]
     with pytest.raises(mmproxy.ShardError, match=r"no shard matches .*/c/\*\.tar"):
@@ -522,6 +524,22 @@ def test_bench_summary_lines_up_long_system_names(capsys):
     assert len(lines) == 3
     assert lines[0].index("100.0") + 1 == lines[1].index("95.0")  # right-aligned in one column
     assert lines[2].index("RuntimeError") == lines[0].index("mmproxy ") + len("mmproxy-list-feed") + 1
+
+
+def test_bench_summary_says_when_an_epoch_is_too_short_to_time_and_when_mmproxy_failed(capsys):
+    """Four batches an epoch: a DALI reader's rate was 352,295 samples/s (its first batches are
+    ready before the clock starts), a ratio of 0.06 printed as if it meant something."""
+    from mmproxy.apps.bench.report import print_summary
+
+    short = {"samples": 64, "batch_size": 16, "systems": {
+        "mmproxy": {"error": "SkipLimitError: ..."}, "dali-reader": {"samples_per_s": 352295.1}}}
+    long = {"samples": 16384, "batch_size": 256, "systems": {
+        "mmproxy": {"samples_per_s": 100.0, "mmproxy_ratio": 1.0}}}
+    print_summary({"machine": {"gpu": None}, "results": {"image": short, "audio": long}}, 2)
+    out = capsys.readouterr().out
+    assert "352295.1 samples/s   mmproxy / this = n/a" in out
+    notes = [line.split()[0] for line in out.splitlines() if "too few to time" in line]
+    assert notes == ["image"] and "4 batch(es) an epoch are too few" in out
 
 
 def test_the_bench_names_the_commit_from_the_checkouts_git_folder(tmp_path):

@@ -13,15 +13,19 @@ __all__ = ["expand_data", "first_sample_fields"]
 def expand_data(data: str) -> list[str]:
     """The shards ``--data`` names: a folder of ``.tar`` files, or anything the datasets take
     (:func:`~mmproxy.datasets.shards.expand`: a path, a brace pattern, a glob of local paths,
-    ``::``-separated lists of them, URLs)."""
+    URLs), or ``::``-separated lists of them."""
     from mmproxy.datasets.shards import expand, local_glob
 
-    if os.path.isdir(data):
-        shards = local_glob(os.path.join(data, "*.tar"))
-        if not shards:
-            raise FileNotFoundError(f"no .tar shard in the folder {data}")
-        return shards
-    return expand(data)
+    shards = []
+    for item in data.split("::"):  # a folder may be one of several
+        if os.path.isdir(item):
+            found = local_glob(os.path.join(item, "*.tar"))
+            if not found:
+                raise FileNotFoundError(f"no .tar shard in the folder {item}")
+            shards += found
+        else:
+            shards += expand(item)
+    return shards
 
 
 _PROBED = 8  # local shards tried for a first sample before --data is refused

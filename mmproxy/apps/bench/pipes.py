@@ -45,7 +45,7 @@ def reader_pipeline(setup: Setup) -> Any:
     def pipe() -> Any:
         data = fn.readers.webdataset(paths=setup.paths, ext=[setup.ext], random_shuffle=True,
                                      initial_fill=256, name="reader",
-                                     missing_component_behavior="skip")
+                                     missing_component_behavior="error")  # as the others
         return graph(data)
 
     return pipe(batch_size=setup.batch, num_threads=setup.args.threads, device_id=setup.device_id)

@@ -79,7 +79,11 @@ def error_line(err: BaseException) -> str:
     """One line for a failed system; for an error raised in a DataLoader worker, its own line
     (torch's message starts with "Caught X in DataLoader worker process N" and a traceback)."""
     from mmproxy._dali import summary
+    from mmproxy.errors import SkipLimitError
 
+    if isinstance(err, SkipLimitError):  # the bench's option, not the dataset's argument
+        return (f"SkipLimitError: {err.counted}, more than --max-skipped={err.limit:g} "
+                "(raise it to measure on this data)")
     lines = [line for line in str(err).strip().splitlines() if line.strip()] or [""]
     if "Original Traceback" in str(err):
         return lines[-1][:300]
@@ -107,6 +111,9 @@ def add_ratios(results: dict[str, dict[str, Any]]) -> None:
             if damaged.get("sustained_samples_per_s") else None)
 
 
+_FEW_BATCHES = 20  # fewer batches an epoch than this: the rates say little
+
+
 def print_summary(out: dict[str, Any], workers: int) -> None:
     """Throughput per workload and system, and mmproxy's ratio to each."""
     gpu = out["machine"]["gpu"]
@@ -120,10 +127,16 @@ def print_summary(out: dict[str, Any], workers: int) -> None:
                 spread = (f"; sustained, median of {runs['runs']} runs: {runs['median']:.2f} "
                           f"(range {runs['range'][0]:.2f}-{runs['range'][1]:.2f})"
                           if runs and runs["runs"] > 1 else "")
+                ratio = s.get("mmproxy_ratio")
                 print(f"  {kind:10s} {name:{width}s} {s['samples_per_s']:10.1f} samples/s   "
-                      f"mmproxy / this = {s.get('mmproxy_ratio', float('nan')):.2f}{spread}")
+                      f"mmproxy / this = {'n/a' if ratio is None else f'{ratio:.2f}'}{spread}")
             else:
                 print(f"  {kind:10s} {name:{width}s} {s['error']}")
+        batches = -(-(r.get("samples") or 0) // (r.get("batch_size") or 1))
+        if 0 < batches < _FEW_BATCHES:
+            print(f"  {kind:10s} note: {batches} batch(es) an epoch are too few to time: start-up "
+                  "is most of each epoch (a DALI reader's first batches are ready before its "
+                  f"clock starts); use at least {_FEW_BATCHES}")
 
 
 def plot(out: dict[str, Any], path: str) -> None:

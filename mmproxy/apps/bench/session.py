@@ -16,6 +16,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +80,10 @@ def run(args: argparse.Namespace) -> int:
                     pin_threads(apart[1] if system.has_workers else apart[0])  # gets them all
                 gc.collect()  # destroy the last system's pipelines here, not in forked workers
                 if damaged and system.dali_without_checks:
-                    result = {"error": f"not run: mmproxy skipped {damaged} of your data; "
-                              f"{system.name} would feed them to DALI's decoders unchecked, and "
-                              "some damaged files crash the process (bench clean shards to compare)"}
+                    result = {"error": f"not run: mmproxy found damaged files in your data "
+                              f"({damaged}); {system.name} would feed them to DALI's decoders "
+                              "unchecked, and some damaged files crash the process (bench clean "
+                              "shards to compare)"}
                 else:
                     try:
                         result = system.run(setup)
@@ -106,6 +108,11 @@ def run(args: argparse.Namespace) -> int:
     print_summary(out, args.workers)
     if args.plot:
         plot(out, args.plot)
+    failed = [w for w, r in out["results"].items() if "error" in r["systems"].get("mmproxy", {})]
+    if failed:  # the system the bench is about did not run: not a success
+        print(f"mmproxy bench: mmproxy failed on the {', '.join(failed)} workload(s); see its "
+              "error above", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -122,10 +129,13 @@ def _workload(args: argparse.Namespace, setup: Setup,
 
 
 def _damage(result: dict[str, Any]) -> str:
-    """mmproxy's skips in words ("3 sample(s) and 1 shard(s)"), or "" when it skipped nothing."""
+    """What mmproxy skipped, in words ("3 sample(s) and 1 shard(s) skipped", or its skip limit's
+    count), or "" when it skipped nothing."""
+    if "damaged" in result:  # it stopped at its skip limit
+        return str(result["damaged"])
     skipped = result.get("skipped") or {}
     parts = [f"{skipped[k]} {k[:-1]}(s)" for k in ("samples", "shards") if skipped.get(k)]
-    return " and ".join(parts)
+    return " and ".join(parts) + " skipped" if parts else ""
 
 
 def _combine(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -161,23 +171,31 @@ def _run_ratios(results: dict[str, dict[str, Any]], runs: dict[str, list[dict[st
 
 def _user_setup(args: argparse.Namespace, folder: Path, gpu: bool,
                 device_id: int | None) -> Setup:
-    """Your shards (``--data``): the heavy field is ``--field`` or the first image or audio
-    extension of the first sample; the workload follows from it."""
+    """Your shards (``--data``): the heavy field is ``--field`` (an extension, or several joined
+    by ``;``), else every image or audio extension, whichever family the first sample has, so a
+    set of JPEGs and PNGs is read whole; the workload follows from it."""
     from mmproxy.apps.data import expand_data, first_sample_fields
     from mmproxy.datasets.recipes import AUDIO_EXTS, IMAGE_EXTS
 
     paths = expand_data(args.data)
     first, exts = first_sample_fields(paths)
     images, audio = IMAGE_EXTS.split(";"), AUDIO_EXTS.split(";")
-    field = args.field or next((e for e in exts if e in images + audio), None)
-    if field is None or field not in exts:
-        raise ValueError(f"the first sample of {first} has "
-                         + (f"no field {field!r}" if field else "no image or audio field")
-                         + f" (it has {', '.join(exts)}); name it with --field")
-    if field not in images + audio:
-        raise ValueError(f"--field {field!r} is neither an image ({IMAGE_EXTS}) nor an audio "
-                         f"({AUDIO_EXTS}) extension")
-    workload = "audio" if field in audio else "image"
+    if args.field:
+        named = [e.strip().lower() for e in args.field.split(";") if e.strip()]
+        if not named or not (set(named) <= set(images) or set(named) <= set(audio)):
+            raise ValueError(f"--field {args.field!r} is neither image ({IMAGE_EXTS}) nor audio "
+                             f"({AUDIO_EXTS}) extensions")
+        if not set(named) & set(exts):
+            raise ValueError(f"the first sample of {first} has no {args.field!r} field (it has "
+                             f"{', '.join(exts)}); --field names a field of your samples")
+        field = ";".join(named)
+    else:
+        kind = next((e for e in exts if e in images + audio), None)
+        if kind is None:
+            raise ValueError(f"the first sample of {first} has no image or audio field (it has "
+                             f"{', '.join(exts)}); name one with --field")
+        field = AUDIO_EXTS if kind in audio else IMAGE_EXTS
+    workload = "audio" if field.split(";")[0] in audio else "image"
     batch = args.batch_size or ((64 if workload == "audio" else 256) if gpu else
                                 (32 if workload == "audio" else 64))
     print(f"mmproxy bench: your data, {len(paths)} shard(s), field {field!r} ({workload} "

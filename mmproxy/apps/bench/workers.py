@@ -16,9 +16,9 @@ __all__ = ["ProxyCall", "TinySamples", "TorchImage", "WdsSamples", "pad_collate"
 
 
 class WdsSamples(torch.utils.data.IterableDataset):
-    """``fn(bytes)`` of each sample's ``ext`` field in the shards, split by worker. Like a plain
-    loader it skips nothing: a sample without the field, or one ``fn`` fails on, stops it with
-    an error naming the sample and its shard."""
+    """``fn(bytes)`` of each sample's ``ext`` field (``jpg;png``: the first of them it has) in
+    the shards, split by worker. Like a plain loader it skips nothing: a sample without the
+    field, or one ``fn`` fails on, stops it with an error naming the sample and its shard."""
 
     def __init__(self, paths: list[str], ext: str, fn: Callable[[bytes], Any]) -> None:
         self.paths, self.ext, self.fn = paths, ext, fn
@@ -28,13 +28,15 @@ class WdsSamples(torch.utils.data.IterableDataset):
 
         info = torch.utils.data.get_worker_info()
         mine = self.paths[info.id::info.num_workers] if info else self.paths
+        exts = self.ext.split(";")  # alternatives: the first a sample has
         for sample in wds.tariterators.tarfile_samples({"url": u} for u in mine):
             where = f"sample {sample.get('__key__')!r} of {sample.get('__url__')}"
-            if self.ext not in sample:
+            ext = next((e for e in exts if e in sample), None)
+            if ext is None:
                 fields = ", ".join(k for k in sample if not k.startswith("__"))
                 raise ValueError(f"{where} has no {self.ext!r} field (it has {fields})")
             try:
-                data = self.fn(sample[self.ext])
+                data = self.fn(sample[ext])
             except Exception as err:  # noqa: BLE001 - said with the sample, then raised
                 raise RuntimeError(f"{where}: {type(err).__name__}: {err}") from err
             yield data
@@ -65,7 +67,8 @@ class ProxyCall:
 
 class TorchImage:
     """The image pipeline's ops in torchvision: ``decoder`` "pil" (ImageFolder's default loader)
-    or "tensor" (``torchvision.io.decode_jpeg``), then random-resized crop 224, flip, normalize."""
+    or "tensor" (``torchvision.io.decode_image``: JPEG as ``decode_jpeg``, PNG, WebP...), then
+    random-resized crop 224, flip, normalize."""
 
     def __init__(self, decoder: str) -> None:
         from torchvision.transforms import v2
@@ -81,9 +84,10 @@ class TorchImage:
             from PIL import Image
 
             return self.t(Image.open(io.BytesIO(data)).convert("RGB"))
-        from torchvision.io import decode_jpeg
+        from torchvision.io import ImageReadMode, decode_image
 
-        return self.t(decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8)))
+        return self.t(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                   mode=ImageReadMode.RGB))
 
 
 def torch_audio(data: bytes) -> torch.Tensor:
