@@ -74,9 +74,8 @@ class Runner:
         inflight: deque[Run] = deque()
         try:
             while True:
-                if self._ahead is not None and (len(inflight) < self.pipe.queue_depth
-                                                or self.stop.is_set()):  # stopping: drained too
-                    fed = self._ahead
+                if self._ahead is not None and len(inflight) < self.pipe.queue_depth:
+                    fed = self._ahead  # (when stopping too: it is drained with the rest)
                     try:
                         inflight.append(self._schedule_ahead())
                     except Exception as err:  # noqa: BLE001 - as a refusal by feed()
