@@ -100,9 +100,11 @@ class Runner:
                     later = list(inflight)
                     inflight.clear()
                     if self._ahead is not None:  # behind them in DALI's queue: runs after them
-                        later.append(self._ahead if not self.pipe.survives_errors
-                                     else self._schedule_ahead())
-                        self._ahead = None
+                        if self.pipe.survives_errors:
+                            later.append(self._schedule_ahead())
+                        else:  # the rebuild drops its inputs; the search feeds them again
+                            later.append(self._ahead)
+                            self._ahead = None
                     self._recover(run, err, later)
                     continue
                 self.table.finish(run, *outputs)
