@@ -9,9 +9,12 @@ Variants (each is mmproxy with one thing changed):
   of ``--prefetch`` (2), so that DALI has more than one run queued while the server's runner
   takes a run's outputs and feeds the next.
 - ``mmproxy-feed-ahead``: the server's runner feeds the next run's inputs before it waits for
-  the outputs of the runs in flight, and only schedules it once one comes back
-  (``Runner(feed_ahead=True)``), so that DALI's wait for its next run is the scheduling, not
-  the ~0.8 ms feed (session 11; not yet measured on the GPU).
+  the outputs of the runs in flight, and schedules it the moment DALI gives a run's outputs up
+  (``Runner(feed_ahead=True)``), so that DALI's wait for its next run is a ``_run_once``, as
+  under DALI's own iterator, not the conversion, the hand-over and the ~0.8 ms feed.
+- ``mmproxy-feed-ahead-depth4``: both of the above.
+- ``dali-reader-depth4``: the reference with the same change, DALI's reader 4 runs deep instead of
+  DALI's default (2): whether depth is what separates the two.
 - ``mmproxy-pinned-maps`` (GPU only): every shard the server maps is mapped once for the
   variant's run and page-locked with ``cudaHostRegister`` (read-only), and samples inside those
   mappings are fed as pinned, as a reader's output is, so DALI need not copy them into pinned
@@ -117,24 +120,27 @@ VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
 }
 
 
-def _depth4(setup: systems.Setup) -> dict[str, Any]:
-    args = argparse.Namespace(**{**vars(setup.args), "prefetch": 4})
-    return systems.SYSTEMS["mmproxy"].run(dataclasses.replace(setup, args=args))
-
-
-def _variant(patch: Callable[[], contextlib.AbstractContextManager[None]],
-             setup: systems.Setup) -> dict[str, Any]:
-    with patch():
-        return systems.SYSTEMS["mmproxy"].run(setup)
+def _variant(run: Callable[[systems.Setup], dict[str, Any]],
+             patch: Callable[[], contextlib.AbstractContextManager[None]] | None,
+             setup: systems.Setup, prefetch: int | None = None) -> dict[str, Any]:
+    """mmproxy's ``run`` under ``patch``, ``prefetch`` runs deep when given."""
+    if prefetch is not None:
+        setup = dataclasses.replace(setup, args=argparse.Namespace(**{**vars(setup.args),
+                                                                       "prefetch": prefetch}))
+    with patch() if patch is not None else contextlib.nullcontext():
+        return run(setup)
 
 
 def register() -> None:
-    mmproxy = systems.SYSTEMS["mmproxy"]
-    for name, patch in VARIANTS.items():
-        systems.SYSTEMS[name] = dataclasses.replace(
-            mmproxy, name=name, run=functools.partial(_variant, patch))
-    systems.SYSTEMS["mmproxy-depth4"] = dataclasses.replace(mmproxy, name="mmproxy-depth4",
-                                                            run=_depth4)
+    mmproxy, reader = systems.SYSTEMS["mmproxy"], systems.SYSTEMS["dali-reader"]
+    variant = functools.partial(_variant, mmproxy.run)
+    variants = {name: functools.partial(variant, patch) for name, patch in VARIANTS.items()}
+    variants["mmproxy-depth4"] = functools.partial(variant, None, prefetch=4)
+    variants["mmproxy-feed-ahead-depth4"] = functools.partial(variant, _feed_ahead, prefetch=4)
+    for name, run in variants.items():
+        systems.SYSTEMS[name] = dataclasses.replace(mmproxy, name=name, run=run)
+    systems.SYSTEMS["dali-reader-depth4"] = dataclasses.replace(
+        reader, name="dali-reader-depth4", run=functools.partial(systems._dali_reader, prefetch=4))
 
 
 if __name__ == "__main__":

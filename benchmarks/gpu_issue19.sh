@@ -11,7 +11,9 @@
 #   PART=ab      benchmarks/engine_ab.py: mmproxy against one variant of its engine (VARIANT, e.g.
 #                mmproxy-list-feed, mmproxy-depth4, mmproxy-feed-ahead, mmproxy-pinned-maps) and
 #                the reader, 5 epochs x RUNS (8) interleaved runs, on DATA=synthetic (the bench's)
-#                or DATA=photos; ~2.5 min
+#                or DATA=photos; ~2.5 min; SYSTEMS names the systems instead (the file keeps
+#                VARIANT's name), LIMIT the seconds, LINES the lines of the summary shown
+#   PART=tests   the GPU tests (pytest -m gpu)
 #   PART=probe   feed_probe.py: the reader against the list and tensor-list feeds
 #   PART=held    image_profile.py on mmproxy at depths 2 and 4, mmproxy feeding ahead, and the
 #                reader: how long DALI held one run instead of two, and the runner's gap between
@@ -52,14 +54,17 @@ ab)  # session 10
   else
     data=(--workload image --samples 16384 --data-dir /tmp/bench)
   fi
-  one 400 python3 benchmarks/engine_ab.py "${data[@]}" --workers 15 --threads 8 --epochs 5 \
-    --runs "${RUNS:-8}" --systems "mmproxy,$variant,dali-reader" \
-    --json "$out/image-${DATA:-synthetic}-$variant-ab.json" 2>&1 | quiet 4 ;;
-held)
-  one 420 python3 benchmarks/image_profile.py --json "$out/profile-held.json" -- --workload image \
-    --samples 16384 --workers 15 --threads 8 --epochs 5 --runs 3 --data-dir /tmp/bench \
-    --systems mmproxy,mmproxy-depth4,mmproxy-feed-ahead,dali-reader --json "$out/bench-held.json" 2>&1 \
+  one "${LIMIT:-400}" python3 benchmarks/engine_ab.py "${data[@]}" --workers 15 --threads 8 \
+    --epochs 5 --runs "${RUNS:-8}" --systems "${SYSTEMS:-mmproxy,$variant,dali-reader}" \
+    --json "$out/image-${DATA:-synthetic}-$variant-ab.json" 2>&1 | quiet "${LINES:-4}" ;;
+held)  # SYSTEMS, RUNS: session 12 ran the reader 4 deep too, one run each
+  one "${LIMIT:-420}" python3 benchmarks/image_profile.py --json "$out/profile-held.json" -- \
+    --workload image --samples 16384 --workers 15 --threads 8 --epochs 5 --runs "${RUNS:-3}" \
+    --data-dir /tmp/bench --json "$out/bench-held.json" \
+    --systems "${SYSTEMS:-mmproxy,mmproxy-depth4,mmproxy-feed-ahead,dali-reader}" 2>&1 \
     | grep -a -E "^(==|   DALI|  image)" ;;
+tests)  # the GPU tests of the code at hand
+  one 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -8 ;;
 probe)
   one 100 python3 benchmarks/feed_probe.py --data-dir /tmp/bench --samples 16384 --threads 8 \
     --iters 300 --rounds 2 --feeds reader,views,tensorlist --json "$out/feed-probe-tensorlist.json" \
@@ -83,5 +88,5 @@ s3)
     --data-dir /tmp/bench --epochs 5 --runs 2 --server-cpus 16-31 \
     --systems mmproxy,mmproxy-http,mmproxy-s3,mmproxy-cached \
     --json "$out/bench-remote-servers-apart.json" 2>&1 | quiet 8 ;;
-*) echo "PART must be video, image, photos, ab, held, probe, apart or s3" >&2; exit 2 ;;
+*) echo "PART must be video, image, photos, ab, held, tests, probe, apart or s3" >&2; exit 2 ;;
 esac

@@ -8,8 +8,8 @@ process with two probes and prints, per system:
   column), averaged over the system's epochs (needs ``nvidia-smi``; skipped without it);
 - the garbage collector's full (generation 2) collections in the system's epochs: how many, and
   how long they stopped every thread of the process;
-- for mmproxy, how many runs DALI held (fed and scheduled by the server's runner, outputs not yet
-  taken) over the system's time: the share of time with 0, 1, 2... runs queued, the runner's
+- for mmproxy and DALI's reader, how many runs DALI held (scheduled, outputs not yet taken) over
+  the system's time: the share of time with 0, 1, 2... runs queued, the runner's
   mean times in ``Pipe.feed`` and waiting in DALI's ``outputs``, and the *gap*: from a run's
   outputs coming back to the next run being scheduled, the time DALI had one run fewer.
 
@@ -113,14 +113,16 @@ class GcPauses:
 
 
 class Queued:
-    """Runs held by DALI in mmproxy's servers over time: ``Pipe.feed`` returning schedules one,
-    DALI's ``Pipeline.outputs`` returning in a runner thread (named ``mmproxy-NAME-run``) gives
-    one back. Every server counts in one total (the bench runs one at a time). Runs a classic
-    executor drops when the server rebuilds it after a bad sample stay counted: use it on clean
-    data, or with DALI's dynamic executor (the default)."""
+    """Runs held by DALI over time, by DALI's own count: each run given to a pipeline
+    (``Pipeline._run_once``, or the first ``_prefetch`` of DALI's iterator) adds one; DALI's
+    ``Pipeline.outputs`` returning in a server's runner thread (named ``mmproxy-NAME-run``), or
+    ``Pipeline.share_outputs`` (DALI's iterator, for the reader), gives one back. Every pipeline
+    counts in one total (the bench runs one system at a time). Runs a classic executor drops
+    when the server rebuilds it after a bad sample stay counted: use it on clean data, or with
+    DALI's dynamic executor (the default)."""
 
     def __init__(self) -> None:
-        self.events: list[tuple[float, int]] = []  # (time, +1 scheduled / -1 outputs taken)
+        self.events: list[tuple[float, int, int]] = []  # (time, +n scheduled / -1 taken, pipeline)
         self.feeds: list[tuple[float, float]] = []  # (start, end) of Pipe.feed
         self.waits: list[tuple[float, float]] = []  # (start, end) of DALI's outputs in a runner
 
@@ -129,43 +131,60 @@ class Queued:
 
         from mmproxy._dali import Pipe
 
-        feed, outputs = Pipe.feed, Pipeline.outputs
+        feed, outputs, share_outputs = Pipe.feed, Pipeline.outputs, Pipeline.share_outputs
+        run_once, prefetch = Pipeline._run_once, Pipeline._prefetch
 
         def timed_feed(pipe: Any, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
-            feed(pipe, *args, **kwargs)
-            end = time.perf_counter()
-            self.feeds.append((start, end))
-            self.events.append((end, 1))
+            feed(pipe, *args, **kwargs)  # (schedules too, unless fed ahead)
+            self.feeds.append((start, time.perf_counter()))
 
-        def timed_outputs(pipeline: Any, *args: Any, **kwargs: Any) -> Any:
-            if not threading.current_thread().name.endswith("-run"):
-                return outputs(pipeline, *args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return outputs(pipeline, *args, **kwargs)
-            finally:
-                end = time.perf_counter()
-                self.waits.append((start, end))
-                self.events.append((end, -1))
+        def counted(schedule: Any) -> Any:  # DALI's own count of the runs it was given
+            def counted_schedule(pipeline: Any) -> Any:
+                before = pipeline._batches_to_consume
+                schedule(pipeline)
+                if pipeline._batches_to_consume > before:
+                    self.events.append((time.perf_counter(), pipeline._batches_to_consume - before,
+                                        id(pipeline)))
+            return counted_schedule
 
-        Pipe.feed, Pipeline.outputs = timed_feed, timed_outputs  # type: ignore[method-assign,assignment]
+        def timed(take: Any, runner_only: bool) -> Any:
+            def timed_take(pipeline: Any, *args: Any, **kwargs: Any) -> Any:
+                if runner_only and not threading.current_thread().name.endswith("-run"):
+                    return take(pipeline, *args, **kwargs)
+                start = time.perf_counter()
+                try:
+                    return take(pipeline, *args, **kwargs)
+                finally:
+                    end = time.perf_counter()
+                    self.waits.append((start, end))
+                    self.events.append((end, -1, id(pipeline)))
+            return timed_take
+
+        Pipe.feed = timed_feed  # type: ignore[method-assign]
+        Pipeline._run_once, Pipeline._prefetch = counted(run_once), counted(prefetch)  # type: ignore[method-assign]
+        # mmproxy's runner takes outputs, DALI's iterator (the reader) shares them
+        Pipeline.outputs = timed(outputs, runner_only=True)  # type: ignore[method-assign]
+        Pipeline.share_outputs = timed(share_outputs, runner_only=False)  # type: ignore[method-assign]
 
     def within(self, start: float, end: float) -> dict[str, Any]:
         """Over [start, end] (perf_counter): the share of time with each number of runs held,
         mean feed and outputs-wait times, and the gap's median, mean and 90th percentile, in ms
         (the mean includes the waits for the workers' first batches at epoch starts)."""
-        level = sum(d for t, d in self.events if t < start)
+        inside = sorted(e for e in self.events if start <= e[0] <= end)
+        pipelines = {p for _, _, p in inside}  # runs an earlier system left in its pipeline: not counted
+        level = sum(d for t, d, p in self.events if t < start and p in pipelines)
         held: dict[int, float] = collections.defaultdict(float)
         last = start
-        for t, d in [*sorted(e for e in self.events if start <= e[0] <= end), (end, 0)]:
+        for t, d, _ in [*inside, (end, 0, 0)]:
             if t > last:
                 held[level] += t - last
             level, last = level + d, t
         total = sum(held.values()) or 1.0
         feeds = [(a, b) for a, b in self.feeds if start <= a <= end]
         waits = [(a, b) for a, b in self.waits if start <= a <= end]
-        ends = sorted(b for _, b in feeds)
+        ends = sorted(t for t, d, _ in inside if d > 0)  # scheduled
+        # (a prefetch schedules several at once; the gap is to the first scheduling after)
         gaps = []
         for _, back in waits:  # outputs came back: until the next run is scheduled
             i = bisect.bisect_left(ends, back)

@@ -94,18 +94,30 @@ class Pipe:
         """Schedules a run of the oldest inputs fed and not yet run."""
         self.pipeline._run_once()
 
-    def outputs(self, pad: set[int], stream: Any = None) -> tuple[tuple[Any, ...], Any]:
+    def outputs(self, pad: set[int], stream: Any = None,
+                then: Callable[[], None] | None = None) -> tuple[tuple[Any, ...], Any]:
         """The oldest scheduled run's outputs as torch, and the CUDA event that marks them ready
-        on ``stream`` (None for a CPU pipeline). Raises DALI's error when the run failed."""
+        on ``stream`` (None for a CPU pipeline). Raises DALI's error when the run failed.
+        ``then`` is called as soon as DALI has given the outputs up: before they are converted
+        with the dynamic executor, after with the classic ones, whose next run may write into the
+        same buffers."""
         pipe = self.pipeline
         if stream is None:
             copy = not pipe.exec_dynamic  # the classic executors reuse their output buffers
-            return tuple(_convert.to_torch(o, copy=copy, want_pad=i in pad)
-                         for i, o in enumerate(pipe.outputs())), None
+            cpu = pipe.outputs()
+            if then is not None and not copy:
+                then()
+            data = tuple(_convert.to_torch(o, copy=copy, want_pad=i in pad)
+                         for i, o in enumerate(cpu))
+            if then is not None and copy:
+                then()
+            return data, None
         import torch
 
         with torch.cuda.stream(stream):
             outs = pipe.outputs(cuda_stream=stream)
+            if then is not None:
+                then()
             data = tuple(_convert.to_torch(o, copy=False, want_pad=i in pad, stream=stream)
                          for i, o in enumerate(outs))
             event = torch.cuda.Event()

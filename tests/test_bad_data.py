@@ -238,9 +238,9 @@ def test_a_run_fed_ahead_keeps_its_place_when_a_run_before_it_fails(executor, tm
                 ahead.append(run.id)
             super()._feed(run, inflight, schedule)
 
-        def _outputs(self):
+        def _outputs(self, then=None):
             time.sleep(0.02)  # a slower pipeline: the runs arrive faster than they are run
-            return super()._outputs()
+            return super()._outputs(then)
 
     monkeypatch.setattr(mmproxy.server, "Runner", functools.partial(Spy, feed_ahead=True))
     bad = {2, 9, 10, 21, 38, 39}

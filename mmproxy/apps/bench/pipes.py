@@ -35,8 +35,9 @@ def proxied_pipeline(setup: Setup, prefetch: int | None = None) -> Any:
                              prefetch_queue_depth=prefetch or setup.args.prefetch)
 
 
-def reader_pipeline(setup: Setup) -> Any:
-    """The workload's pipeline fed by DALI's own shard reader (named ``reader``), shuffling."""
+def reader_pipeline(setup: Setup, prefetch: int = 2) -> Any:
+    """The workload's pipeline fed by DALI's own shard reader (named ``reader``), shuffling,
+    ``prefetch`` runs deep (DALI's default, 2)."""
     from nvidia.dali import fn, pipeline_def
 
     graph = _graph(setup)
@@ -48,4 +49,5 @@ def reader_pipeline(setup: Setup) -> Any:
                                      missing_component_behavior="error")  # as the others
         return graph(data)
 
-    return pipe(batch_size=setup.batch, num_threads=setup.args.threads, device_id=setup.device_id)
+    return pipe(batch_size=setup.batch, num_threads=setup.args.threads, device_id=setup.device_id,
+                prefetch_queue_depth=prefetch)

@@ -155,10 +155,10 @@ def _torch(setup: Setup, decoder: str) -> dict[str, Any]:
         _stop_workers(loader)
 
 
-def _dali_reader(setup: Setup) -> dict[str, Any]:
+def _dali_reader(setup: Setup, prefetch: int = 2) -> dict[str, Any]:
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-    reader = DALIGenericIterator(reader_pipeline(setup), ["data"], reader_name="reader",
+    reader = DALIGenericIterator(reader_pipeline(setup, prefetch), ["data"], reader_name="reader",
                                  auto_reset=True, last_batch_policy=LastBatchPolicy.PARTIAL)
     return time_epochs(lambda: (b[0]["data"] for b in reader), setup.args.epochs, setup.gpu)
 
