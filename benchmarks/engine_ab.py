@@ -13,6 +13,9 @@ Variants (each is mmproxy with one thing changed):
   (``Runner(feed_ahead=True)``), so that DALI's wait for its next run is a ``_run_once``, as
   under DALI's own iterator, not the conversion, the hand-over and the ~0.8 ms feed.
 - ``mmproxy-feed-ahead-depth4``: both of the above.
+- ``mmproxy-nice``: the DataLoader workers run at nice 10 (``os.nice(10)`` as each starts), so
+  that DALI's threads and the server's win a contended core; ``mmproxy-feed-ahead-nice`` with
+  feed-ahead too.
 - ``dali-reader-depth4``: the reference with the same change, DALI's reader 4 runs deep instead of
   DALI's default (2): whether depth is what separates the two.
 - ``mmproxy-pinned-maps`` (GPU only): every shard the server maps is mapped once for the
@@ -35,6 +38,7 @@ import bisect
 import contextlib
 import dataclasses
 import functools
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -113,7 +117,32 @@ def _feed_ahead() -> Iterator[None]:
         server.Runner = kept  # type: ignore[misc]
 
 
+@contextlib.contextmanager
+def _nice_workers() -> Iterator[None]:
+    from mmproxy import loader
+
+    kept = loader._WorkerInit.__call__
+
+    def nice_then_init(self: Any, worker_id: int) -> None:
+        os.nice(10)
+        kept(self, worker_id)
+
+    loader._WorkerInit.__call__ = nice_then_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        loader._WorkerInit.__call__ = kept  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _feed_ahead_nice() -> Iterator[None]:
+    with _feed_ahead(), _nice_workers():
+        yield
+
+
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "mmproxy-nice": _nice_workers,
+    "mmproxy-feed-ahead-nice": _feed_ahead_nice,
     "mmproxy-list-feed": _list_feed,
     "mmproxy-pinned-maps": _pinned_maps,
     "mmproxy-feed-ahead": _feed_ahead,
