@@ -16,6 +16,11 @@ Variants (each is mmproxy with one thing changed):
 - ``mmproxy-nice``: the DataLoader workers run at nice 10 (``os.nice(10)`` as each starts), so
   that DALI's threads and the server's win a contended core; ``mmproxy-feed-ahead-nice`` with
   feed-ahead too.
+- ``mmproxy-switch``: Python's thread switch interval at 0.2 ms instead of 5 ms, so that a thread
+  waiting for the GIL (the runner, or a DALI thread releasing the inputs it was fed, which are
+  Python objects) gets it sooner from a Python thread that holds it.
+- ``mmproxy-copied-inputs``: DALI copies the inputs when they are fed (``external_source``
+  ``no_copy=False``), so that no Python object outlives the feed inside DALI.
 - ``dali-reader-depth4``: the reference with the same change, DALI's reader 4 runs deep instead of
   DALI's default (2): whether depth is what separates the two.
 - ``mmproxy-pinned-maps`` (GPU only): every shard the server maps is mapped once for the
@@ -140,7 +145,35 @@ def _feed_ahead_nice() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _short_switch() -> Iterator[None]:
+    kept = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(kept)
+
+
+@contextlib.contextmanager
+def _copied_inputs() -> Iterator[None]:
+    from nvidia.dali import fn
+
+    kept = fn.external_source
+
+    def copying(*args: Any, **kwargs: Any) -> Any:
+        return kept(*args, **{**kwargs, "no_copy": False})
+
+    fn.external_source = copying
+    try:
+        yield
+    finally:
+        fn.external_source = kept
+
+
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "mmproxy-switch": _short_switch,
+    "mmproxy-copied-inputs": _copied_inputs,
     "mmproxy-nice": _nice_workers,
     "mmproxy-feed-ahead-nice": _feed_ahead_nice,
     "mmproxy-list-feed": _list_feed,
