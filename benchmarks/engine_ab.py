@@ -23,6 +23,9 @@ Variants (each is mmproxy with one thing changed):
   ``no_copy=False``), so that no Python object outlives the feed inside DALI.
 - ``dali-reader-depth4``: the reference with the same change, DALI's reader 4 runs deep instead of
   DALI's default (2): whether depth is what separates the two.
+- ``dali-reader-beside-workers``: the reader, timed while mmproxy's workers, listener and runner
+  load the same shards beside it, paced one batch per reader batch, for a server that only hands
+  the bytes back: what the dataset side costs a pipeline that does not depend on it.
 - ``mmproxy-pinned-maps`` (GPU only): every shard the server maps is mapped once for the
   variant's run and page-locked with ``cudaHostRegister`` (read-only), and samples inside those
   mappings are fed as pinned, as a reader's output is, so DALI need not copy them into pinned
@@ -193,6 +196,56 @@ def _variant(run: Callable[[systems.Setup], dict[str, Any]],
         return run(setup)
 
 
+def _reader_beside_workers(setup: systems.Setup) -> dict[str, Any]:
+    """DALI's reader, timed while mmproxy's workers, listener and runner do beside it what they
+    do for mmproxy (the same shards, workers and batches, one batch per reader batch), for a
+    server whose pipeline only hands the bytes back (on the CPU, one thread): what the dataset
+    side costs the pipeline, without the pipeline being fed by it."""
+    import threading
+
+    from mmproxy.datasets import MultiModalDataset
+    from mmproxy.pipelines import external_pipeline
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    import mmproxy
+    from mmproxy.apps.bench import pipes, timing
+
+    a = setup.args
+    server = mmproxy.DALIServer(external_pipeline(lambda data: data, input_name="data",
+                                                  batch_size=setup.batch, num_threads=1),
+                                name="beside")
+    dataset = MultiModalDataset(setup.paths, {setup.modality: (setup.ext, server.proxy)},
+                                batch_size=setup.batch, shuffle_buffer=256, keep_keys=False,
+                                on_error="skip")
+    pace, stop = threading.Semaphore(0), threading.Event()
+    reader = DALIGenericIterator(pipes.reader_pipeline(setup), ["data"], reader_name="reader",
+                                 auto_reset=True, last_batch_policy=LastBatchPolicy.PARTIAL)
+
+    def paced() -> Iterator[Any]:
+        for batch in reader:
+            pace.release()
+            yield batch[0]["data"]
+
+    with server:
+        loader = dataset.loader(server, num_workers=a.workers, persistent_workers=True)
+
+        def load() -> None:
+            while not stop.is_set():
+                for _ in loader:
+                    while not pace.acquire(timeout=0.1):
+                        if stop.is_set():
+                            return
+
+        thread = threading.Thread(target=load, name="beside-loader", daemon=True)
+        thread.start()
+        try:
+            return timing.time_epochs(paced, a.epochs, setup.gpu)
+        finally:
+            stop.set()
+            thread.join(30)
+            systems._stop_workers(loader)
+
+
 def register() -> None:
     mmproxy, reader = systems.SYSTEMS["mmproxy"], systems.SYSTEMS["dali-reader"]
     variant = functools.partial(_variant, mmproxy.run)
@@ -201,6 +254,8 @@ def register() -> None:
     variants["mmproxy-feed-ahead-depth4"] = functools.partial(variant, _feed_ahead, prefetch=4)
     for name, run in variants.items():
         systems.SYSTEMS[name] = dataclasses.replace(mmproxy, name=name, run=run)
+    systems.SYSTEMS["dali-reader-beside-workers"] = dataclasses.replace(
+        reader, name="dali-reader-beside-workers", run=_reader_beside_workers)
     systems.SYSTEMS["dali-reader-depth4"] = dataclasses.replace(
         reader, name="dali-reader-depth4", run=functools.partial(systems._dali_reader, prefetch=4))
 
