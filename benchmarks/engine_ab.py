@@ -26,6 +26,8 @@ Variants (each is mmproxy with one thing changed):
 - ``dali-reader-beside-workers``: the reader, timed while mmproxy's workers, listener and runner
   load the same shards beside it, paced one batch per reader batch, for a server that only hands
   the bytes back: what the dataset side costs a pipeline that does not depend on it.
+  ``dali-reader-beside-process``: the same with that dataset side in a process of its own, so
+  that only the CPUs are shared, not the reader's process and its GIL.
 - ``mmproxy-pinned-maps`` (GPU only): every shard the server maps is mapped once for the
   variant's run and page-locked with ``cudaHostRegister`` (read-only), and samples inside those
   mappings are fed as pinned, as a reader's output is, so DALI need not copy them into pinned
@@ -196,28 +198,55 @@ def _variant(run: Callable[[systems.Setup], dict[str, Any]],
         return run(setup)
 
 
-def _reader_beside_workers(setup: systems.Setup) -> dict[str, Any]:
-    """DALI's reader, timed while mmproxy's workers, listener and runner do beside it what they
-    do for mmproxy (the same shards, workers and batches, one batch per reader batch), for a
-    server whose pipeline only hands the bytes back (on the CPU, one thread): what the dataset
-    side costs the pipeline, without the pipeline being fed by it."""
-    import threading
-
+def _beside_loader(paths: list[str], field: tuple[str, str], batch: int, workers: int) -> Any:
+    """mmproxy's dataset side for the beside systems: workers, listener and runner, for a server
+    whose pipeline only hands the bytes back (on the CPU, one thread)."""
     from mmproxy.datasets import MultiModalDataset
     from mmproxy.pipelines import external_pipeline
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     import mmproxy
+
+    server = mmproxy.DALIServer(external_pipeline(lambda data: data, input_name="data",
+                                                  batch_size=batch, num_threads=1), name="beside")
+    name, ext = field
+    dataset = MultiModalDataset(paths, {name: (ext, server.proxy)}, batch_size=batch,
+                                shuffle_buffer=256, keep_keys=False, on_error="skip")
+    return server, dataset.loader(server, num_workers=workers, persistent_workers=True)
+
+
+def _load_paced(loader: Any, pace: Any, stop: Any) -> None:
+    """Takes one batch of ``loader`` each time ``pace`` is released, until ``stop`` is set."""
+    while not stop.is_set():
+        for _ in loader:
+            while not pace.acquire(timeout=0.1):
+                if stop.is_set():
+                    return
+
+
+def _beside_process(paths: list[str], field: tuple[str, str], batch: int, workers: int,
+                    pace: Any, stop: Any) -> None:
+    server, loader = _beside_loader(paths, field, batch, workers)
+    with server:
+        _load_paced(loader, pace, stop)
+        systems._stop_workers(loader)
+
+
+def _reader_beside_workers(setup: systems.Setup, process: bool = False) -> dict[str, Any]:
+    """DALI's reader, timed while mmproxy's dataset side (:func:`_beside_loader`) loads the
+    same shards with the same workers beside it, one batch per reader batch: in this process
+    (its listener, runner and loader threads share the reader's process and GIL), or with
+    ``process`` in a process of its own (only the CPUs are shared)."""
+    import multiprocessing
+    import threading
+
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
     from mmproxy.apps.bench import pipes, timing
 
     a = setup.args
-    server = mmproxy.DALIServer(external_pipeline(lambda data: data, input_name="data",
-                                                  batch_size=setup.batch, num_threads=1),
-                                name="beside")
-    dataset = MultiModalDataset(setup.paths, {setup.modality: (setup.ext, server.proxy)},
-                                batch_size=setup.batch, shuffle_buffer=256, keep_keys=False,
-                                on_error="skip")
-    pace, stop = threading.Semaphore(0), threading.Event()
+    where: Any = multiprocessing.get_context("spawn") if process else threading
+    pace, stop = where.Semaphore(0), where.Event()
+    job = (setup.paths, (setup.modality, setup.ext), setup.batch, a.workers)
     reader = DALIGenericIterator(pipes.reader_pipeline(setup), ["data"], reader_name="reader",
                                  auto_reset=True, last_batch_policy=LastBatchPolicy.PARTIAL)
 
@@ -226,24 +255,22 @@ def _reader_beside_workers(setup: systems.Setup) -> dict[str, Any]:
             pace.release()
             yield batch[0]["data"]
 
-    with server:
-        loader = dataset.loader(server, num_workers=a.workers, persistent_workers=True)
-
-        def load() -> None:
-            while not stop.is_set():
-                for _ in loader:
-                    while not pace.acquire(timeout=0.1):
-                        if stop.is_set():
-                            return
-
-        thread = threading.Thread(target=load, name="beside-loader", daemon=True)
-        thread.start()
+    with contextlib.ExitStack() as stack:
+        if process:
+            beside = where.Process(target=_beside_process, args=(*job, pace, stop), daemon=True)
+        else:
+            server, loader = _beside_loader(*job)
+            stack.enter_context(server)
+            stack.callback(systems._stop_workers, loader)
+            beside = threading.Thread(target=_load_paced, args=(loader, pace, stop), daemon=True)
+        beside.start()
+        for _ in range(8):  # its workers started: the first batches are on their way
+            pace.release()
         try:
             return timing.time_epochs(paced, a.epochs, setup.gpu)
         finally:
             stop.set()
-            thread.join(30)
-            systems._stop_workers(loader)
+            beside.join(30)
 
 
 def register() -> None:
@@ -256,6 +283,9 @@ def register() -> None:
         systems.SYSTEMS[name] = dataclasses.replace(mmproxy, name=name, run=run)
     systems.SYSTEMS["dali-reader-beside-workers"] = dataclasses.replace(
         reader, name="dali-reader-beside-workers", run=_reader_beside_workers)
+    systems.SYSTEMS["dali-reader-beside-process"] = dataclasses.replace(
+        reader, name="dali-reader-beside-process",
+        run=functools.partial(_reader_beside_workers, process=True))
     systems.SYSTEMS["dali-reader-depth4"] = dataclasses.replace(
         reader, name="dali-reader-depth4", run=functools.partial(systems._dali_reader, prefetch=4))
 
