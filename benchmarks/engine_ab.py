@@ -214,20 +214,22 @@ def _beside_loader(paths: list[str], field: tuple[str, str], batch: int, workers
     return server, dataset.loader(server, num_workers=workers, persistent_workers=True)
 
 
-def _load_paced(loader: Any, pace: Any, stop: Any) -> None:
-    """Takes one batch of ``loader`` each time ``pace`` is released, until ``stop`` is set."""
+def _load_paced(loader: Any, pace: Any, stop: Any, ready: Any) -> None:
+    """Takes one batch of ``loader`` each time ``pace`` is released, until ``stop`` is set;
+    sets ``ready`` once the first batch is in (the workers started)."""
     while not stop.is_set():
         for _ in loader:
+            ready.set()
             while not pace.acquire(timeout=0.1):
                 if stop.is_set():
                     return
 
 
 def _beside_process(paths: list[str], field: tuple[str, str], batch: int, workers: int,
-                    pace: Any, stop: Any) -> None:
+                    pace: Any, stop: Any, ready: Any) -> None:
     server, loader = _beside_loader(paths, field, batch, workers)
     with server:
-        _load_paced(loader, pace, stop)
+        _load_paced(loader, pace, stop, ready)
         systems._stop_workers(loader)
 
 
@@ -245,7 +247,7 @@ def _reader_beside_workers(setup: systems.Setup, process: bool = False) -> dict[
 
     a = setup.args
     where: Any = multiprocessing.get_context("spawn") if process else threading
-    pace, stop = where.Semaphore(0), where.Event()
+    pace, stop, ready = where.Semaphore(0), where.Event(), where.Event()
     job = (setup.paths, (setup.modality, setup.ext), setup.batch, a.workers)
     reader = DALIGenericIterator(pipes.reader_pipeline(setup), ["data"], reader_name="reader",
                                  auto_reset=True, last_batch_policy=LastBatchPolicy.PARTIAL)
@@ -257,20 +259,28 @@ def _reader_beside_workers(setup: systems.Setup, process: bool = False) -> dict[
 
     with contextlib.ExitStack() as stack:
         if process:
-            beside = where.Process(target=_beside_process, args=(*job, pace, stop), daemon=True)
+            # not a daemon: it starts workers of its own (it is stopped below, or terminated)
+            beside = where.Process(target=_beside_process, args=(*job, pace, stop, ready))
+            stack.callback(lambda: beside.is_alive() and beside.terminate())
         else:
             server, loader = _beside_loader(*job)
             stack.enter_context(server)
             stack.callback(systems._stop_workers, loader)
-            beside = threading.Thread(target=_load_paced, args=(loader, pace, stop), daemon=True)
+            beside = threading.Thread(target=_load_paced, args=(loader, pace, stop, ready),
+                                      daemon=True)
         beside.start()
-        for _ in range(8):  # its workers started: the first batches are on their way
+        for _ in range(8):  # the first batches are on their way before the reader's clock starts
             pace.release()
-        try:
-            return timing.time_epochs(paced, a.epochs, setup.gpu)
-        finally:
-            stop.set()
-            beside.join(30)
+        stack.callback(beside.join, 30)
+        stack.callback(stop.set)
+        for _ in range(300):  # a spawned process imports torch and DALI first
+            if ready.wait(1):
+                break
+            if not beside.is_alive():
+                raise RuntimeError("the dataset side beside the reader ended before its first batch")
+        else:
+            raise RuntimeError("the dataset side beside the reader delivered no batch in 300 s")
+        return timing.time_epochs(paced, a.epochs, setup.gpu)
 
 
 def register() -> None:
