@@ -214,11 +214,12 @@ def _beside_loader(paths: list[str], field: tuple[str, str], batch: int, workers
     return server, dataset.loader(server, num_workers=workers, persistent_workers=True)
 
 
-def _load_paced(loader: Any, pace: Any, stop: Any, ready: Any) -> None:
+def _load_paced(loader: Any, pace: Any, stop: Any, ready: Any, loaded: Any) -> None:
     """Takes one batch of ``loader`` each time ``pace`` is released, until ``stop`` is set;
-    sets ``ready`` once the first batch is in (the workers started)."""
+    sets ``ready`` once the first batch is in (the workers started); counts them in ``loaded``."""
     while not stop.is_set():
         for _ in loader:
+            loaded.value += 1
             ready.set()
             while not pace.acquire(timeout=0.1):
                 if stop.is_set():
@@ -226,10 +227,10 @@ def _load_paced(loader: Any, pace: Any, stop: Any, ready: Any) -> None:
 
 
 def _beside_process(paths: list[str], field: tuple[str, str], batch: int, workers: int,
-                    pace: Any, stop: Any, ready: Any) -> None:
+                    pace: Any, stop: Any, ready: Any, loaded: Any) -> None:
     server, loader = _beside_loader(paths, field, batch, workers)
     with server:
-        _load_paced(loader, pace, stop, ready)
+        _load_paced(loader, pace, stop, ready, loaded)
         systems._stop_workers(loader)
 
 
@@ -248,6 +249,7 @@ def _reader_beside_workers(setup: systems.Setup, process: bool = False) -> dict[
     a = setup.args
     where: Any = multiprocessing.get_context("spawn") if process else threading
     pace, stop, ready = where.Semaphore(0), where.Event(), where.Event()
+    loaded = multiprocessing.get_context("spawn").Value("q", 0)  # batches the dataset side took
     job = (setup.paths, (setup.modality, setup.ext), setup.batch, a.workers)
     reader = DALIGenericIterator(pipes.reader_pipeline(setup), ["data"], reader_name="reader",
                                  auto_reset=True, last_batch_policy=LastBatchPolicy.PARTIAL)
@@ -260,13 +262,13 @@ def _reader_beside_workers(setup: systems.Setup, process: bool = False) -> dict[
     with contextlib.ExitStack() as stack:
         if process:
             # not a daemon: it starts workers of its own (it is stopped below, or terminated)
-            beside = where.Process(target=_beside_process, args=(*job, pace, stop, ready))
+            beside = where.Process(target=_beside_process, args=(*job, pace, stop, ready, loaded))
             stack.callback(lambda: beside.is_alive() and beside.terminate())
         else:
             server, loader = _beside_loader(*job)
             stack.enter_context(server)
             stack.callback(systems._stop_workers, loader)
-            beside = threading.Thread(target=_load_paced, args=(loader, pace, stop, ready),
+            beside = threading.Thread(target=_load_paced, args=(loader, pace, stop, ready, loaded),
                                       daemon=True)
         beside.start()
         for _ in range(8):  # the first batches are on their way before the reader's clock starts
@@ -280,7 +282,10 @@ def _reader_beside_workers(setup: systems.Setup, process: bool = False) -> dict[
                 raise RuntimeError("the dataset side beside the reader ended before its first batch")
         else:
             raise RuntimeError("the dataset side beside the reader delivered no batch in 300 s")
-        return timing.time_epochs(paced, a.epochs, setup.gpu)
+        before = loaded.value
+        result = timing.time_epochs(paced, a.epochs, setup.gpu)
+        result["beside_batches"] = loaded.value - before  # taken while the reader was timed
+        return result
 
 
 def register() -> None:

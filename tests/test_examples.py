@@ -436,6 +436,23 @@ def test_bench_damage_reports_what_mmproxy_skipped(tmp_path):
     assert systems["mmproxy-damaged"]["samples"] == 60
 
 
+def test_engine_ab_times_the_reader_with_the_dataset_side_beside_it(tmp_path):
+    """benchmarks/engine_ab.py's beside systems: DALI's reader reads every sample of every epoch
+    while mmproxy's dataset side takes batches beside it, in this process and in a process of its
+    own (which must get as far as its workers: a daemon process cannot start them, and then the
+    reader would be timed with nothing beside it)."""
+    run(["benchmarks/engine_ab.py", "--workload", "image", "--samples", "256", "--workers", "2",
+         "--threads", "1", "--epochs", "2", "--batch-size", "16", "--data-dir",
+         str(tmp_path / "data"), "--systems", "dali-reader-beside-workers,dali-reader-beside-process",
+         "--json", str(tmp_path / "beside.json")], tmp_path)
+    systems = json.loads((tmp_path / "beside.json").read_text())["results"]["image"]["systems"]
+    assert sorted(systems) == ["dali-reader-beside-process", "dali-reader-beside-workers"]
+    for name, result in systems.items():
+        assert result["samples"] == 256 and len(result["epochs"]) == 2, name
+        # paced one for one with the reader's 2 x 16 batches (8 were let through ahead)
+        assert 16 <= result["beside_batches"] <= 2 * 16 + 8, (name, result["beside_batches"])
+
+
 def test_engine_ab_runs_a_variant_next_to_mmproxy(tmp_path):
     """benchmarks/engine_ab.py: the old list feed runs as a system of its own, every sample of
     every epoch delivered, reported next to mmproxy with the ratio between them."""
