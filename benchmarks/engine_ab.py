@@ -263,7 +263,7 @@ def _reader_beside_workers(setup: systems.Setup, process: bool = False) -> dict[
         if process:
             # not a daemon: it starts workers of its own (it is stopped below, or terminated)
             beside = where.Process(target=_beside_process, args=(*job, pace, stop, ready, loaded))
-            stack.callback(lambda: beside.is_alive() and beside.terminate())
+            stack.callback(_end, beside)
         else:
             server, loader = _beside_loader(*job)
             stack.enter_context(server)
@@ -284,8 +284,20 @@ def _reader_beside_workers(setup: systems.Setup, process: bool = False) -> dict[
             raise RuntimeError("the dataset side beside the reader delivered no batch in 300 s")
         before = loaded.value
         result = timing.time_epochs(paced, a.epochs, setup.gpu)
+        if not beside.is_alive():  # the reader would have been timed with nothing beside it
+            raise RuntimeError("the dataset side beside the reader ended while it was timed")
         result["beside_batches"] = loaded.value - before  # taken while the reader was timed
         return result
+
+
+def _end(process: Any) -> None:
+    """A beside process that did not stop in time: terminated, then killed, and reaped."""
+    if process.is_alive():
+        process.terminate()
+        process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
 
 
 def register() -> None:

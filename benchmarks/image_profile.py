@@ -35,6 +35,7 @@ import bisect
 import collections
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import shutil
@@ -139,13 +140,20 @@ class Queued:
             feed(pipe, *args, **kwargs)  # (schedules too, unless fed ahead)
             self.feeds.append((start, time.perf_counter()))
 
+        ids = itertools.count()
+
+        def key(pipeline: Any) -> int:  # not id(): a later pipeline may reuse an address
+            if "_profile_key" not in vars(pipeline):
+                pipeline._profile_key = next(ids)
+            return int(pipeline._profile_key)
+
         def counted(schedule: Any) -> Any:  # DALI's own count of the runs it was given
             def counted_schedule(pipeline: Any) -> Any:
                 before = pipeline._batches_to_consume
                 schedule(pipeline)
                 if pipeline._batches_to_consume > before:
                     self.events.append((time.perf_counter(), pipeline._batches_to_consume - before,
-                                        id(pipeline)))
+                                        key(pipeline)))
             return counted_schedule
 
         def timed(take: Any, runner_only: bool) -> Any:
@@ -158,7 +166,7 @@ class Queued:
                 finally:
                     end = time.perf_counter()
                     self.waits.append((start, end))
-                    self.events.append((end, -1, id(pipeline)))
+                    self.events.append((end, -1, key(pipeline)))
             return timed_take
 
         Pipe.feed = timed_feed  # type: ignore[method-assign]

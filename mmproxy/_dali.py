@@ -73,6 +73,11 @@ class Pipe:
             self.queue_depth = 1
 
     @property
+    def runs_async(self) -> bool:
+        """Whether ``_run_once`` returns before the run is done (DALI's asynchronous executors)."""
+        return bool(self.pipeline.exec_async)
+
+    @property
     def survives_errors(self) -> bool:
         """Whether the pipeline stays usable after a run fails (the dynamic executor)."""
         return bool(self.pipeline.exec_dynamic)
@@ -99,8 +104,8 @@ class Pipe:
         """The oldest scheduled run's outputs as torch, and the CUDA event that marks them ready
         on ``stream`` (None for a CPU pipeline). Raises DALI's error when the run failed.
         ``then`` is called as soon as DALI has given the outputs up: before they are converted
-        with the dynamic executor, after with the classic ones, whose next run may write into the
-        same buffers."""
+        with the dynamic executor (a GPU pipeline's only one), after with the classic ones, whose
+        next run may write into the same buffers."""
         pipe = self.pipeline
         if stream is None:
             copy = not pipe.exec_dynamic  # the classic executors reuse their output buffers

@@ -4,9 +4,14 @@ It keeps up to ``prefetch_queue_depth`` runs in flight: takes the next run from 
 feeds it and schedules it; takes the oldest run's outputs and marks it READY. With ``feed_ahead``
 it also feeds one more run's inputs (when one has arrived) before it waits for outputs, and
 schedules it the moment DALI hands a run's outputs over (before they are converted to torch and
-handed to the loader), so that DALI waits for its next run only as long as a ``_run_once`` takes,
-as under DALI's own iterator, not for the conversion, the hand-over and the feed (~0.8 ms a batch
-of 256 JPEGs on the H200 machine). When a run fails:
+handed to the loader; a synchronous executor's at the next turn, as its ``_run_once`` computes the
+whole run), so that DALI waits for its next run only as long as a ``_run_once`` takes, as under
+DALI's own iterator, not for the conversion, the hand-over and the feed (~0.8 ms a batch of 256
+JPEGs on the H200 machine; measured on the H200 it changed nothing in throughput, so it is off by
+default, BENCHMARKS.md). Inputs the pipeline refuses (``feed_input`` or ``_run_once`` raising)
+fail their run alone: the runs before it are finished, the pipeline is rebuilt before anything
+else runs on it (it may hold part of those inputs), and every run that was behind it, or that
+failed on the way, runs again from its inputs. When a run fails:
 
 1. the runs queued behind it are finished first (the dynamic executor keeps them), or, with the
    classic executors, which invalidate the pipeline, it is rebuilt and every one of them is run
@@ -63,6 +68,9 @@ class Runner:
                  stop: threading.Event, feed_ahead: bool = False) -> None:
         self.pipe, self.table, self.pad, self.device, self.stop = pipe, table, pad, device, stop
         self.feed_ahead = feed_ahead
+        # The run fed ahead is scheduled from inside Pipe.outputs (see _schedule_early), unless
+        # the executor is synchronous: its _run_once computes the whole run before returning.
+        self._early = feed_ahead and pipe is not None and pipe.runs_async
         self.name = table.name
         self._stream: Any = None
         self._ahead: Run | None = None  # fed, not scheduled: the next run DALI will take
@@ -97,11 +105,21 @@ class Runner:
                         return
                     continue
                 run = inflight.popleft()
+                early = (lambda: self._schedule_early(inflight)) if self._early else None
                 try:
-                    outputs = self._outputs(then=lambda: self._schedule_early(inflight))
+                    outputs = self._outputs(then=early)
                 except Exception as err:  # noqa: BLE001 - a bad sample, or the pipeline itself
                     later = list(inflight)
                     inflight.clear()
+                    refused, self._early_refusal = self._early_refusal, None
+                    if refused is not None:  # its inputs may wait in DALI's queue: a rebuild
+                        if self._ahead is not None:  # first, and every run again from its inputs
+                            later.append(self._ahead)
+                            self._ahead = None
+                        self._fail_refused(*refused)
+                        for again in (run, *later):
+                            self._isolate(again, None)
+                        continue
                     if self._ahead is not None:  # behind them in DALI's queue: runs after them
                         if self.pipe.survives_errors:
                             later.append(self._schedule_ahead())
@@ -148,7 +166,7 @@ class Runner:
         """Schedules the run fed ahead the moment DALI gives up a run's outputs, before they are
         converted and handed over, so that DALI is one run short only for a ``_run_once``. A
         refusal is dealt with once those outputs are finished (see ``__call__``)."""
-        if self._ahead is None or len(inflight) >= self.pipe.queue_depth:
+        if self._ahead is None:
             return
         fed = self._ahead
         try:
@@ -161,14 +179,25 @@ class Runner:
 
     def _refused(self, run: Run, error: BaseException, inflight: deque[Run]) -> None:
         """The pipeline refused ``run``'s inputs: the runs before it are finished, the pipeline is
-        rebuilt (it may hold part of the refused inputs) and the run fails with DALI's message."""
+        rebuilt (it may hold part of the refused inputs, so nothing runs on it before) and the run
+        fails with DALI's message; a run before it that failed is then searched from its inputs
+        (after a classic executor's first failure, the runs behind it are run again too)."""
+        failed: list[Run] = []
         while inflight:
             earlier = inflight.popleft()
+            if failed and not self.pipe.survives_errors:
+                failed.append(earlier)
+                continue
             try:
                 self.table.finish(earlier, *self._outputs())
-            except Exception as err:  # noqa: BLE001
-                self._recover(earlier, err, list(inflight))
-                inflight.clear()
+            except Exception:  # noqa: BLE001 - searched once the pipeline is rebuilt
+                failed.append(earlier)
+        self._fail_refused(run, error)
+        for earlier in failed:
+            self._isolate(earlier, None)
+
+    def _fail_refused(self, run: Run, error: BaseException) -> None:
+        """Rebuilds the pipeline and fails ``run``, whose inputs it refused."""
         self.pipe.rebuild()
         self.table.fail_run(run, with_remote_cause(PipelineError(
             f"server {self.name!r}: the pipeline refused the inputs of run {run.id} "
