@@ -11,11 +11,19 @@ yielding garbage.
 from __future__ import annotations
 
 import tarfile
+import zlib
 from collections.abc import Iterator
 
 _BLOCK = 512
 _FILE_TYPES = (b"0", b"\0", b"7")
 _SPACES = 8 * 0x20
+
+
+def _byte_sum(header: bytes) -> int:
+    """The sum of a 512-byte header's bytes, in C: zlib's Adler-32 keeps ``1 + sum`` modulo
+    65521, which is exact for each 256-byte half (at most 65280); ``sum(header)`` in Python was
+    ~40% of the time a member's header takes."""
+    return ((zlib.adler32(header[:256]) & 0xFFFF) + (zlib.adler32(header[256:]) & 0xFFFF) - 2)
 
 
 def _number(field: bytes, what: str, at: int) -> int:
@@ -55,7 +63,7 @@ def members(data: memoryview) -> Iterator[tuple[str, int, int]]:
         if header.count(0) == _BLOCK:
             return  # end-of-archive marker
         stored = _number(header[148:156], "checksum", pos)
-        unsigned = sum(header) - sum(header[148:156]) + _SPACES
+        unsigned = _byte_sum(header) - sum(header[148:156]) + _SPACES
         if stored != unsigned and stored != unsigned - 256 * sum(b > 127 for b in header):
             raise tarfile.ReadError(f"bad checksum in the header at byte {pos} (damaged shard?)")
         kind = header[156:157]

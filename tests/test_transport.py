@@ -41,6 +41,17 @@ def test_members_match_tarfile(tmp_path, fmt):
         assert [(m.name, m.offset_data, m.size) for m in tar] == list(members(memoryview(data)))
 
 
+def test_header_byte_sums_are_exact_where_adler32_alone_would_wrap():
+    """The checksum's byte sum comes from zlib's Adler-32, modulo 65521: a 512-byte header can
+    sum to 130,560, so each 256-byte half is summed on its own, where it cannot wrap."""
+    from mmproxy.datasets._tar import _byte_sum
+
+    rng = np.random.default_rng(0)
+    headers = [bytes(512), b"\xff" * 512, b"\xff" * 256 + bytes(256), bytes(256) + b"\xff" * 256,
+               b"\x80" * 512, *(rng.integers(0, 256, 512, dtype=np.uint8).tobytes() for _ in range(200))]
+    assert [_byte_sum(h) for h in headers] == [sum(h) for h in headers]
+
+
 def test_damaged_and_truncated_tars_raise(tmp_path):
     data = bytearray(_tar(tmp_path / "s.tar", FILES[:3], tarfile.GNU_FORMAT).read_bytes())
     flipped = bytearray(data)
