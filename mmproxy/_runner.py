@@ -112,8 +112,10 @@ class Runner:
                     later = list(inflight)
                     inflight.clear()
                     refused, self._early_refusal = self._early_refusal, None
-                    if refused is not None:  # its inputs may wait in DALI's queue: a rebuild
-                        if self._ahead is not None:  # first, and every run again from its inputs
+                    if refused is not None:
+                        # The run fed ahead was refused, and its inputs may still wait in DALI's
+                        # queue: the pipeline is rebuilt first, then every run runs again.
+                        if self._ahead is not None:
                             later.append(self._ahead)
                             self._ahead = None
                         self._fail_refused(*refused)
