@@ -242,22 +242,19 @@ def _reader_beside_workers(setup: systems.Setup, process: bool = False) -> dict[
     import multiprocessing
     import threading
 
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
-
-    from mmproxy.apps.bench import pipes, timing
+    from mmproxy.apps.bench import timing
 
     a = setup.args
     where: Any = multiprocessing.get_context("spawn") if process else threading
     pace, stop, ready = where.Semaphore(0), where.Event(), where.Event()
     loaded = multiprocessing.get_context("spawn").Value("q", 0)  # batches the dataset side took
     job = (setup.paths, (setup.modality, setup.ext), setup.batch, a.workers)
-    reader = DALIGenericIterator(pipes.reader_pipeline(setup), ["data"], reader_name="reader",
-                                 auto_reset=True, last_batch_policy=LastBatchPolicy.PARTIAL)
+    epoch = systems.reader_batches(setup)
 
     def paced() -> Iterator[Any]:
-        for batch in reader:
+        for batch in epoch():
             pace.release()
-            yield batch[0]["data"]
+            yield batch
 
     with contextlib.ExitStack() as stack:
         if process:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from mmproxy import _context
@@ -68,9 +69,6 @@ class Runner:
                  stop: threading.Event, feed_ahead: bool = False) -> None:
         self.pipe, self.table, self.pad, self.device, self.stop = pipe, table, pad, device, stop
         self.feed_ahead = feed_ahead
-        # The run fed ahead is scheduled from inside Pipe.outputs (see _schedule_early), unless
-        # the executor is synchronous: its _run_once computes the whole run before returning.
-        self._early = feed_ahead and pipe is not None and pipe.runs_async
         self.name = table.name
         self._stream: Any = None
         self._ahead: Run | None = None  # fed, not scheduled: the next run DALI will take
@@ -83,6 +81,9 @@ class Runner:
             torch.cuda.set_device(self.device)
             self._stream = torch.cuda.Stream(self.device)
         inflight: deque[Run] = deque()
+        # The run fed ahead is scheduled from inside Pipe.outputs (see _schedule_early), unless
+        # the executor is synchronous: its _run_once computes the whole run before returning.
+        early = self.feed_ahead and self.pipe.runs_async
         try:
             while True:
                 if self._ahead is not None and len(inflight) < self.pipe.queue_depth:
@@ -105,9 +106,9 @@ class Runner:
                         return
                     continue
                 run = inflight.popleft()
-                early = (lambda: self._schedule_early(inflight)) if self._early else None
                 try:
-                    outputs = self._outputs(then=early)
+                    outputs = self._outputs(then=partial(self._schedule_early, inflight)
+                                            if early else None)
                 except Exception as err:  # noqa: BLE001 - a bad sample, or the pipeline itself
                     later = list(inflight)
                     inflight.clear()

@@ -155,12 +155,17 @@ def _torch(setup: Setup, decoder: str) -> dict[str, Any]:
         _stop_workers(loader)
 
 
-def _dali_reader(setup: Setup, prefetch: int = 2) -> dict[str, Any]:
+def reader_batches(setup: Setup, prefetch: int = 2) -> Any:
+    """DALI's reader through DALI's own iterator: an iterable of epochs' batches (tensors)."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     reader = DALIGenericIterator(reader_pipeline(setup, prefetch), ["data"], reader_name="reader",
                                  auto_reset=True, last_batch_policy=LastBatchPolicy.PARTIAL)
-    return time_epochs(lambda: (b[0]["data"] for b in reader), setup.args.epochs, setup.gpu)
+    return lambda: (b[0]["data"] for b in reader)
+
+
+def _dali_reader(setup: Setup, prefetch: int = 2) -> dict[str, Any]:
+    return time_epochs(reader_batches(setup, prefetch), setup.args.epochs, setup.gpu)
 
 
 def _dali_proxy(setup: Setup, seed_setting: bool = False) -> dict[str, Any]:
