@@ -34,7 +34,7 @@ import webdataset as wds
 from mmproxy import worker
 from mmproxy.collate import Collate
 from mmproxy.errors import SampleError, ShardError
-from mmproxy.skips import SKIPPED, SkippedSample
+from mmproxy.skips import SHARDS_TRIED, SKIPPED, SkipKind, SkippedSample
 
 from .checks import MAX_PIXELS
 from .fields import Field, FieldSpec, Skip, parse_field, process
@@ -62,6 +62,7 @@ from .shards import (
     is_remote,
     read_local_tar,
     read_remote_tar,
+    require_files,
     worker_info,
 )
 
@@ -73,9 +74,10 @@ OnError = Literal["raise", "skip"]
 class _Source:
     """A source as the dataset uses it: name, expanded shards, parsed fields, weight."""
 
-    def __init__(self, index: int, source: Source) -> None:
+    def __init__(self, index: int, source: Source, mixed: bool) -> None:
         self.name = source.name or f"source{index}"
         self.urls = expand(source.urls)
+        require_files(self.urls, f"the urls of source {self.name!r}" if mixed else "urls")
         self.fields = {name: parse_field(name, spec) for name, spec in source.fields.items()}
         if not self.fields:
             raise ValueError(f"source {self.name!r}: fields is empty: say which fields to read")
@@ -88,8 +90,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
     Args:
         urls: Shards: a brace pattern (``"data-{000..099}.tar"``), a list, local paths or
             globs of them (``"/data/*.tar"``, sorted), ``http(s)://`` or ``s3://`` URLs
-            (streamed, retried, optionally cached: ``remote``), or ``pipe:`` commands, as
-            webdataset reads them. None when ``sources`` are given.
+            (streamed, retried, optionally cached: ``remote``; an ``s3://`` prefix ending in
+            ``/`` or a glob is listed), or ``pipe:`` commands, as webdataset reads them. Local
+            shards that do not exist are refused here (``FileNotFoundError``, naming the first
+            few and how many). None when ``sources`` are given.
         fields: Output name -> what to do: a :class:`Field` (explicit), or ``(extensions,
             callable)``, or a callable applied to the extension of the same name. In the two
             short forms a field goes through a server when its callable is a server's proxy
@@ -111,13 +115,15 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         epoch_length: Batches per rank per epoch. With it every rank yields the same number of
             batches (ranks that run out of their own shards start them again).
         on_error: "raise" or "skip" (see the module docstring).
-        max_skipped: In skip mode, the largest fraction of samples an epoch may skip before the
-            loader raises :class:`~mmproxy.errors.SkipLimitError` (default 0.1: web corpora lose
-            0.01-1% to damage; more means a wrong path, extension or field function). An
-            unreadable or empty shard counts as one sample (its samples were never read, so
-            nobody counted them; ``loader.skipped.shards`` says how many, ``.empty_shards`` how
-            many of them were empty). ``None`` never raises for the fraction; an epoch that
-            delivers nothing always raises.
+        max_skipped: In skip mode, the largest fraction of the samples read that an epoch may
+            skip, and separately the largest fraction of the shards it tried (on each rank) that
+            may be unreadable or empty, before the loader raises
+            :class:`~mmproxy.errors.SkipLimitError` (default 0.1: web corpora lose 0.01-1% to
+            damage; more means a wrong path, extension or field function, or missing shards).
+            A shard counts as a shard, never as one sample (its samples were never read;
+            ``loader.skipped.shards`` says how many, ``.empty_shards`` how many of them were
+            empty, ``.shards_tried`` of how many). ``None`` never raises for a fraction; an epoch
+            that delivers nothing always raises.
         partial: Yield the last, smaller batch of each worker.
         collate: The collate for a list of sample dicts; :class:`~mmproxy.Collate` by default.
         batch_transform: Applied to each collated batch in the worker (e.g. tokenization).
@@ -172,7 +178,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                             "fields), not both")
         else:
             self.mixed = True
-        self.sources = [_Source(i, source) for i, source in enumerate(sources)]
+        self.sources = [_Source(i, source, self.mixed) for i, source in enumerate(sources)]
         if not self.sources:
             raise ValueError("sources is empty")
         check_weights([s.weight for s in self.sources])
@@ -205,6 +211,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         prepare_remote(self.urls)
         self._epoch: int | None = None
         self._ahead: tuple[int, Any, Iterator[Any]] | None = None
+        self._tried = 0  # shards begun in this worker since its last batch (or records) went out
 
     def set_epoch(self, epoch: int) -> None:
         """Fixes the epoch used for seeding (otherwise mmproxy's DataLoader supplies it)."""
@@ -313,11 +320,14 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         last = max(work.only) if work.only else -1
         if wanted is not None and not wanted:
             return
+        if work.start == 0 and work.only is None:  # a shard begun (not one read again on resume)
+            self._tried += 1
 
         def failed(exn: BaseException) -> None:
             reason = _describe(exn)
             if self.on_error == "skip":
-                skipped.append(SkippedSample(redact(url), "", f"unreadable shard: {reason}"))
+                skipped.append(SkippedSample(redact(url), "", f"unreadable shard: {reason}",
+                                             SkipKind.UNREADABLE_SHARD))
             else:
                 raise ShardError(f"shard {redact(url)}: cannot be read: {reason}") from exn
 
@@ -344,7 +354,8 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             return
         if count == 0 and self.on_error == "skip":
             if len(skipped) == records:
-                skipped.append(SkippedSample(redact(url), "", "empty shard: it holds no files"))
+                skipped.append(SkippedSample(redact(url), "", "empty shard: it holds no files",
+                                             SkipKind.EMPTY_SHARD))
             yield None
 
     def _process(self, source: int, raw: dict[str, Any], epoch: int) -> dict[str, Any]:
@@ -422,7 +433,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                 break
             if got is None:  # a shard was skipped
                 if len(pending) >= self.batch_size:
-                    yield stamped({SKIPPED: _take(pending)})
+                    yield stamped(self._send(pending))
                 continue
             source, (url, index, raw) = got
             try:
@@ -430,7 +441,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                 taken.append((source, url, index))
             except Skip as skip:
                 if self.on_error == "raise":
-                    url, key, reason = skip.record
+                    url, key, reason, _ = skip.record
                     raise SampleError(f"shard {url}, sample {key!r}: {reason}") from skip.__cause__
                 pending.append(skip.record)
             if len(batch) == self.batch_size:
@@ -439,39 +450,40 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                 for item in self._collate(full, pending):
                     yield stamped(item)
             elif len(pending) >= self.batch_size:
-                yield stamped({SKIPPED: _take(pending)})  # nothing to batch yet: records go alone
+                yield stamped(self._send(pending))  # nothing to batch yet: records go alone
         if batch and self.partial and (quota is None or made < quota):
             full, batch, taken = batch, [], []
             made += 1
             for item in self._collate(full, pending):
                 yield stamped(item)
-        if pending:
-            yield stamped({SKIPPED: _take(pending)})
+        if pending or self._tried:
+            yield stamped(self._send(pending))
 
     def _collate(self, samples: list[dict[str, Any]], skipped: list[SkippedSample]) -> Iterator[Any]:
         batch = self.collate(samples)
         if self.batch_transform is not None:
             batch = self.batch_transform(batch)
         if isinstance(batch, dict):
-            batch[SKIPPED] = _take(skipped)
+            batch.update(self._send(skipped))
             yield batch
         else:
             yield batch
-            if skipped:
-                yield {SKIPPED: _take(skipped)}
+            if skipped or self._tried:
+                yield self._send(skipped)
+
+    def _send(self, records: list[SkippedSample]) -> dict[str, Any]:
+        """The skip records so far (emptying the list that collects them) and the number of
+        shards begun since the last send, as the loader takes them (:mod:`mmproxy.skips`)."""
+        sent = {SKIPPED: list(records), SHARDS_TRIED: self._tried}
+        records.clear()
+        self._tried = 0
+        return sent
 
 
 def _sample_seed(seed: int, epoch: int, source: str, key: str) -> int:
     """A sample's own seed: the same wherever and whenever the sample is read in an epoch."""
     digest = hashlib.blake2b(f"{seed}:{epoch}:{source}:{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
-
-
-def _take(records: list[SkippedSample]) -> list[SkippedSample]:
-    """The records so far (a copy), emptying the list that collects them."""
-    taken = list(records)
-    records.clear()
-    return taken
 
 
 def _describe(exn: BaseException) -> str:

@@ -31,7 +31,7 @@ from ._tar import members
 from .remote import RemoteOptions, RemoteShard, is_remote, open_remote
 
 __all__ = ["expand", "is_local", "is_remote", "local_glob", "rank_shards", "read_local_tar",
-           "read_remote_tar", "worker_info", "worker_shards"]
+           "read_remote_tar", "require_files", "worker_info", "worker_shards"]
 
 
 def expand(urls: str | Sequence[str]) -> list[str]:
@@ -53,6 +53,22 @@ def expand(urls: str | Sequence[str]) -> list[str]:
     if not out:
         raise ShardError(f"the shard list {urls!r} is empty")
     return out
+
+
+def require_files(shards: Sequence[str], named_by: str) -> None:
+    """Raises ``FileNotFoundError`` when local shards among ``shards`` are not files, naming the
+    first three, how many of how many, and what named them (``named_by``: ``"--data"``,
+    ``"urls"``), so that no run goes on with part of the data. Remote and ``pipe:`` shards are
+    not checked here (they are read, retried and counted when the epoch comes to them)."""
+    missing = [s for s in shards if is_local(s) and not os.path.isfile(s)]
+    if not missing:
+        return
+    folders = [s for s in missing if os.path.isdir(s)]
+    hint = (f"; {folders[0]} is a folder: name its shards, e.g. {os.path.join(folders[0], '*.tar')}"
+            if folders else "")
+    more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+    raise FileNotFoundError(f"no shard at {', '.join(missing[:3])}{more} ({len(missing)} of the "
+                            f"{len(shards)} that {named_by} names){hint}")
 
 
 def local_glob(pattern: str) -> list[str]:
