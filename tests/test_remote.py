@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -291,6 +294,36 @@ def test_missing_shards_are_records_in_skip_mode(http, s3, aws, image_server):
     assert record.shard == "s3://bench/missing.tar" and "NoSuchKey" in record.reason
     with pytest.raises(mmproxy.ShardError, match="s3://bench/missing.tar: cannot be read"):
         run(["s3://bench/missing.tar"], image_server)
+
+
+def test_most_remote_shards_missing_fails_the_epoch_in_the_api_and_the_cli(tmp_path, image_server):
+    """8 of 20 shards on the server, 240 samples: the 12 missing ones (60% of the shards) fail
+    the epoch, named with their reasons, through the API and through ``mmproxy demo`` (which
+    used to exit 0: "skipped 0 samples and 12 unreadable shard(s)")."""
+    (tmp_path / "srv" / "mm").mkdir(parents=True)
+    for s in range(8):
+        write_tar(tmp_path / "srv" / "mm" / f"mm-{s:06d}.tar",
+                  [{"__key__": f"m{s}-{i:02d}", "jpg": image_bytes(synth_image(s * 30 + i, 48, 64)),
+                    "cls": str(i)} for i in range(30)])
+    head = (r"12 unreadable shard\(s\) of the 20 tried this epoch \(60\.0%\), more than "
+            r"(--max-skipped|max_skipped)=10\.0%")
+    with ShardServer(tmp_path / "srv") as server:
+        pattern = f"{server.url}/mm/mm-{{000000..000019}}.tar"
+        ds = MultiModalDataset(pattern, {"image": ("jpg", image_server.proxy),
+                                         "label": ("cls", int)}, batch_size=8, on_error="skip",
+                               remote=RemoteOptions(**FAST))
+        with pytest.raises(mmproxy.SkipLimitError, match=f"^{head}") as raised:
+            for _ in ds.loader(image_server, num_workers=2):
+                pass
+        assert re.search(r"the first 3 of 12 shards:\n    http://127\.0\.0\.1:\d+/mm/mm-0000\d\d"
+                         r"\.tar: unreadable shard: RemoteError: HTTP 404", str(raised.value))
+        env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="")
+        proc = subprocess.run([sys.executable, "-m", "mmproxy.cli", "demo", "--data", pattern,
+                               "--quiet", "--device", "cpu", "--batch-size", "8"], env=env,
+                              capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(f"mmproxy demo: error: {head}", proc.stderr), proc.stderr
+    assert "HTTP 404" in proc.stderr and "the first 3 of 12 shards:" in proc.stderr
 
 
 def test_s3_client_retries_cuts_stalls_and_5xx(shard_dir, local, aws, image_server, caplog):
