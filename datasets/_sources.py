@@ -7,6 +7,10 @@ refused credentials, a shard that changed on the server); the retrying belongs t
 (:mod:`mmproxy.datasets.remote`). Texts of both name no URL (the caller adds the shard's redacted
 URL) and never hold a credential.
 
+Two timeouts: ``connect_timeout`` for connecting and then for the answer's first byte (a server
+that accepts connections but does not answer, stopped or overloaded, is told apart in seconds),
+``read_timeout`` for each read of the body once it flows.
+
 HTTP(S) goes through ``urllib`` (proxies from the environment, redirects); S3 through boto3, which
 takes its endpoint, region and credentials from the standard AWS environment variables and config
 files (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
@@ -69,7 +73,68 @@ def open_source(url: str, start: int, etag: str | None, read_timeout: float,
     """GETs ``url`` from byte ``start``; with ``etag``, refuses a shard that has changed since."""
     if url[:5].lower() == "s3://":
         return _s3(url, start, etag, read_timeout, connect_timeout)
-    return _HttpBody(url, start, etag, read_timeout)
+    return _HttpBody(url, start, etag, read_timeout, connect_timeout)
+
+
+def _no_answer(timeout: float) -> str:
+    return f"no answer within {timeout:g} s (the server takes connections but does not answer)"
+
+
+class _BodyTimeout:
+    """An ``http.client`` connection whose timeout, the connect timeout until the answer's
+    headers are in, becomes ``read_timeout`` for the body."""
+
+    read_timeout: float
+    sock: Any
+
+    def getresponse(self) -> http.client.HTTPResponse:
+        sock = self.sock  # the response keeps it when the connection lets go of it
+        try:
+            response = super().getresponse()  # type: ignore[misc]
+        except TimeoutError:
+            raise _NoAnswer from None
+        if sock is not None:
+            sock.settimeout(self.read_timeout)
+        return response
+
+
+class _NoAnswer(OSError):
+    """The connect timeout passed while waiting for the answer's headers."""
+
+
+class _Http(_BodyTimeout, http.client.HTTPConnection):
+    pass
+
+
+class _Https(_BodyTimeout, http.client.HTTPSConnection):
+    pass
+
+
+class _Handler(urllib.request.AbstractHTTPHandler):
+    """urllib's HTTP(S) handlers, with connections of :class:`_BodyTimeout`."""
+
+    def __init__(self, read_timeout: float) -> None:
+        super().__init__()
+        self.read_timeout = read_timeout
+
+    def do_open(self, http_class: Any, req: urllib.request.Request,
+                **kwargs: Any) -> http.client.HTTPResponse:
+        timed = _Https if issubclass(http_class, http.client.HTTPSConnection) else _Http
+
+        def connection(*args: Any, **more: Any) -> http.client.HTTPConnection:
+            conn = timed(*args, **more)
+            conn.read_timeout = self.read_timeout
+            return conn
+
+        return super().do_open(connection, req, **kwargs)
+
+
+class _HttpHandler(_Handler, urllib.request.HTTPHandler):
+    pass
+
+
+class _HttpsHandler(_Handler, urllib.request.HTTPSHandler):
+    pass
 
 
 def _changed(etag: str | None, now: str | None) -> None:
@@ -98,13 +163,18 @@ class _StdlibBody:
 
 
 class _HttpBody(_StdlibBody):
-    def __init__(self, url: str, start: int, etag: str | None, timeout: float) -> None:
+    def __init__(self, url: str, start: int, etag: str | None, read_timeout: float,
+                 connect_timeout: float) -> None:
         headers = {"User-Agent": "mmproxy", "Accept-Encoding": "identity"}
         if start:
             headers["Range"] = f"bytes={start}-"
+        opener = urllib.request.build_opener(_HttpHandler(read_timeout),
+                                             _HttpsHandler(read_timeout))
         try:
-            self._resp = urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                                timeout=timeout)
+            self._resp = opener.open(urllib.request.Request(url, headers=headers),
+                                     timeout=connect_timeout)
+        except _NoAnswer:
+            raise Transient(_no_answer(connect_timeout)) from None
         except urllib.error.HTTPError as err:
             err.close()
             text = f"HTTP {err.code} {err.reason}"
@@ -112,6 +182,8 @@ class _HttpBody(_StdlibBody):
                 raise Transient(text) from None
             raise Permanent(text) from None
         except urllib.error.URLError as err:
+            if isinstance(err.reason, (TimeoutError, socket.timeout)):  # while connecting
+                raise Transient(f"cannot connect within {connect_timeout:g} s") from None
             raise Transient(_oserror(err.reason)) from None
         except (OSError, http.client.HTTPException) as err:
             raise Transient(_oserror(err)) from None
@@ -142,7 +214,7 @@ class _HttpBody(_StdlibBody):
 
 def _oserror(err: object) -> str:
     if isinstance(err, (TimeoutError, socket.timeout)):
-        return "read timed out (stalled server)"
+        return "read timed out (stalled server: no byte within the read timeout)"
     if isinstance(err, http.client.IncompleteRead):
         partial = err.partial if isinstance(err.partial, int) else len(err.partial)
         return f"connection cut after {partial} more bytes"
@@ -279,7 +351,9 @@ def _s3(url: str, start: int, etag: str | None, read_timeout: float,
     """A GET of an S3 shard: presigned when it can, else boto3's (module docstring)."""
     bucket, key = _bucket_key(url)
     try:
-        client, secrets = _clients.get(read_timeout, connect_timeout)
+        # boto3 has one read timeout, for the answer and the body alike: the shorter one, so
+        # that a server that does not answer is told apart as fast as on the presigned path
+        client, secrets = _clients.get(connect_timeout, connect_timeout)
     except Permanent:
         raise
     except Exception as err:  # noqa: BLE001 - a profile, region or endpoint boto3 refuses
@@ -349,10 +423,16 @@ class _PresignedBody(_StdlibBody):
                     try:
                         conn.connect()
                     except TimeoutError:
-                        raise Transient("connect timed out") from None
-                conn.sock.settimeout(read_timeout)
+                        raise Transient(f"cannot connect within {connect_timeout:g} s") from None
+                sock = conn.sock  # the response keeps it when the connection lets go of it
+                sock.settimeout(connect_timeout)  # until the answer's headers are in
                 conn.request("GET", target, headers=headers)
-                self._resp = conn.getresponse()
+                try:
+                    self._resp = conn.getresponse()
+                except TimeoutError:
+                    conn.close()
+                    raise Transient(_no_answer(connect_timeout)) from None
+                sock.settimeout(read_timeout)
                 break
             except (OSError, http.client.HTTPException) as err:
                 conn.close()

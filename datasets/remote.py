@@ -18,11 +18,15 @@ byte is in, not the whole shard. A cached shard is read like a local file. The d
 network speed in its own thread (so a shard finishes for the cache even if the reader stops
 early), and the reader waits only for the bytes it needs.
 
-Retries: a reset or cut connection, a stall (no byte for ``read_timeout`` seconds), a 5xx or
-throttling answer is retried ``retries`` times with exponential backoff (``backoff`` seconds,
-doubling, with jitter), resuming where the bytes stopped (a ``Range`` request, checked against
-the shard's ETag); the count starts again after every answer that brings bytes. After the last
-one, or at once for a missing shard or refused credentials, :class:`RemoteError` names the reason;
+Retries: a reset or cut connection, a server that does not answer (no answer within
+``connect_timeout`` seconds: 10 by default, so a stopped or stuck server is reported in seconds),
+a stall (no byte of the body for ``read_timeout`` seconds), a 5xx or throttling answer is retried
+``retries`` times with exponential backoff (``backoff`` seconds, doubling, with jitter), resuming
+where the bytes stopped (a ``Range`` request, checked against the shard's ETag); each retry is a
+warning on the ``mmproxy.datasets.remote`` logger, and the count starts again after every answer
+that brings bytes. After the last one (with the defaults, within
+:attr:`RemoteOptions.give_up_after`: under two minutes for a server that stops answering), or at
+once for a missing shard or refused credentials, :class:`RemoteError` names the reason;
 :class:`~mmproxy.datasets.MultiModalDataset` records it in ``__skipped__`` (skip mode) or raises
 :class:`~mmproxy.errors.ShardError` with the URL (raise mode). URLs in messages and logs are
 :func:`redact`-ed, and S3 credentials come only from the AWS environment and config files.
@@ -50,7 +54,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from mmproxy import worker
 
 from ._cache import NodeCache
-from ._download import Attempts, Download, RemoteError, Waiting
+from ._download import MAX_BACKOFF, Attempts, Download, RemoteError, Waiting
 from ._sources import Response, prepare_s3
 
 __all__ = ["RemoteError", "RemoteOptions", "RemoteShard", "is_remote", "open_remote", "prepare",
@@ -83,15 +87,17 @@ class RemoteOptions:
             None: leave 5% of the disk free.
         retries: Retries after a failure (a fresh count after every answer that brings bytes).
         backoff: Seconds before the first retry; doubles on each (at most 30 s), with jitter.
-        read_timeout: Seconds without a byte before a connection counts as stalled.
-        connect_timeout: Seconds to connect (S3; HTTP uses ``read_timeout`` for both).
+        read_timeout: Seconds without a byte of the body before a connection counts as stalled.
+        connect_timeout: Seconds to connect, and then to get the answer's first byte (HTTP and
+            S3; boto3's own ``get_object``, used for answers other than the bytes and behind a
+            proxy, has one timeout for both and for the body's reads: this one).
     """
 
     cache_dir: str | None = field(default_factory=lambda: os.environ.get("MMPROXY_CACHE_DIR") or None)
     cache_bytes: int | None = field(default_factory=_env_bytes)
     retries: int = 5
     backoff: float = 0.5
-    read_timeout: float = 60.0
+    read_timeout: float = 30.0
     connect_timeout: float = 10.0
 
     def __post_init__(self) -> None:
@@ -99,6 +105,14 @@ class RemoteOptions:
             raise ValueError(f"retries and backoff must be >= 0, timeouts > 0: {self}")
         if self.cache_bytes is not None and self.cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be positive, got {self.cache_bytes}")
+
+    @property
+    def give_up_after(self) -> float:
+        """The longest a shard's download takes to fail once its server stops answering (a
+        stopped, hung or unreachable server): the read under way waits ``read_timeout``, every
+        retry ``connect_timeout`` for an answer, plus the backoffs between them."""
+        waits = sum(min(self.backoff * 2 ** k, MAX_BACKOFF) for k in range(self.retries))
+        return self.read_timeout + self.retries * self.connect_timeout + waits
 
 
 def is_remote(url: str) -> bool:

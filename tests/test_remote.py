@@ -3,12 +3,16 @@ and moto's standalone S3 server, reached by urllib and by the real S3 client (bo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -240,6 +244,98 @@ def test_a_stall_hits_the_read_timeout_and_is_retried(local, http, image_server)
     assert same(got, expected)
     assert time.monotonic() - start < 10
     assert http.requests["r-3.tar"] == 2
+
+
+@contextlib.contextmanager
+def silent_server():
+    """A server on 127.0.0.1 that accepts connections and never answers (as a stopped or hung
+    one does); yields its URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held, stop = [], threading.Event()
+
+    def accept():
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, name="silent-server", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for conn in held:
+            conn.close()
+        listener.close()
+
+
+QUICK = {"retries": 2, "backoff": 0.01, "connect_timeout": 0.5, "read_timeout": 60.0}
+
+
+def test_a_server_that_never_answers_is_named_within_seconds(image_server, caplog):
+    """No answer within connect_timeout: a warning per retry from the first second, and then a
+    RemoteError, a ShardError naming the shard (its URL redacted) or a skip record; the long
+    read_timeout (for a body that flows) is not waited for."""
+    with silent_server() as url:
+        shard = f"{url}/a.tar?X-Amz-Signature={SECRET}"
+        start, wall = time.monotonic(), time.time()
+        with caplog.at_level(logging.WARNING), pytest.raises(RemoteError) as raised:
+            read_whole(shard, **QUICK)
+        assert time.monotonic() - start < 5
+        assert re.fullmatch(r"no answer within 0\.5 s \(the server takes connections but does not "
+                            r"answer\) \(gave up after 3 attempts\)", str(raised.value))
+        first = next(r for r in caplog.records if "retry 1 of 2" in r.getMessage())
+        assert first.created - wall < 2 and "no answer within 0.5 s" in first.getMessage()
+        assert SECRET not in caplog.text and "X-Amz-Signature=***" in caplog.text
+        fields = {"image": ("jpg", image_server.proxy)}
+        ds = MultiModalDataset([shard], fields, batch_size=4, remote=RemoteOptions(**QUICK))
+        with pytest.raises(mmproxy.ShardError, match=r"^shard http://127\.0\.0\.1:\d+/a\.tar\?"
+                           r"X-Amz-Signature=\*\*\*: cannot be read: .*no answer within 0\.5 s"):
+            list(ds.loader(image_server, num_workers=0))
+        assert time.monotonic() - start < 15
+
+
+def test_a_stopped_http_server_is_named_within_seconds(shard_dir, tmp_path):
+    """``python -m http.server`` stopped with SIGSTOP (the kernel still takes connections)."""
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1",
+                             "0"], cwd=shard_dir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        port = re.search(r"port (\d+)", proc.stdout.readline())[1]
+        url = f"http://127.0.0.1:{port}/r-0.tar"
+        assert read_whole(url, **QUICK) == (shard_dir / "r-0.tar").read_bytes()
+        os.kill(proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match=r"no answer within 0\.5 s .*gave up after 3"):
+            read_whole(url, **QUICK)
+        assert time.monotonic() - start < 5
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_an_s3_endpoint_that_never_answers_is_named_within_seconds(aws):
+    with silent_server() as url:
+        aws({"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "AKIA-TEST",
+             "AWS_DEFAULT_REGION": "us-east-1"})
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match=r"no answer within 0\.5 s .*gave up after 3"):
+            read_whole("s3://bucket/r-0.tar", **QUICK)
+        assert time.monotonic() - start < 5
+
+
+def test_the_defaults_give_up_on_a_server_that_stops_answering_within_two_minutes():
+    """Worst case with the defaults: the read under way stalls for read_timeout, each retry
+    waits connect_timeout for an answer, plus the backoffs (at their longest, no jitter)."""
+    options = RemoteOptions()
+    backoffs = sum(min(options.backoff * 2 ** k, 30.0) for k in range(options.retries))
+    worst = options.read_timeout + options.retries * options.connect_timeout + backoffs
+    assert options.give_up_after == worst < 120
+    assert options.connect_timeout <= 10  # the first warning comes within seconds
+    assert options.connect_timeout * 3 <= options.read_timeout
 
 
 def test_streaming_yields_samples_before_the_whole_shard(tmp_path):
