@@ -185,13 +185,18 @@ def open_remote(url: str, options: RemoteOptions) -> Iterator[RemoteShard]:
 def _open(url: str, options: RemoteOptions) -> RemoteShard:
     if options.cache_dir is None:
         return _stream(url, options, None, "")
-    cache = NodeCache(options.cache_dir, options.cache_bytes)
-    name = cache.name(url)
-    fd = cache.lookup(name)
+    try:
+        cache = NodeCache(options.cache_dir, options.cache_bytes)
+        name = cache.name(url)
+        fd = cache.lookup(name)
+        lock = cache.lock(name) if fd is None else None  # waits while another downloads it
+    except OSError as err:  # a read-only or full folder, one not ours: the shard goes past it
+        _cache_unusable(options.cache_dir, err)
+        return _stream(url, options, None, "")
     if fd is None:
-        lock = cache.lock(name)  # waits while another process downloads this shard
+        assert lock is not None
         try:
-            fd = cache.lookup(name)
+            fd = cache.lookup(name)  # another process may have finished it meanwhile
         except BaseException:
             cache.unlock(lock)
             raise
@@ -226,11 +231,8 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
         if size == 0:
             raise RemoteError("the shard is 0 bytes long (not a tar)")
         if cache is not None and lock is not None:
-            fd = cache.reserve(name, size) if size is not None else None
-            if fd is None:  # it does not fit: stream it past the cache
-                log.warning("shard %s (%s bytes) does not fit in the cache %s (cache_bytes=%s, "
-                            "or the disk is full): read without it", redact(url), size,
-                            cache.folder, cache.bound)
+            fd = _reserve(cache, name, size, url)
+            if fd is None:  # it does not go in the cache: stream it past
                 cache.unlock(lock)
                 lock = None
         if fd is None:
@@ -258,6 +260,35 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
     download.start()
     return RemoteShard(memoryview(mapping).toreadonly(), download,
                        streamed=mapping if done is None else None)
+
+
+def _reserve(cache: NodeCache, name: str, size: int | None, url: str) -> int | None:
+    """The shard's part file in the cache, or None when it does not go there (no size known;
+    too big, or the disk full: a warning; the folder not writable: a warning, once)."""
+    if size is None:
+        return None
+    try:
+        fd = cache.reserve(name, size)
+    except OSError as err:
+        _cache_unusable(str(cache.folder), err)
+        return None
+    if fd is None:
+        log.warning("shard %s (%s bytes) does not fit in the cache %s (cache_bytes=%s, or the "
+                    "disk is full): read without it", redact(url), size, cache.folder, cache.bound)
+    return fd
+
+
+_warned: set[str] = set()  # cache folders this process said it cannot use
+
+
+def _cache_unusable(folder: str, err: OSError) -> None:
+    """Says once per process and folder that the cache cannot be used, and why."""
+    if folder not in _warned:
+        _warned.add(folder)
+        why = f"{err.strerror} ({err.filename})" if err.strerror and err.filename else str(err)
+        log.warning("the shard cache %s cannot be used (%s): shards are streamed without it "
+                    "(set RemoteOptions(cache_dir=...) or MMPROXY_CACHE_DIR to a folder this "
+                    "process can write, or None)", folder, why)
 
 
 class _Finish:

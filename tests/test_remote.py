@@ -555,6 +555,42 @@ def test_cache_bound_is_respected_with_eviction(local, http, tmp_path):
     assert http.requests["r-1.tar"] == 2 and cache_files(cache)[1] == []
 
 
+@pytest.fixture
+def unwritable_folder(tmp_path):
+    """A folder this process cannot write: a read-only one of ours, or (as root, whom
+    permissions do not stop) one of the kernel's."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.geteuid() == 0:
+        folder = Path("/sys/kernel")
+    try:
+        (folder / ".partial").mkdir()
+    except OSError:
+        yield folder
+    else:
+        pytest.skip(f"{folder} can be written here")
+    finally:
+        (tmp_path / "read-only").chmod(0o755)
+
+
+def test_cache_a_read_only_cache_folder_streams_past_it_with_one_warning(
+        local, http, s3, aws, image_server, unwritable_folder, caplog):
+    """Every shard is read (HTTP and S3), not every one "unreadable"; the warning names the
+    folder and why, once per process."""
+    [expected], _ = run(local, image_server)
+    opts = RemoteOptions(cache_dir=str(unwritable_folder), **FAST)
+    aws(s3[1])
+    with caplog.at_level(logging.WARNING):
+        for urls in (http_urls(http), s3[0]):
+            [got], loader = run(urls, image_server, remote=opts, on_error="skip")
+            assert same(got, expected) and loader.skipped.skipped == 0
+    warnings = [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"the shard cache {unwritable_folder} cannot be used (")
+    assert "streamed without it" in warnings[0]
+
+
 def test_cache_a_failed_download_leaves_nothing_and_frees_the_lock(http, tmp_path):
     url, cache = http_urls(http)[0], str(tmp_path / "cache")
     opts = RemoteOptions(cache_dir=cache, retries=1, backoff=0.01)
