@@ -28,6 +28,7 @@ boto3's; so is every GET of a bucket that needed it once, and every GET when a p
 
 from __future__ import annotations
 
+import fnmatch
 import http.client
 import os
 import re
@@ -40,7 +41,7 @@ import urllib.request
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-__all__ = ["Permanent", "Response", "Transient", "open_source", "prepare_s3"]
+__all__ = ["Permanent", "Response", "Transient", "list_s3", "open_source", "prepare_s3"]
 
 _RETRY_HTTP = frozenset({408, 425, 429})
 _RETRY_S3 = frozenset({"RequestTimeout", "SlowDown", "Throttling", "ThrottlingException",
@@ -346,20 +347,63 @@ def _bucket_key(url: str) -> tuple[str, str]:
     return parts.netloc, key
 
 
-def _s3(url: str, start: int, etag: str | None, read_timeout: float,
-        connect_timeout: float) -> Response:
-    """A GET of an S3 shard: presigned when it can, else boto3's (module docstring)."""
-    bucket, key = _bucket_key(url)
+def _client(timeout: float) -> tuple[Any, list[str]]:
+    """(this process's S3 client, secrets never to show); Permanent when boto3 refuses the AWS
+    environment (a profile, region or endpoint) or is missing."""
     try:
-        # boto3 has one read timeout, for the answer and the body alike: the shorter one, so
-        # that a server that does not answer is told apart as fast as on the presigned path
-        client, secrets = _clients.get(connect_timeout, connect_timeout)
+        return _clients.get(timeout, timeout)
     except Permanent:
         raise
     except Exception as err:  # noqa: BLE001 - a profile, region or endpoint boto3 refuses
         secrets = [v for k, v in os.environ.items() if k.startswith("AWS_") and v
                    and ("SECRET" in k or "TOKEN" in k)]
         raise Permanent(_scrub(f"{type(err).__name__}: {err}", secrets)) from None
+
+
+def list_s3(url: str, timeout: float) -> tuple[list[str], int]:
+    """The shards an ``s3://`` prefix or glob names, sorted, and how many objects the listing
+    saw: for ``s3://BUCKET/PREFIX/`` (or ``s3://BUCKET``) its ``.tar`` objects (not those under
+    deeper prefixes, as a local folder's ``*.tar``), for a glob the keys it matches (``*``,
+    ``?`` and ``[...]`` within one level of ``/``, as :mod:`glob` does). Raises
+    :class:`Permanent` when S3 refuses the listing."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, _, pattern = url[5:].partition("/")  # not urlsplit: "?" is a wildcard here
+    if not pattern or pattern.endswith("/"):
+        pattern += "*.tar"
+    wild = min((i for i, c in enumerate(pattern) if c in "*?["), default=len(pattern))
+    deep = "/" in pattern[wild:]  # a pattern with levels below its first wildcard
+    client, secrets = _client(timeout)
+    ask = {"Bucket": bucket, "Prefix": pattern[:wild], **({} if deep else {"Delimiter": "/"})}
+    try:
+        keys = [item["Key"] for page in client.get_paginator("list_objects_v2").paginate(**ask)
+                for item in page.get("Contents", [])]
+    except ClientError as err:
+        raise Permanent(_answer(err, secrets)[2]) from None
+    except BotoCoreError as err:
+        raise Permanent(_scrub(f"{type(err).__name__}: {err}", secrets)) from None
+    levels = pattern.split("/")
+    return [f"s3://{bucket}/{key}" for key in sorted(keys)
+            if len(key.split("/")) == len(levels)
+            and all(map(fnmatch.fnmatchcase, key.split("/"), levels))], len(keys)
+
+
+def _answer(err: Any, secrets: list[str]) -> tuple[str, int, str]:
+    """A botocore ``ClientError``'s S3 code, HTTP status and text (scrubbed of ``secrets``)."""
+    error = err.response.get("Error", {})
+    code = str(error.get("Code", "?"))
+    status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+    text = f"S3 {code} (HTTP {status}): {error.get('Message', '')}".rstrip(": ")
+    return code, status, _scrub(text, secrets)
+
+
+def _s3(url: str, start: int, etag: str | None, read_timeout: float,
+        connect_timeout: float) -> Response:
+    """A GET of an S3 shard: presigned when it can, else boto3's (module docstring)."""
+    bucket, key = _bucket_key(url)
+    # boto3 has one read timeout, for the answer and the body alike: the shorter one, so that
+    # a server that does not answer is told apart as fast as on the presigned path
+    client, secrets = _client(connect_timeout)
     where = (client.meta.endpoint_url, bucket)
     if where not in _clients.slow and not _proxied(client.meta.endpoint_url):
         try:
@@ -491,12 +535,9 @@ class _S3Body:
         try:
             answer = client.get_object(**ask)
         except ClientError as err:
-            error = err.response.get("Error", {})
-            code = str(error.get("Code", "?"))
-            status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+            code, status, text = _answer(err, secrets)
             if status == 412:
                 raise Permanent("the shard changed on the server while it was read") from None
-            text = self._text(f"S3 {code} (HTTP {status}): {error.get('Message', '')}".rstrip(": "))
             if status >= 500 or status == 429 or code in _RETRY_S3:
                 raise Transient(text) from None
             raise Permanent(text) from None

@@ -28,21 +28,25 @@ from mmproxy import worker
 from mmproxy.errors import ShardError
 
 from ._tar import members
-from .remote import RemoteOptions, RemoteShard, is_remote, open_remote
+from .remote import RemoteOptions, RemoteShard, expand_remote, is_remote, open_remote
 
 __all__ = ["expand", "is_local", "is_remote", "local_glob", "rank_shards", "read_local_tar",
            "read_remote_tar", "require_files", "worker_info", "worker_shards"]
 
 
 def expand(urls: str | Sequence[str]) -> list[str]:
-    """Expands brace patterns (``data-{000..009}.tar``), ``::``-separated lists, and globs of
-    local paths (``/data/*.tar``: the regular files matching, sorted; one that matches none is a
-    :class:`ShardError`). A local path that exists is taken as written, ``[`` in its name or not;
-    see :func:`local_glob` for a glob under a folder whose name holds ``[``."""
+    """Expands brace patterns (``data-{000..009}.tar``), ``::``-separated lists, globs of local
+    paths (``/data/*.tar``: the regular files matching, sorted; one that matches none is a
+    :class:`ShardError`), and ``s3://`` prefixes and globs (listed: :func:`expand_remote`). A
+    local path that exists is taken as written, ``[`` in its name or not; see
+    :func:`local_glob` for a glob under a folder whose name holds ``[``."""
     items = [urls] if isinstance(urls, str) else list(urls)
     out: list[str] = []
     for item in items:
         for url in wds.shardlists.expand_urls(item):
+            if is_remote(url):
+                out.extend(expand_remote(url))
+                continue
             if not (is_local(url) and any(c in url for c in "*?[") and not os.path.exists(url)):
                 out.append(url)
                 continue

@@ -422,6 +422,42 @@ def test_most_remote_shards_missing_fails_the_epoch_in_the_api_and_the_cli(tmp_p
     assert "HTTP 404" in proc.stderr and "the first 3 of 12 shards:" in proc.stderr
 
 
+def test_an_s3_prefix_or_glob_is_listed_and_an_http_one_is_refused(s3, aws, image_server, http):
+    """``s3://BUCKET/PREFIX/`` names its .tar objects (not deeper ones, as a local folder's
+    ``*.tar``), a glob the keys it matches within its levels; what lists nothing, or a bucket
+    that is not there, is a ShardError naming the URL (it was "NoSuchKey (HTTP 404)" per shard);
+    HTTP cannot list, and says so."""
+    import boto3
+    from mmproxy.datasets.shards import expand
+
+    urls, env = s3
+    aws(env)
+    client = boto3.client("s3")
+    for key in ("sub/x-0.tar", "sub/deeper/y-0.tar", "notes.txt"):
+        client.put_object(Bucket="bench", Key=key, Body=b"")
+    assert expand("s3://bench/") == expand("s3://bench") == expand("s3://bench/r-*.tar") == urls
+    assert expand("s3://bench/r-[12].tar") == urls[1:3]
+    assert expand("s3://bench/r-?.tar::s3://bench/sub/") == [*urls, "s3://bench/sub/x-0.tar"]
+    assert expand("s3://bench/*/x-*.tar") == ["s3://bench/sub/x-0.tar"]
+    assert expand("s3://bench/{sub,sub/deeper}/*.tar") == ["s3://bench/sub/x-0.tar",
+                                                           "s3://bench/sub/deeper/y-0.tar"]
+    with pytest.raises(mmproxy.ShardError, match=r"^no shard matches s3://bench/q-\*\.tar "
+                       r"\(nothing listed\)$"):
+        expand("s3://bench/q-*.tar")
+    with pytest.raises(mmproxy.ShardError, match=r"^no shard matches s3://bench/r-0\.tar/ "
+                       r"\(nothing listed; a prefix ending in / names its \.tar objects\)$"):
+        expand("s3://bench/r-0.tar/")
+    with pytest.raises(mmproxy.ShardError, match=r"^cannot list s3://nowhere/: S3 NoSuchBucket "
+                       r"\(HTTP 404\)"):
+        expand("s3://nowhere/")
+    [got], _ = run("s3://bench/", image_server, workers=2)
+    assert len(got) == N_SHARDS * PER_SHARD
+    for folder in (f"{http.url}/", f"{http.url}/r-*.tar"):
+        with pytest.raises(mmproxy.ShardError, match=r"names a folder or a glob, which HTTP cannot "
+                           r"list: folders and globs work for local paths and s3:// only"):
+            MultiModalDataset(folder, {"image": ("jpg", image_server.proxy)}, batch_size=4)
+
+
 def test_s3_client_retries_cuts_stalls_and_5xx(shard_dir, local, aws, image_server, caplog):
     """The real S3 client against a faulty endpoint: the same resumes and retries, and no
     credential in any message or log line."""
