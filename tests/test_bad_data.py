@@ -402,7 +402,10 @@ def test_local_shards_that_do_not_exist_are_refused_when_the_dataset_is_made(goo
     }[mistake]
     with pytest.raises(FileNotFoundError, match=match):
         MultiModalDataset(urls, fields, batch_size=4, on_error="skip")
-    from mmproxy.datasets import Source
+    from mmproxy.datasets import Source, audio_label_dataset
+
+    with pytest.raises(FileNotFoundError, match=match):  # the recipes make one
+        audio_label_dataset(urls, image_server, batch_size=4)
 
     with pytest.raises(FileNotFoundError, match=r"that the urls of source 'b' names"):
         MultiModalDataset(sources=[Source(str(good_shard / "g-000.tar"), fields, name="a"),
@@ -453,9 +456,9 @@ def _mostly_unreadable(root, bad=None, per_shard=30):
 @pytest.mark.parametrize("mode", ["plain", "resampled", "epoch_length"])
 def test_most_shards_unreadable_fails_the_epoch_though_few_samples_were_skipped(tmp_path,
                                                                                image_server, mode):
-    """12 of 20 shards unreadable while the 8 others deliver 240 samples: 60% of the data gone
-    is a SkipLimitError naming the share and the first shards with their reasons (it passed when a
-    shard counted as one sample against the samples' 10%)."""
+    """12 of 20 shards unreadable while the 8 others deliver 240 samples (12 records against 252
+    would be under 10%): 60% of the shards gone is a SkipLimitError naming the share and the
+    first shards with their reasons."""
     extra = {"plain": {}, "resampled": {"resampled": True, "epoch_length": 60},
              "epoch_length": {"epoch_length": 60}}[mode]
     ds = MultiModalDataset(_mostly_unreadable(tmp_path), {"label": ("cls", int)}, batch_size=4,

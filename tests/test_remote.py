@@ -394,8 +394,8 @@ def test_missing_shards_are_records_in_skip_mode(http, s3, aws, image_server):
 
 def test_most_remote_shards_missing_fails_the_epoch_in_the_api_and_the_cli(tmp_path, image_server):
     """8 of 20 shards on the server, 240 samples: the 12 missing ones (60% of the shards) fail
-    the epoch, named with their reasons, through the API and through ``mmproxy demo`` (which
-    used to exit 0: "skipped 0 samples and 12 unreadable shard(s)")."""
+    the epoch, named with their reasons, through the API and through ``mmproxy demo`` (exit 1,
+    not "skipped 0 samples and 12 unreadable shard(s)")."""
     (tmp_path / "srv" / "mm").mkdir(parents=True)
     for s in range(8):
         write_tar(tmp_path / "srv" / "mm" / f"mm-{s:06d}.tar",
@@ -425,7 +425,7 @@ def test_most_remote_shards_missing_fails_the_epoch_in_the_api_and_the_cli(tmp_p
 def test_an_s3_prefix_or_glob_is_listed_and_an_http_one_is_refused(s3, aws, image_server, http):
     """``s3://BUCKET/PREFIX/`` names its .tar objects (not deeper ones, as a local folder's
     ``*.tar``), a glob the keys it matches within its levels; what lists nothing, or a bucket
-    that is not there, is a ShardError naming the URL (it was "NoSuchKey (HTTP 404)" per shard);
+    that is not there, is a ShardError naming the URL (not "NoSuchKey (HTTP 404)" per shard);
     HTTP cannot list, and says so."""
     import boto3
     from mmproxy.datasets.shards import expand
