@@ -77,10 +77,10 @@ def s3(local):
 @pytest.fixture(autouse=True)
 def fresh_s3_state():
     """Each test starts with no kept connection and no bucket sent to boto3 by an earlier one."""
-    from mmproxy.datasets import _sources
+    from mmproxy.datasets import _s3_clients
 
-    _sources._clients.slow.clear()
-    _sources._clients.idle.clear()
+    _s3_clients.clients.slow.clear()
+    _s3_clients.clients.idle.clear()
 
 
 @pytest.fixture
@@ -147,36 +147,36 @@ def s3_endpoint(aws, endpoint, **more):
 def test_s3_gets_keep_their_connection_and_replace_a_closed_one(shard_dir, local, aws, caplog):
     """Presigned GETs reuse one kept-alive connection to the S3 endpoint; one the server closed
     while it was idle is replaced without a failure or a retry."""
-    from mmproxy.datasets import _sources
+    from mmproxy.datasets import _s3_clients
 
     with ShardServer(shard_dir.parent, keep_alive=0.3) as endpoint:
         idle = s3_endpoint(aws, endpoint)
         assert read_whole("s3://bucket/r-0.tar", retries=0) == Path(local[0]).read_bytes()
-        [kept] = _sources._clients.idle[idle]
+        [kept] = _s3_clients.clients.idle[idle]
         assert read_whole("s3://bucket/r-1.tar", retries=0) == Path(local[1]).read_bytes()
-        assert _sources._clients.idle[idle] == [kept]  # the same connection again
+        assert _s3_clients.clients.idle[idle] == [kept]  # the same connection again
         time.sleep(0.8)  # the server closes it
         with caplog.at_level(logging.WARNING):
             assert read_whole("s3://bucket/r-2.tar", retries=0) == Path(local[2]).read_bytes()
-        [fresh] = _sources._clients.idle[idle]
+        [fresh] = _s3_clients.clients.idle[idle]
         assert fresh is not kept and not caplog.records
         assert all("X-Amz-Signature=" in query for _, query in endpoint.queries)
 
 
 def test_s3_a_cut_body_never_goes_back_to_the_pool(shard_dir, local, aws):
     """A connection whose body ended early is dropped, not kept (nor kept twice)."""
-    from mmproxy.datasets import _sources
+    from mmproxy.datasets import _s3_clients
 
     with ShardServer(shard_dir.parent) as endpoint:
         idle = s3_endpoint(aws, endpoint)
         endpoint.fail("bucket/r-0.tar", Fault("cut", after=5000))
         with pytest.raises(RemoteError, match="connection closed at byte 5000"):
             read_whole("s3://bucket/r-0.tar", retries=0)
-        assert not _sources._clients.idle.get(idle)  # the cut connection was not kept
+        assert not _s3_clients.clients.idle.get(idle)  # the cut connection was not kept
         endpoint.fail("bucket/r-0.tar", Fault("cut", after=5000))
         got = read_whole("s3://bucket/r-0.tar", backoff=0.01)
         assert got == Path(local[0]).read_bytes() and endpoint.requests["bucket/r-0.tar"] == 3
-        [kept] = _sources._clients.idle[idle]  # the resumed GET's connection only
+        [kept] = _s3_clients.clients.idle[idle]  # the resumed GET's connection only
         assert read_whole("s3://bucket/r-1.tar", retries=0) == Path(local[1]).read_bytes()
 
 
