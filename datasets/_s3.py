@@ -56,6 +56,7 @@ def list_s3(url: str, timeout: float) -> tuple[list[str], int]:
     deeper prefixes, as a local folder's ``*.tar``), for a glob the keys it matches (``*``,
     ``?`` and ``[...]`` within one level of ``/``, as :mod:`glob` does). Raises
     :class:`Permanent` when S3 refuses the listing."""
+    client, secrets = s3_client(timeout)  # Permanent without boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, _, pattern = url[5:].partition("/")  # not urlsplit: "?" is a wildcard here
@@ -63,7 +64,6 @@ def list_s3(url: str, timeout: float) -> tuple[list[str], int]:
         pattern += "*.tar"
     wild = min((i for i, c in enumerate(pattern) if c in "*?["), default=len(pattern))
     deep = "/" in pattern[wild:]  # a pattern with levels below its first wildcard
-    client, secrets = s3_client(timeout)
     ask = {"Bucket": bucket, "Prefix": pattern[:wild], **({} if deep else {"Delimiter": "/"})}
     try:
         keys = [item["Key"] for page in client.get_paginator("list_objects_v2").paginate(**ask)

@@ -52,14 +52,13 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from mmproxy import worker
-from mmproxy.errors import ShardError
 
 from ._cache import NodeCache
 from ._download import MAX_BACKOFF, Attempts, Download, RemoteError, Waiting
-from ._sources import Permanent, Response, list_s3, prepare_s3
+from ._sources import Response, prepare_s3
 
-__all__ = ["RemoteError", "RemoteOptions", "RemoteShard", "expand_remote", "is_remote",
-           "open_remote", "prepare", "redact"]
+__all__ = ["RemoteError", "RemoteOptions", "RemoteShard", "is_remote", "open_remote", "prepare",
+           "redact"]
 
 SCHEMES = ("http", "https", "s3")
 _SECRET_PARAM = re.compile(r"sig|token|credential|secret|password|key", re.I)
@@ -119,33 +118,6 @@ class RemoteOptions:
 def is_remote(url: str) -> bool:
     """Whether ``url`` is an ``http://``, ``https://`` or ``s3://`` shard."""
     return url.split("://", 1)[0].lower() in SCHEMES and "://" in url
-
-
-def expand_remote(url: str) -> list[str]:
-    """The shards a remote URL names: itself, or for an ``s3://`` prefix ending in ``/`` (or a
-    bucket) its ``.tar`` objects and for an ``s3://`` glob the objects it matches, listed with
-    boto3 (:func:`~mmproxy.datasets._sources.list_s3`). HTTP cannot list a folder: an
-    ``http(s)://`` URL ending in ``/`` or holding ``*`` or ``[`` is refused. Raises
-    :class:`~mmproxy.errors.ShardError`."""
-    path = urlsplit(url).path
-    if url[:5].lower() != "s3://":
-        if path.endswith("/") or any(c in path for c in "*["):
-            raise ShardError(f"{redact(url)} names a folder or a glob, which HTTP cannot list: "
-                             "folders and globs work for local paths and s3:// only; name the "
-                             "shards, e.g. with a brace pattern like .../shard-{000000..000099}.tar")
-        return [url]
-    key = url[5:].partition("/")[2]
-    if key and not key.endswith("/") and not any(c in key for c in "*?["):
-        return [url]
-    try:
-        found, listed = list_s3(url, RemoteOptions(cache_dir=None).connect_timeout)
-    except Permanent as err:
-        raise ShardError(f"cannot list {url}: {err}") from None
-    if not found:
-        seen = f"{listed} object(s) listed, none matching" if listed else "nothing listed"
-        rule = "; a prefix ending in / names its .tar objects" if not key or key.endswith("/") else ""
-        raise ShardError(f"no shard matches {url} ({seen}{rule})")
-    return found
 
 
 def prepare(urls: list[str]) -> None:
