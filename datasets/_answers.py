@@ -43,7 +43,7 @@ def retried(status: int) -> bool:
 
 def no_answer(timeout: float) -> str:
     """The words for a server that took the connection but sent no answer within ``timeout``."""
-    return f"no answer within {timeout:g} s (the server takes connections but does not answer)"
+    return f"no answer within {timeout:g} s: the server takes connections but does not answer"
 
 
 def changed(etag: str | None, now: str | None) -> None:
