@@ -288,7 +288,7 @@ def _cache_unusable(folder: str, err: OSError) -> None:
         why = f"{err.strerror} ({err.filename})" if err.strerror and err.filename else str(err)
         log.warning("the shard cache %s cannot be used (%s): shards are streamed without it "
                     "(set RemoteOptions(cache_dir=...) or MMPROXY_CACHE_DIR to a folder this "
-                    "process can write, or None)", folder, why)
+                    "process can write, or none)", folder, why)
 
 
 class _Finish:
