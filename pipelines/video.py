@@ -20,6 +20,13 @@ start, the crop position and the flip are drawn by the proxy in the worker from 
 so a resumed run repeats them exactly. The start needs the number of frames: read from the MP4 or
 AVI header, or counted by PyAV for WebM (without PyAV a WebM clip starts at frame 0).
 
+Damaged videos: only a video whose header says it is shorter than the clip has frames repeated.
+A file that ends before the frames its header promises (an interrupted download) fails in the
+worker before any decoder sees it, whichever the decoder and the clip's position (its boxes,
+elements or chunks declare more bytes than follow:
+:func:`~mmproxy.datasets.checks.video_cut`), and a PyAV decode that ends early for any other
+reason fails saying why (:func:`decode_clip`): a skip record with ``on_error="skip"``.
+
 Decoders, and which codec is decoded where (DALI 2.4):
 
 =============  ===================================  ============================================
@@ -54,7 +61,7 @@ from __future__ import annotations
 import io
 import random
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 import numpy as np
 from mmproxy.pipelines._device import Device, resolve_device
@@ -106,35 +113,60 @@ def _presentation_order(container: Any, stream: Any) -> list[int] | None:
 
 def decode_clip(data: bytes | memoryview, start: int | None, frames: int | None,
                 stride: int) -> np.ndarray:
-    """Frames ``start, start + stride, ...`` (``frames`` of them, the last repeated past the end;
-    every frame with ``frames=None``) decoded with PyAV, as uint8 ``[T, H, W, 3]`` RGB.
+    """Frames ``start, start + stride, ...`` (``frames`` of them; every frame with
+    ``frames=None``) decoded with PyAV, as uint8 ``[T, H, W, 3]`` RGB.
 
     Frame ``i`` is the ``i``-th frame in presentation order (what the header's frame count
     counts), also in variable-frame-rate videos: the packets' timestamps are read first (no
     decoding), then the decode seeks to the key frame before ``start``'s timestamp instead of
     starting from the beginning. A video whose packets lack timestamps, or where the seek lands
-    past ``start``, is decoded from the beginning, counting frames."""
+    past ``start``, is decoded from the beginning, counting frames.
+
+    A clip that runs past the last frame of a video that ends there (its header promises no
+    more) repeats that last frame. Frames are never made up for a damaged file: where the
+    decode ends before a frame the clip needs (or, with ``frames=None``, before the last one)
+    while the header promises more frames or a longer duration, or where frames the file holds
+    do not decode, it raises ValueError saying which. Telling the two apart reads the packets'
+    timestamps again (no decoding), only when the decode ends early.
+    """
     wanted = None if frames is None else [(start or 0) + i * stride for i in range(frames)]
-    out = _decode(data, wanted, seek=bool(wanted and wanted[0] > 0))
-    if out is None:
-        out = _decode(data, wanted, seek=False)
+    decoded = _decode(data, wanted, seek=bool(wanted and wanted[0] > 0))
+    if decoded is None:  # from the beginning, counting: never None
+        decoded = cast(_Decoded, _decode(data, wanted, seek=False))
+    out, reached, error, last = decoded
+    if wanted is None or reached <= wanted[-1]:  # the decode ended before the clip did
+        problem = _shortfall(data, reached, error)
+        if problem:
+            needs = "" if wanted is None else f"; the clip needs frames {wanted[0]}-{wanted[-1]}"
+            raise ValueError(f"{problem}{needs}")
     if not out:
         raise ValueError("the video holds no decodable frame at the clip's position")
-    clip = np.stack(out)
-    if frames is not None and len(clip) < frames:  # past the end: repeat the last frame
-        clip = np.concatenate([clip, np.repeat(clip[-1:], frames - len(clip), axis=0)])
-    return clip
+    if frames is not None and len(out) < frames:  # past the end: repeat the video's last frame
+        out += [last.to_ndarray(format="rgb24")] * (frames - len(out))
+    return np.stack(out)
 
 
-def _decode(data: bytes | memoryview, wanted: list[int] | None,
-            seek: bool) -> list[np.ndarray] | None:
+class _Decoded(NamedTuple):
+    """What a decode gave: the ``frames`` wanted, how many frames it ``reached`` (the index of
+    the last one decoded, plus one), the decoder's ``error`` where one stopped it, and the
+    ``last`` frame it decoded (PyAV's, not converted)."""
+
+    frames: list[np.ndarray]
+    reached: int
+    error: str | None
+    last: Any
+
+
+def _decode(data: bytes | memoryview, wanted: list[int] | None, seek: bool) -> _Decoded | None:
     """The frames ``wanted`` (every frame with None), counted from the beginning; with ``seek``
     from the key frame before the first: the first frame decoded takes its index from its pts,
-    the next ones are counted. None when seeking fails: packets without pts, or the seek went
-    past the first frame wanted (H.264 with B-frames in AVI, whose pts are guesses)."""
+    the next ones are counted. None when seeking fails: packets without pts, the seek went
+    past the first frame wanted (H.264 with B-frames in AVI, whose pts are guesses), or no
+    frame decoded after it."""
     import av
 
     out: list[np.ndarray] = []
+    error = frame = None
     with cast(Any, av.open(io.BytesIO(data))) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
@@ -149,20 +181,63 @@ def _decode(data: bytes | memoryview, wanted: list[int] | None,
             count = None
         needed = set(wanted) if wanted else None
         last = max(wanted) if wanted else None
-        for frame in container.decode(stream):
-            if count is not None:
-                count += 1
-            elif frame.pts in index_of:  # the first frame after the seek
-                count = index_of[frame.pts]
-                if wanted and count > wanted[0]:
-                    return None
-            else:
-                continue
-            if needed is None or count in needed:
-                out.append(frame.to_ndarray(format="rgb24"))
-            if last is not None and count >= last:
-                break
-    return out
+        try:
+            for frame in container.decode(stream):
+                if count is not None:
+                    count += 1
+                elif frame.pts in index_of:  # the first frame after the seek
+                    count = index_of[frame.pts]
+                    if wanted and count > wanted[0]:
+                        return None
+                else:
+                    continue
+                if needed is None or count in needed:
+                    out.append(frame.to_ndarray(format="rgb24"))
+                if last is not None and count >= last:
+                    break
+        except av.FFmpegError as err:  # damaged data: the frames decoded so far are good
+            error = str(err)
+    if count is None:
+        return None
+    return _Decoded(out, count + 1, error, frame)
+
+
+def _shortfall(data: bytes | memoryview, reached: int, error: str | None) -> str | None:
+    """Why a decode that ended after ``reached`` frames (stopped by the decoder's ``error``,
+    if any) ended early on a damaged file; None where the video simply ends there. Damaged: the
+    file holds fewer frames than its header lists (MP4, AVI), frames it holds did not decode,
+    or (no frame count in the header: Matroska/WebM) its frames end before the duration its
+    header declares."""
+    import av
+
+    present = shown = 0  # the video's packets in the file; those an edit list does not cut
+    end = 0.0  # where the last of them ends, in seconds
+    with cast(Any, av.open(io.BytesIO(data))) as container:
+        stream = container.streams.video[0]
+        listed = stream.frames
+        declared = None  # the duration the header declares, where it has no frame count
+        if not listed and container.duration and len(container.streams) == 1:
+            declared = ((container.start_time or 0) + container.duration) / av.time_base
+        try:
+            for packet in container.demux(stream):
+                if packet.size == 0 and packet.dts is None:  # the demuxer's final flush
+                    continue
+                present += 1
+                if packet.size and not packet.is_discard:
+                    shown += 1
+                    end = float(((packet.pts or 0) + (packet.duration or 0)) * stream.time_base)
+        except av.FFmpegError:  # the packets end where the data is damaged
+            pass
+    if listed and present < listed:
+        return (f"the file ends before the frames its header promises: {present:,} of the "
+                f"{listed:,} frames it lists are in the file")
+    if reached < shown:
+        why = f" ({error})" if error else ""
+        return f"frame {reached} of the {shown:,} in the file does not decode{why}"
+    if declared is not None and shown and end < declared - 1.5 * end / shown:
+        return (f"the file ends before the frames its header promises: its frames end at "
+                f"{end:.2f} s, its header declares {declared:.2f} s")
+    return None
 
 
 class ClipDraw:
@@ -181,10 +256,13 @@ class ClipDraw:
         self.arguments = (input_name,)
 
     def __call__(self, given: dict[str, np.ndarray], rng: random.Random) -> dict[str, np.ndarray]:
-        from mmproxy.datasets.checks import video_info
+        from mmproxy.datasets.checks import video_cut, video_info
 
         data = given[self.input_name].data.cast("B")
         info = video_info(data)
+        cut = video_cut(data)  # a decoder would stop early, or repeat its last frame
+        if cut:
+            raise ValueError(f"the video {cut}")
         if info is not None and self.cpu_decoder and info.codec not in (None, *CPU_CODECS):
             raise ValueError(
                 f"{_NAMES.get(info.codec, info.codec)} video: DALI's CPU video decoder decodes "
