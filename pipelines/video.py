@@ -65,7 +65,15 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 import numpy as np
 from mmproxy.pipelines._device import Device, resolve_device
-from mmproxy.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, CpuResize, DType, resize
+from mmproxy.pipelines.image import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    CpuResize,
+    DType,
+    _check_resize_size,
+    centre_crop_position,
+    resize,
+)
 
 if TYPE_CHECKING:
     from mmproxy.datasets.checks import VideoInfo
@@ -252,7 +260,7 @@ class ClipDraw:
         self.flip_probability, self.every_frame = flip_probability, every_frame
         self.decode_in_worker, self.cpu_decoder = decode_in_worker, cpu_decoder
         place = ("frames",) if decode_in_worker else () if every_frame else ("start",)
-        self.names = (*place, "crop_x", "crop_y", "flip")
+        self.names = (*place, *(("crop_x", "crop_y") if train else ()), "flip")
         self.arguments = (input_name,)
 
     def __call__(self, given: dict[str, np.ndarray], rng: random.Random) -> dict[str, np.ndarray]:
@@ -277,21 +285,22 @@ class ClipDraw:
                                             self.stride)
             else:
                 out["start"] = np.array(start, np.int32)
-        centre = not self.train
-        out["crop_x"] = np.array(0.5 if centre else rng.random(), np.float32)
-        out["crop_y"] = np.array(0.5 if centre else rng.random(), np.float32)
-        out["flip"] = np.array(0 if centre else rng.random() < self.flip_probability, np.int32)
+        if self.train:  # evaluation crops sit at the centre (the pipeline places them)
+            out["crop_x"] = np.array(rng.random(), np.float32)
+            out["crop_y"] = np.array(rng.random(), np.float32)
+        out["flip"] = np.array(self.train and rng.random() < self.flip_probability, np.int32)
         return out
 
 
 def video_graph(video: Any, *, gpu: bool, size: int = 224, resize_size: int | None = None,
-                crop_x: Any = 0.5, crop_y: Any = 0.5, flip: Any = 0,
+                crop_x: Any = None, crop_y: Any = None, flip: Any = 0,
                 mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                 layout: VideoLayout = "CTHW", dtype: DType = "float32",
                 cpu_resize: CpuResize = "torchvision") -> Any:
     """Decoded clips (a DALI node, ``FHWC`` uint8) to resized, cropped, flipped, normalized
     clips: the shorter side to ``resize_size`` (default ``size * 256 / 224``), a ``size`` square
-    at ``crop_x``/``crop_y`` (0-1, same for every frame of a clip), mirrored where ``flip``."""
+    at ``crop_x``/``crop_y`` (0-1, same for every frame of a clip; None: at the centre, where
+    torchvision's ``CenterCrop`` puts it), mirrored where ``flip``."""
     from nvidia.dali import fn, types
 
     if layout not in ("CTHW", "THWC"):
@@ -300,6 +309,10 @@ def video_graph(video: Any, *, gpu: bool, size: int = 224, resize_size: int | No
         video = video.gpu()
     video = resize(video, resize_size or round(size * 256 / 224), gpu=gpu, cpu_resize=cpu_resize,
                    shorter=True, layout="FHWC")
+    if crop_x is None or crop_y is None:
+        centre_x, centre_y = centre_crop_position(video, size, layout="FHWC")
+        crop_x = centre_x if crop_x is None else crop_x
+        crop_y = centre_y if crop_y is None else crop_y
     dali_type = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}[dtype]
     if dtype == "uint8":
         mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
@@ -359,6 +372,7 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
         except ImportError:
             raise ImportError("decoder='pyav' needs PyAV: pip install av (or 'mmproxy[video]')") \
                 from None
+    _check_resize_size(size, resize_size)
     if frames < 1 or stride < 1:
         raise ValueError(f"frames and stride must be at least 1, got {frames} and {stride}")
     draw = ClipDraw(input_name, frames, stride, train, flip_probability, every_frame,
@@ -379,7 +393,8 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
                                       **(decoder_options or {}))
         length = video.shape(dtype=types.INT64)[0]
         clip = video_graph(video, gpu=gpu, size=size, resize_size=resize_size,
-                           crop_x=drawn["crop_x"], crop_y=drawn["crop_y"], flip=drawn["flip"],
+                           crop_x=drawn.get("crop_x"), crop_y=drawn.get("crop_y"),
+                           flip=drawn["flip"],
                            mean=mean, std=std, layout=layout, dtype=dtype, cpu_resize=cpu_resize)
         if every_frame:
             return fn.pad(clip, axes=[1 if layout == "CTHW" else 0], fill_value=0), length

@@ -102,6 +102,31 @@ def test_centred_clips_match_pyav_frame_for_frame(decoder, codec):
     assert shifted > 2 * errors.max() + 1  # the comparison can tell a frame from its neighbour
 
 
+@pytest.mark.parametrize("decoder,codec", [("pyav", "h264"), ("dali", "vp9")])
+def test_eval_clips_are_cropped_where_torchvision_centre_crop_puts_them(decoder, codec):
+    """96x64 frames resized to 49x33 and cropped to 28: odd margins of 21 and 5, which
+    torchvision's CenterCrop rounds to 10 and 2 (halves to even). PyAV's frames, resized with
+    torchvision as the CPU pipeline does, give its crop exactly; DALI's decoder converts colours
+    differently, and one pixel off is clearly worse than its colour error."""
+    from torchvision.transforms import v2
+
+    data = _encode(codec)
+    with _server(decoder, size=28, resize_size=33) as server:
+        clip = _run(server, [data])[0]
+    start = (50 - 10) // 2
+    frames = torch.from_numpy(_reference(data)[start:start + 10:3]).permute(0, 3, 1, 2)
+    resized = v2.Resize(33, antialias=True)(frames)
+    assert [side - 28 for side in resized.shape[2:]] == [5, 21]
+    expected = v2.CenterCrop(28)(resized).permute(0, 2, 3, 1)
+    errors = [(clip.int() - expected.int()).abs().float().mean()]
+    for dy, dx in ((1, 0), (0, 1)):  # DALI's own rounding of crop_pos 0.5: one pixel down, right
+        shifted = resized[:, :, 2 + dy:30 + dy, 10 + dx:38 + dx].permute(0, 2, 3, 1)
+        errors.append((clip.int() - shifted.int()).abs().float().mean())
+    if decoder == "pyav":
+        assert errors[0] == 0, errors
+    assert errors[0] <= MEAN_TOLERANCE and min(errors[1:]) > 2 * errors[0], errors
+
+
 @pytest.mark.parametrize("codec,container,expect", [
     ("libx264", "mp4", ("mp4", "h264", 30)), ("libx264", "mov", ("mp4", "h264", 30)),
     ("libx264", "matroska", ("matroska", "h264", None)), ("mjpeg", "avi", ("avi", "mjpeg", 30)),
