@@ -135,14 +135,17 @@ def decode_clip(data: bytes | memoryview, start: int | None, frames: int | None,
     decode ends before a frame the clip needs (or, with ``frames=None``, before the last one)
     while the header promises more frames or a longer duration, or where frames the file holds
     do not decode, it raises ValueError saying which. Telling the two apart reads the packets'
-    timestamps again (no decoding), only when the decode ends early.
+    timestamps again (no decoding), only where the decode ends before the clip does, or, with
+    ``frames=None``, short of the header's frame count (always for Matroska: it has none).
     """
     wanted = None if frames is None else [(start or 0) + i * stride for i in range(frames)]
     decoded = _decode(data, wanted, seek=bool(wanted and wanted[0] > 0))
     if decoded is None:  # from the beginning, counting: never None
         decoded = cast(_Decoded, _decode(data, wanted, seek=False))
-    out, reached, error, last = decoded
-    if wanted is None or reached <= wanted[-1]:  # the decode ended before the clip did
+    out, reached, error, last, listed = decoded
+    # the decode ended before the clip did, or short of every frame the header lists
+    early = reached <= wanted[-1] if wanted else not 0 < listed <= reached
+    if early:
         problem = _shortfall(data, reached, error)
         if problem:
             needs = "" if wanted is None else f"; the clip needs frames {wanted[0]}-{wanted[-1]}"
@@ -157,12 +160,14 @@ def decode_clip(data: bytes | memoryview, start: int | None, frames: int | None,
 class _Decoded(NamedTuple):
     """What a decode gave: the ``frames`` wanted, how many frames it ``reached`` (the index of
     the last one decoded, plus one), the decoder's ``error`` where one stopped it, and the
-    ``last`` frame it decoded (PyAV's, not converted)."""
+    ``last`` frame it decoded (PyAV's, not converted); ``listed``: the frames the header lists
+    (0: not said)."""
 
     frames: list[np.ndarray]
     reached: int
     error: str | None
     last: Any
+    listed: int
 
 
 def _decode(data: bytes | memoryview, wanted: list[int] | None, seek: bool) -> _Decoded | None:
@@ -207,7 +212,7 @@ def _decode(data: bytes | memoryview, wanted: list[int] | None, seek: bool) -> _
             error = str(err)
     if count is None:
         return None
-    return _Decoded(out, count + 1, error, frame)
+    return _Decoded(out, count + 1, error, frame, stream.frames)
 
 
 def _shortfall(data: bytes | memoryview, reached: int, error: str | None) -> str | None:
@@ -236,15 +241,15 @@ def _shortfall(data: bytes | memoryview, reached: int, error: str | None) -> str
                     end = float(((packet.pts or 0) + (packet.duration or 0)) * stream.time_base)
         except av.FFmpegError:  # the packets end where the data is damaged
             pass
+    fewer, why = "the file holds fewer frames than its header promises", "(it ends early, or its " \
+        "data is damaged)"
     if listed and present < listed:
-        return (f"the file ends before the frames its header promises: {present:,} of the "
-                f"{listed:,} frames it lists are in the file")
+        return f"{fewer}: only {present:,} of the {listed:,} it lists can be read {why}"
     if reached < shown:
-        why = f" ({error})" if error else ""
-        return f"frame {reached} of the {shown:,} in the file does not decode{why}"
+        return f"frame {reached} of the {shown:,} in the file does not decode" + (
+            f" ({error})" if error else "")
     if declared is not None and shown and end < declared - 1.5 * end / shown:
-        return (f"the file ends before the frames its header promises: its frames end at "
-                f"{end:.2f} s, its header declares {declared:.2f} s")
+        return f"{fewer}: they end at {end:.2f} s, its header declares {declared:.2f} s {why}"
     return None
 
 

@@ -326,11 +326,30 @@ def test_decode_clip_never_makes_up_the_frames_a_cut_file_lacks(cut_videos, name
     frames, n = _reference(whole), _decodable(cut)
     assert 20 < n < 50
     assert np.array_equal(decode_clip(cut, n - 8, 4, 2), frames[n - 8:n:2])  # before the cut
+    fewer = "the file holds fewer frames than its header promises: " + (  # WebM: a duration
+        r"they end at 1\.\d\d s, its header declares 2\.40 s" if name == "webm" else
+        r"only \d\d of the 60 it lists can be read")
     for start, stride in ((n - 2, 1), (n - 9, 3), (n + 3, 1)):  # straddling, straddling, past
-        with pytest.raises(ValueError, match=f"{CUT}.*the clip needs frames {start}-"):
+        with pytest.raises(ValueError, match=f"{fewer}.*the clip needs frames {start}-"):
             decode_clip(cut, start, 4, stride)
-    with pytest.raises(ValueError, match=CUT):
+    with pytest.raises(ValueError, match=fewer):
         decode_clip(cut, 0, None, 1)
+
+
+def test_frames_that_do_not_decode_are_an_error_not_a_shorter_video(cut_videos):
+    """Zeros over a twentieth of the frames' data: the sizes and index are intact (the header
+    check passes), the decoder fails there; clips before the damage decode."""
+    whole, _ = cut_videos["mp4"]
+    damaged = bytearray(whole)
+    damaged[len(whole) // 2:len(whole) * 11 // 20] = bytes(len(whole) * 11 // 20 - len(whole) // 2)
+    damaged = bytes(damaged)
+    from mmproxy.datasets.checks import check_header
+
+    assert check_header("mp4", damaged) is None
+    assert np.array_equal(decode_clip(damaged, 0, 4, 1), _reference(whole)[:4])
+    for start, frames in ((0, None), (31, 8)):
+        with pytest.raises(ValueError, match=r"frame \d+ of the 60 in the file does not decode"):
+            decode_clip(damaged, start, frames, 4)
 
 
 def test_a_video_that_is_short_by_its_header_repeats_its_last_frame(tmp_path):
