@@ -2,11 +2,13 @@
 
 They look at a few bytes: the format's signature, a PNG's or JPEG's declared size (an image that
 claims to be 100,000 x 100,000 pixels would make the decoder allocate tens of gigabytes), whether a
-WAV file has a sound ``fmt `` chunk and any audio frames, and whether a JPEG, PNG, OGG, WAV or video
-was cut short (the most common damage in web-scale corpora: an interrupted download). A JPEG without an
-end-of-image marker after its first scan, or a PNG without its ``IEND`` chunk, fails DALI's
-decoders every time, and an OGG whose last page does not end the stream decodes to nothing, so
-catching them here saves the server a failed run; a good file pays for a look at its last bytes.
+WAV file has a sound ``fmt `` chunk and any audio frames, and whether a JPEG, PNG, OGG, WAV or
+video was cut short (the most common damage in web-scale corpora: an interrupted download). A
+JPEG without an end-of-image marker after its first scan, or a PNG without its ``IEND`` chunk,
+fails DALI's decoders every time, an OGG whose last page does not end the stream decodes to
+nothing, and a video whose container declares more bytes than follow decodes to fewer frames
+than its header promises, so catching them here saves the server a failed run (or a clip of
+made-up frames); a good file pays for a look at its last bytes or its top-level boxes.
 Trailing bytes after the end marker are allowed (decoders ignore them).
 
 The JPEG header walk also refuses a malformed Huffman table and data where a marker belongs:

@@ -215,6 +215,10 @@ def _decode(data: bytes | memoryview, wanted: list[int] | None, seek: bool) -> _
     return _Decoded(out, count + 1, error, frame, stream.frames)
 
 
+_FEWER = "the file holds fewer frames than its header promises"
+_WHY = "(it ends early, or its data is damaged)"
+
+
 def _shortfall(data: bytes | memoryview, reached: int, error: str | None) -> str | None:
     """Why a decode that ended after ``reached`` frames (stopped by the decoder's ``error``,
     if any) ended early on a damaged file; None where the video simply ends there. Damaged: the
@@ -241,15 +245,13 @@ def _shortfall(data: bytes | memoryview, reached: int, error: str | None) -> str
                     end = float(((packet.pts or 0) + (packet.duration or 0)) * stream.time_base)
         except av.FFmpegError:  # the packets end where the data is damaged
             pass
-    fewer, why = "the file holds fewer frames than its header promises", "(it ends early, or its " \
-        "data is damaged)"
     if listed and present < listed:
-        return f"{fewer}: only {present:,} of the {listed:,} it lists can be read {why}"
+        return f"{_FEWER}: only {present:,} of the {listed:,} it lists can be read {_WHY}"
     if reached < shown:
         return f"frame {reached} of the {shown:,} in the file does not decode" + (
             f" ({error})" if error else "")
     if declared is not None and shown and end < declared - 1.5 * end / shown:
-        return f"{fewer}: they end at {end:.2f} s, its header declares {declared:.2f} s {why}"
+        return f"{_FEWER}: they end at {end:.2f} s, its header declares {declared:.2f} s {_WHY}"
     return None
 
 
