@@ -385,3 +385,61 @@ def test_benchmark_scripts_share_one_harness(tmp_path):
     assert result["settings"]["rounds"] == 2 and result["machine"]["cpus"] > 0
     assert result["systems"]["local"]["median_vs_local"] == 1.0
     assert len(result["rates"]["local"]) == 2
+
+
+def _readme_block(heading, language):
+    """The first ``language`` code block under README.md's ``heading``."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1]
+    return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_setup_runs_the_demo_without_the_test_tools():
+    """README's first command installs the library alone and runs the demo (a user trying it does
+    not install moto, mypy, ruff...); the second adds the test extra and runs the tests. CI runs
+    these two lines as they are written."""
+    first, second = _readme_block("Set-up", "bash").strip().splitlines()
+    assert "pip install -c constraints.txt -e . &&" in first and "[test]" not in first
+    assert first.endswith("&& mmproxy demo")
+    assert 'pip install -c constraints.txt -e ".[test]"' in second
+    assert second.endswith("&& python -m pytest")
+    assert "README.md" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_tour_runs_on_shards_that_make_shards_wrote(tmp_path):
+    """The README's tour, as written but for sizes, on what `mmproxy make-shards` writes from an
+    image class-folder tree and from audio class folders: its shard names are the tour's."""
+    from mmproxy.testing import audio_bytes, demo_tokenizer, image_folder, synth_speech
+
+    image_folder(tmp_path / "photos", per_class=8)
+    for label in ("yes", "no"):
+        (tmp_path / "clips" / label).mkdir(parents=True)
+        for i in range(8):
+            (tmp_path / "clips" / label / f"{i}.flac").write_bytes(
+                audio_bytes(synth_speech(i, 0.3 + 0.1 * i, 16000), 16000, "FLAC"))
+    run(["-m", "mmproxy.cli", "make-shards", str(tmp_path / "photos"), str(tmp_path / "shards")],
+        tmp_path)
+    run(["-m", "mmproxy.cli", "make-shards", "--kind", "audio-label", str(tmp_path / "clips"),
+         str(tmp_path / "speech")], tmp_path)
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*.tar")) == ["shard-000000.tar"]
+    assert sorted(p.name for p in (tmp_path / "speech").glob("*.tar")) == ["shard-000000.tar"]
+
+    code = _readme_block("A short tour", "python")
+    for pattern in ("shards/shard-{000000..000099}.tar", "speech/shard-{000000..000009}.tar"):
+        assert f'"{pattern}"' in code
+        folder = pattern.split("/")[0]
+        code = code.replace(f'"{pattern}"', repr(str(tmp_path / folder / "shard-{000000..000000}.tar")))
+    tokenizer = demo_tokenizer(tmp_path / "tokenizer")
+    code = code.replace('"openai/clip-vit-base-patch32"', repr(tokenizer))
+    code = re.sub(r"batch_size=\d+", "batch_size=4", code)
+    code = re.sub(r"num_workers=\d+", "num_workers=2", code)
+    # each loop's line naming the batch's fields prints their shapes instead
+    code, lines = re.subn(r"^(\s+)(batch\[.*?)\s+#.*$", r"\1print(*(tuple(t.shape) for t in (\2)))",
+                          code, flags=re.M)
+    assert lines == 2, code
+    script = tmp_path / "tour.py"
+    script.write_text(code)
+    out = run([str(script)], tmp_path).splitlines()
+    assert len(out) == 8, out  # 16 images, then 16 clips, in batches of 4
+    assert all(re.fullmatch(r"\(4, 3, 224, 224\) \(4, \d+\) \(4, \d+\)", line) for line in out[:4]), out
+    assert all(re.fullmatch(r"\(4, \d+\) \(4,\) \(4,\)", line) for line in out[4:]), out
