@@ -123,3 +123,31 @@ def test_a_state_that_does_not_fit_is_refused_naming_the_part(root, server, chan
     with pytest.raises(mmproxy.StateError, match=message):
         resumed.load_state_dict(state)
         next(iter(resumed))
+
+
+def test_the_contracts_between_loader_dataset_and_proxies_are_protocols(root, server):
+    from mmproxy.protocols import ChecksLoader, LimitsSkips, Proxy, Reshardable
+
+    dataset = _single(root)
+    assert isinstance(dataset, ChecksLoader | LimitsSkips | Reshardable)
+    assert all(isinstance(dataset, p) for p in (ChecksLoader, LimitsSkips, Reshardable))
+    assert isinstance(server.proxy, Proxy) and not isinstance(bytes.decode, Proxy)
+    plain = MultiModalDataset(str(root / "m-0.tar"), {"text": bytes.decode, "n": server.proxy},
+                              batch_size=2)
+    assert [f.server for f in plain.fields.values()] == [False, True]
+
+
+def test_a_dataset_of_its_own_is_judged_by_the_members_it_has(server):
+    """No base class to inherit: a dataset with ``max_skipped`` gets the loader's skip limits."""
+    import torch
+
+    class Lossy(torch.utils.data.IterableDataset):
+        max_skipped = 0.2
+
+        def __iter__(self):
+            for i in range(4):
+                yield {"x": torch.zeros(2), "__skipped__": [mmproxy.SkippedSample("s", f"{i}", "bad")]}
+
+    with pytest.raises(mmproxy.SkipLimitError, match="max_skipped=20.0%"):
+        for _ in mmproxy.DataLoader(server, Lossy(), batch_size=None):
+            pass
