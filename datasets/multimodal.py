@@ -37,7 +37,6 @@ import torch.utils.data
 from mmproxy import worker
 from mmproxy._state import LoaderState
 from mmproxy.collate import Collate
-from mmproxy.errors import ShardError
 from mmproxy.protocols import Proxy
 
 from . import elastic
@@ -47,7 +46,7 @@ from .buffer import ShuffleBuffer
 from .checks import MAX_PIXELS
 from .fields import Field, FieldSpec, FieldStage, parse_field
 from .mixer import OnExhausted, Source, SourceMixer, check_weights
-from .plan import Layout, ShardPlan, Work, split, split_quota
+from .plan import Layout, ShardPlan, Work, check_shares, split_quota
 from .position import PositionStamp
 from .reader import ShardReader, TarReader
 from .remote import RemoteOptions
@@ -173,23 +172,15 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"source names repeat: {[s.name for s in self.sources]}")
         self.urls = [url for s in self.sources for url in s.urls]
         self.fields = self.sources[0].fields
-        self.on_exhausted = on_exhausted
-        self.batch_size = batch_size
-        self.shuffle_shards = shuffle_shards
-        self.shuffle_buffer = shuffle_buffer
-        self.seed = seed
-        self.resampled = resampled
-        self.epoch_length = epoch_length
-        self.on_error = on_error
-        self.max_skipped = max_skipped
-        self.partial = partial
+        self.on_exhausted, self.batch_size, self.partial = on_exhausted, batch_size, partial
+        self.shuffle_shards, self.shuffle_buffer, self.seed = shuffle_shards, shuffle_buffer, seed
+        self.resampled, self.epoch_length = resampled, epoch_length
+        self.on_error, self.max_skipped = on_error, max_skipped
         proxies = [f.fn for s in self.sources for f in s.fields.values() if f.server]
         known = all(isinstance(p, Proxy) for p in proxies)
         self.collate = collate or Collate(proxies if known else None)
-        self.batch_transform = batch_transform
-        self.keep_keys = keep_keys
-        self.max_pixels = max_pixels
-        self.prefetch_next_epoch = prefetch_next_epoch
+        self.batch_transform, self.keep_keys = batch_transform, keep_keys
+        self.max_pixels, self.prefetch_next_epoch = max_pixels, prefetch_next_epoch
         self.remote = remote or RemoteOptions()
         prepare_remote(self.urls)
         self._read = TarReader(on_error, self.remote)
@@ -224,25 +215,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         if self.resampled:
             return
         rank, world, _, _ = worker_info()
-        workers = max(1, loader.num_workers)
         for source in self.sources:
-            mine = split(source.urls, rank=rank, world=world)
-            where = f" of source {source.name!r}" if self.mixed else ""
-            if not mine:
-                raise ShardError(f"rank {rank} of {world} gets no shards{where}: there are only "
-                                 f"{len(source.urls)} shards for {world} ranks; write more, "
-                                 "smaller shards or use resampled=True")
-            if self.mixed and len(mine) < workers:
-                raise ShardError(
-                    f"rank {rank} of {world} has {len(mine)} shards{where} for {workers} workers; "
-                    "with several sources every worker needs shards of each source (or its share "
-                    f"of the weights would go to the others): use at most {len(mine)} workers, or "
-                    "more (smaller) shards")
-            if self.epoch_length is not None and len(mine) < workers:
-                raise ShardError(
-                    f"rank {rank} of {world} has {len(mine)} shards{where} for {workers} workers, "
-                    "and with epoch_length every worker needs shards of its own; use at most "
-                    f"{len(mine)} workers, more (smaller) shards, or resampled=True")
+            check_shares(source.urls, rank=rank, world=world, workers=max(1, loader.num_workers),
+                         source=source.name if self.mixed else None,
+                         own_shards=self.epoch_length is not None)
 
     # -- the chain of stages -------------------------------------------------------------------
 

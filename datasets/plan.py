@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
+from mmproxy.errors import ShardError
+
 from ._stage import Stage, generator
 
-__all__ = ["Layout", "ShardPlan", "Work", "shard_plan", "split", "split_quota"]
+__all__ = ["Layout", "ShardPlan", "Work", "check_shares", "shard_plan", "split", "split_quota"]
 
 T = TypeVar("T")
 
@@ -52,6 +54,30 @@ def split(items: Sequence[T], *, rank: int, world: int, worker: int = 0,
     """The part of ``items`` of worker ``worker`` (of ``workers``) of rank ``rank`` (of
     ``world``): every ``world``-th item for the rank, then every ``workers``-th of those."""
     return list(items[rank::world][worker::workers])
+
+
+def check_shares(urls: Sequence[str], *, rank: int, world: int, workers: int,
+                 source: str | None, own_shards: bool) -> None:
+    """Raises :class:`~mmproxy.errors.ShardError` when rank ``rank`` gets no shards, or fewer
+    shards than ``workers`` where every worker needs its own: with several sources (``source``
+    names the one checked) or when every worker must fill a quota (``own_shards``)."""
+    mine = split(urls, rank=rank, world=world)
+    where = "" if source is None else f" of source {source!r}"
+    if not mine:
+        raise ShardError(f"rank {rank} of {world} gets no shards{where}: there are only "
+                         f"{len(urls)} shards for {world} ranks; write more, smaller shards or "
+                         "use resampled=True")
+    if source is not None and len(mine) < workers:
+        raise ShardError(
+            f"rank {rank} of {world} has {len(mine)} shards{where} for {workers} workers; "
+            "with several sources every worker needs shards of each source (or its share "
+            f"of the weights would go to the others): use at most {len(mine)} workers, or "
+            "more (smaller) shards")
+    if own_shards and len(mine) < workers:
+        raise ShardError(
+            f"rank {rank} of {world} has {len(mine)} shards{where} for {workers} workers, "
+            "and with epoch_length every worker needs shards of its own; use at most "
+            f"{len(mine)} workers, more (smaller) shards, or resampled=True")
 
 
 def shard_plan(urls: Sequence[str], layout: Layout, *, source: int, shuffle: bool,
