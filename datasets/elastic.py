@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from mmproxy._state import LoaderState
+from mmproxy.state import LoaderState
 
 from .plan import Work, split_quota
 from .position import PositionStamp

@@ -35,9 +35,9 @@ from typing import Any, Literal
 import torch.utils.data
 
 from mmproxy import worker
-from mmproxy._state import LoaderState
 from mmproxy.collate import Collate
 from mmproxy.protocols import Proxy
+from mmproxy.state import LoaderState
 
 from . import elastic
 from ._legacy import is_first_version, upgrade

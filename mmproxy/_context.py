@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from mmproxy._state import ResumePoint
+    from mmproxy.state import ResumePoint
 
 # Set in DataLoader workers (and around each step in the main process when num_workers=0):
 # (loader id, shared epoch value). Runs submitted under it are tagged (loader id, epoch).

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from mmproxy._context import Stamped
-from mmproxy._state import LoaderState, ResumePoint
 from mmproxy.protocols import Reshardable
 from mmproxy.skips import SkipReport
+from mmproxy.state import LoaderState, ResumePoint
 
 __all__ = ["Progress", "hand_out", "rank_and_world"]
 

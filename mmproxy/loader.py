@@ -29,12 +29,12 @@ from mmproxy import _context, _process, _walk
 from mmproxy._context import Stamped
 from mmproxy._progress import Progress, hand_out
 from mmproxy._resolve import claim, resolve_batch
-from mmproxy._state import LoaderState, ResumePoint
 from mmproxy.errors import StateError, WorkerDiedError
 from mmproxy.protocols import ChecksLoader, LimitsSkips
 from mmproxy.refs import DALIOutputBatchRef
 from mmproxy.server import DALIServer
 from mmproxy.skips import SKIPPED, SkipReport
+from mmproxy.state import LoaderState, ResumePoint
 
 __all__ = ["DataLoader"]
 
@@ -152,7 +152,7 @@ class DataLoader(torch.utils.data.DataLoader):
         of an epoch, a loader built the same way and given this state continues with batch k+1;
         after the epoch's last batch (or before the first), with the next epoch. Small and
         picklable: the epoch, the batches delivered, and per worker the position of the dataset
-        (:func:`mmproxy.worker.stamp`), as :class:`~mmproxy._state.LoaderState` writes it. In a
+        (:func:`mmproxy.worker.stamp`), as :class:`~mmproxy.state.LoaderState` writes it. In a
         multi-rank job each rank saves its own."""
         if self._resume is not None:  # loaded, not yet iterated: where the loaded state stands
             return hand_out(self._resume, self.dataset,

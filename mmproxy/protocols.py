@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from mmproxy._state import LoaderState
+    from mmproxy.state import LoaderState
 
 __all__ = ["ChecksLoader", "LimitsSkips", "Proxy", "Reshardable"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from mmproxy import _context, _transport
 from mmproxy._context import SampleId, Stamped, sample_key
-from mmproxy._state import ResumePoint
+from mmproxy.state import ResumePoint
 
 __all__ = ["ResumePoint", "SampleId", "Stamped", "in_persistent_worker", "loader_epoch",
            "next_epoch", "register_file_mapping", "release_file_mapping", "resume_state",

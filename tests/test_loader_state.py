@@ -10,7 +10,7 @@ from main_states import CASES
 from mmproxy.datasets import MultiModalDataset, Source
 
 import mmproxy
-from mmproxy._state import LoaderState
+from mmproxy.state import LoaderState
 from mmproxy.testing import write_tar
 
 pytestmark = pytest.mark.timeout(240)

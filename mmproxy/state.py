@@ -18,7 +18,7 @@ from typing import Any
 
 from mmproxy.errors import StateError
 
-__all__ = ["VERSION", "LoaderState", "ResumePoint"]
+__all__ = ["LoaderState", "ResumePoint", "VERSION"]
 
 VERSION = 2
 _FIRST = 1  # the version before datasets owned their state: {"states": {worker: entry}}
