@@ -122,7 +122,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             cache unless ``MMPROXY_CACHE_DIR`` is set). A shard still failing after the retries,
             or missing, is an unreadable shard: a ``__skipped__`` record or a ``ShardError``.
 
-    Resuming: the sample order is state (:mod:`mmproxy.datasets.order`). Under an
+    Resuming: every stage of the chain owns its state (:mod:`mmproxy.datasets._stage`). Under an
     :class:`mmproxy.DataLoader` every batch carries its worker's position, so
     ``loader.state_dict()`` after k batches lets a new loader continue with batch k+1
     (``load_state_dict``): the same batches, in the same order, with the same augmentation when

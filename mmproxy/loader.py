@@ -27,7 +27,7 @@ import torch.utils.data
 
 from mmproxy import _context, _process, _walk
 from mmproxy._context import Stamped
-from mmproxy._progress import Progress, hand_out
+from mmproxy._progress import Progress, hand_out, rank_and_world
 from mmproxy._resolve import claim, resolve_batch
 from mmproxy.errors import StateError, WorkerDiedError
 from mmproxy.protocols import ChecksLoader, LimitsSkips
@@ -158,7 +158,8 @@ class DataLoader(torch.utils.data.DataLoader):
             return hand_out(self._resume, self.dataset,
                             max(1, self.num_workers))[1].state().to_dict()
         if self._progress is None:
-            return LoaderState(int(self._epoch.value), True).to_dict()
+            return LoaderState(int(self._epoch.value), True, *rank_and_world(),
+                               max(1, self.num_workers)).to_dict()
         progress = self._progress
         if not progress.done and progress.batches and not progress.positions:
             raise TypeError(
