@@ -2,17 +2,16 @@
 video reader on the same files, and DALI's proxy; each system in turn, same process.
 
 The workload: ``--clips`` H.264 clips of 5-10 s (25 fps, ``--resolution`` 320x240 by default,
-a key frame every 12 frames,
-written once under the cache folder as shards for mmproxy and as .mp4 files for the reader), a
-training clip of 16 frames at stride 4 from a random start, the shorter side resized to 256, a
-random 224 crop, a flip, normalized to float32 NCTHW. The systems:
+a key frame every 12 frames, written once under ``--data-dir`` as shards for mmproxy and as .mp4
+files for the reader), a training clip of 16 frames at stride 4 from a random start, the shorter
+side resized to 256, a random 224 crop, a flip, normalized to float32 NCTHW. The systems:
 
 - ``mmproxy-pyav`` (the default decoder): ``video_label_dataset`` on the shards; the worker reads
   the container header, draws the start, crop and flip, and decodes the clip's frames with PyAV;
   the server resizes, crops and normalizes (on the GPU when there is one).
 - ``mmproxy-nvdec`` (GPU only): the same with ``decoder="dali"``: the server decodes with DALI's
-  in-memory NVDEC decoder (``fn.decoders.video``, ``mixed``). In the first results
-  (``video-320x240-2048.txt``, ``video-596x336-512.json``) this system was named ``mmproxy``.
+  in-memory NVDEC decoder (``fn.decoders.video``, ``mixed``); ``mmproxy-nvdec[build_index=False]``
+  passes options to it.
 - ``torch``: a ``torch.utils.data.DataLoader`` over the files; each worker decodes the clip with
   PyAV (seeking to the key frame before the start), resizes with torchvision, crops, flips and
   normalizes (what a PyTorch video pipeline does without DALI).
@@ -21,25 +20,25 @@ random 224 crop, a flip, normalized to float32 NCTHW. The systems:
 - ``dali-proxy``: DALI's own proxy feeding encoded clips to ``fn.decoders.video`` (GPU only), start
   frames drawn by DALI.
 
-    python benchmarks/video_bench.py --clips 2048 --workers 15 --threads 8 --epochs 3 \
-        --json benchmarks/results/video-gpu-h200/video-1.json
-    python benchmarks/video_bench.py --clips 128 --workers 2 --threads 2 --epochs 2 \
-        --systems mmproxy-pyav,torch --json benchmarks/results/video-cpu-2core/video-1.json
+    python benchmarks/video_bench.py --clips 512 --resolution 596x336 --workers 15 --threads 8 \\
+        --epochs 2 --json benchmarks/results/gpu-h200/video-systems.json
+    python benchmarks/video_bench.py --clips 128 --workers 2 --threads 2 --epochs 3 --batch-size 8 \\
+        --systems mmproxy-pyav,torch --json benchmarks/results/cpu-2core/video-systems.json
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
-import json
 import multiprocessing
 import os
 import random
 import re
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import _harness  # this script's folder is on the path
 import numpy as np
 import torch
 
@@ -192,32 +191,24 @@ def _variant(system: str) -> tuple[str, dict[str, Any]]:
     return name, {key.strip(): ast.literal_eval(value.strip()) for key, value in pairs}
 
 
-SYSTEMS = {"mmproxy-pyav": partial(_mmproxy, decoder="pyav"),
+SYSTEMS: dict[str, Callable[..., Any]] = {"mmproxy-pyav": partial(_mmproxy, decoder="pyav"),
            "mmproxy-nvdec": partial(_mmproxy, decoder="dali"),
            "torch": _torch, "dali-reader": _dali_reader, "dali-proxy": _dali_proxy}
 
 
 def main() -> None:
-    from mmproxy.pipelines import resolve_device
-
-    from mmproxy.testing import cache_dir
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--clips", type=int, default=2048)
-    parser.add_argument("--workers", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--systems", default="mmproxy-pyav,mmproxy-nvdec,torch,dali-reader,dali-proxy")
-    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
-    parser.add_argument("--data-dir", default=None)
+    parser = _harness.parser(__doc__, workers=15, threads=8, batch_size=32)
+    parser.add_argument("--clips", type=int, default=2048, help="clips written (5-10 s each)")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per system (the first is "
+                        "the warm-up)")
+    parser.add_argument("--systems", default="mmproxy-pyav,mmproxy-nvdec,torch,dali-reader,dali-proxy",
+                        help="comma-separated; mmproxy-nvdec[KEY=VALUE,...] passes options to "
+                        "fn.decoders.video")
     parser.add_argument("--resolution", default="320x240", help="WIDTHxHEIGHT of the clips")
-    parser.add_argument("--json", default=None)
     args = parser.parse_args()
     width, height = (int(v) for v in args.resolution.split("x"))
-    gpu, device_id = resolve_device(args.device)
-    shards, files = write_clips(Path(args.data_dir or cache_dir() / "bench"), args.clips, width,
-                                height)
+    gpu, device_id, _, folder = _harness.setup(args)
+    shards, files = write_clips(folder, args.clips, width, height)
     results: dict[str, Any] = {}
 
     for system in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", args.systems):
@@ -232,10 +223,8 @@ def main() -> None:
         r = results[system]
         print(f"{system:12s} best epoch {r['samples_per_s']:.1f} clips/s, sustained "
               f"{r['sustained_samples_per_s'] or 0:.1f}, epochs {r['epochs']}", flush=True)
-        if args.json:  # after every system: a run cut short keeps what it measured
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"settings": vars(args), "gpu": gpu,
-                                                   "systems": results}, indent=2))
+        # after every system: a run cut short keeps what it measured
+        _harness.write_json(args.json, args, gpu, {"systems": results})
     for mine in ("mmproxy-pyav", "mmproxy-nvdec"):
         for system, r in results.items():
             if mine in results and system != mine:

@@ -2,11 +2,13 @@
 
 They look at a few bytes: the format's signature, a PNG's or JPEG's declared size (an image that
 claims to be 100,000 x 100,000 pixels would make the decoder allocate tens of gigabytes), whether a
-WAV file has a sound ``fmt `` chunk and any audio frames, and whether a JPEG, PNG, OGG or WAV was
-cut short (the most common damage in web-scale corpora: an interrupted download). A JPEG without an
-end-of-image marker after its first scan, or a PNG without its ``IEND`` chunk, fails DALI's
-decoders every time, and an OGG whose last page does not end the stream decodes to nothing, so
-catching them here saves the server a failed run; a good file pays for a look at its last bytes.
+WAV file has a sound ``fmt `` chunk and any audio frames, and whether a JPEG, PNG, OGG, WAV or
+video was cut short (the most common damage in web-scale corpora: an interrupted download). A
+JPEG without an end-of-image marker after its first scan, or a PNG without its ``IEND`` chunk,
+fails DALI's decoders every time, an OGG whose last page does not end the stream decodes to
+nothing, and a video whose container declares more bytes than follow decodes to fewer frames
+than its header promises, so catching them here saves the server a failed run (or a clip of
+made-up frames); a good file pays for a look at its last bytes or its top-level boxes.
 Trailing bytes after the end marker are allowed (decoders ignore them).
 
 The JPEG header walk also refuses a malformed Huffman table and data where a marker belongs:
@@ -20,10 +22,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 __all__ = ["MAX_PIXELS", "SIGNATURES", "VIDEO_EXTS", "VideoInfo", "check_header", "image_size",
-           "video_info"]
+           "video_cut", "video_info"]
 
 MAX_PIXELS = 64 * 2**20  # 64 megapixels
 Data = bytes | memoryview  # a field: bytes, or a view of a mapped shard
@@ -269,6 +271,8 @@ def _mp4_video(data: Data, start: int, end: int, found: dict[str, object], depth
             found["codec"] = _MP4_CODECS.get(fourcc.lower(), fourcc.decode("latin-1").strip())
         elif kind == b"stsz" and stop - begin >= 12:
             (found["frames"],) = struct.unpack(">I", data[begin + 8:begin + 12])
+        if kind in (b"stsz", b"stsc", b"stco", b"co64"):  # the index: where each frame lies
+            found[kind.decode()] = (begin, stop)
         if kind == b"moov":
             found["moov"] = True
 
@@ -300,6 +304,127 @@ def video_info(data: Data) -> VideoInfo | None:
     return None
 
 
+_CUT = "is truncated: the file ends before the frames its header promises"
+
+
+def _mp4_data_end(data: Data, index: dict[str, object]) -> int | None:
+    """Where a video track's last frame ends, by its index: the last chunk's offset (``stco`` or
+    ``co64``) plus the sizes (``stsz``) of the frames it holds (``stsc``); None when the index is
+    incomplete."""
+    def box(name: str) -> tuple[int, int, int]:  # (payload start, end, entry count)
+        begin, stop = cast("tuple[int, int]", index.get(name, (0, 0)))
+        count = struct.unpack(">I", data[begin + 4:begin + 8])[0] if stop - begin >= 8 else 0
+        return begin + 8, stop, count
+
+    wide = "co64" in index
+    at, stop, chunks = box("co64" if wide else "stco")
+    width = 8 if wide else 4
+    last = at + (chunks - 1) * width
+    if not chunks or last + width > stop:
+        return None
+    (offset,) = struct.unpack(">Q" if wide else ">I", data[last:last + width])
+    at, stop, runs = box("stsc")
+    if not runs or at + 12 * runs > stop:
+        return None
+    per_chunk = struct.unpack(">I", data[at + 12 * runs - 8:at + 12 * runs - 4])[0]
+    at, stop, uniform = box("stsz")  # a size all frames share (0: each has its own), then
+    if at + 4 > stop:  # the number of frames and their sizes
+        return None
+    (frames,) = struct.unpack(">I", data[at:at + 4])
+    if uniform:
+        return int(offset) + uniform * min(per_chunk, frames)
+    if not 0 < per_chunk <= frames or at + 4 + 4 * frames > stop:
+        return None
+    first = at + 4 + 4 * (frames - per_chunk)
+    return int(offset) + sum(struct.unpack(f">{per_chunk}I", data[first:first + 4 * per_chunk]))
+
+
+def _mp4_cut(data: Data) -> str | None:
+    """Why an MP4 looks cut short: a top-level box holding the index or frames that declares more
+    bytes than follow, or a video track whose index places frames past the end of the file."""
+    at = 0
+    while at + 8 <= len(data):
+        size, kind = struct.unpack(">I4s", data[at:at + 8])
+        if size == 1 and at + 16 <= len(data):
+            (size,) = struct.unpack(">Q", data[at + 8:at + 16])
+        elif size < 8:  # 0: the box runs to the end of the file; others are not sizes
+            break
+        if at + size > len(data):
+            if kind not in (b"moov", b"moof", b"mdat"):  # not the index or frames: junk, maybe
+                break
+            name = kind.decode("latin-1")
+            return f"{_CUT} (its {name!r} box declares {size:,} bytes, {len(data) - at:,} follow)"
+        at += size
+    track: dict[str, object] = {}
+    _mp4_video(data, 0, len(data), track)
+    end = _mp4_data_end(data, track)
+    if end is not None and end > len(data):
+        return (f"{_CUT} (its index places the video's frames up to byte {end:,}, the file has "
+                f"{len(data):,} bytes)")
+    return None
+
+
+def _ebml_number(data: Data, at: int) -> tuple[int | None, int]:
+    """The EBML variable-length number at ``at`` (an element's id or size) and its length in
+    bytes; the value is None where all its bits are set (a size that is not known)."""
+    length = 9 - data[at].bit_length() if at < len(data) else 9
+    if length > 8 or at + length > len(data):
+        return None, 9
+    value = data[at] & (0xFF >> length)
+    for byte in data[at + 1:at + length]:
+        value = value << 8 | byte
+    return (None if value == (1 << 7 * length) - 1 else value), length
+
+
+_EBML_TOP = {b"\x1aE\xdf\xa3": "EBML header", b"\x18S\x80g": "Segment"}
+
+
+def _matroska_cut(data: Data) -> str | None:
+    """Why a Matroska/WebM file looks cut short: its EBML header or Segment (which holds every
+    frame) declares more bytes than follow."""
+    at = 0
+    while at < len(data):
+        name = _EBML_TOP.get(bytes(data[at:at + 4]))
+        size, size_length = _ebml_number(data, at + 4)
+        if name is None or size is None:  # something else (junk?), or a size left open
+            return None
+        body = at + 4 + size_length
+        if body + size > len(data):
+            return f"{_CUT} (its {name} declares {size:,} bytes, {len(data) - body:,} follow)"
+        at = body + size
+    return None
+
+
+def _avi_cut(data: Data) -> str | None:
+    """Why an AVI looks cut short: a top-level RIFF chunk (``AVI `` or OpenDML's ``AVIX``) that
+    declares more bytes than follow."""
+    at = 0
+    while at + 12 <= len(data) and bytes(data[at:at + 4]) == b"RIFF":
+        (size,) = struct.unpack("<I", data[at + 4:at + 8])
+        if at + 8 + size > len(data):
+            form = bytes(data[at + 8:at + 12]).decode("latin-1")
+            return (f"{_CUT} (its RIFF {form!r} chunk declares {size:,} bytes, "
+                    f"{len(data) - at - 8:,} follow)")
+        at += 8 + size + (size & 1)
+    return None
+
+
+def video_cut(data: Data) -> str | None:
+    """Why an MP4/MOV, Matroska/WebM or AVI file looks cut short, from the sizes its container
+    declares (and, for MP4, where its index places the video's frames); None when it does not,
+    or when ``data`` is none of these. A cut file decodes to fewer frames than its header
+    promises: decoders stop early or repeat the last frame they have, so it is a damaged sample,
+    not a short video. The cost is a walk over the top-level boxes, elements or chunks."""
+    head = bytes(data[:12])
+    if head[4:8] in _MP4_TOP:
+        return _mp4_cut(data)
+    if head[:4] == b"\x1aE\xdf\xa3":
+        return _matroska_cut(data)
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return _avi_cut(data)
+    return None
+
+
 def _video_problem(data: Data) -> str | None:
     info = video_info(data)
     if info is None:
@@ -307,6 +432,10 @@ def _video_problem(data: Data) -> str | None:
     if info.container == "mp4" and info.codec is None:
         if bytes(data[:1 << 20]).find(b"moov") < 0 and bytes(data[-(1 << 20):]).find(b"moov") < 0:
             return "is truncated (no moov box: the file was cut, or never finished)"
+    cut = video_cut(data)
+    if cut:
+        return cut
+    if info.container == "mp4" and info.codec is None:
         return "holds no video track"
     return None
 

@@ -1,10 +1,10 @@
-"""Shards: shard lists, per-epoch shuffling, and splitting by node and worker.
+"""Shards: shard lists, where a worker sits, and the zero-copy tar readers.
 
-Built on ``webdataset``: brace expansion (``expand_urls``), tar reading with ``pipe:`` and local
-files (``tarfile_samples``), and node / worker splitting (``split_by_node``, ``split_by_worker``).
-What is added: an error when a rank would get no shards, an epoch that every worker of
-every rank agrees on (so a shard shuffle is the same everywhere and splits stay disjoint),
-resampling with a fixed number of batches per rank, and a zero-copy reader for local shards:
+Built on ``webdataset``: brace expansion (``expand_urls``), tar reading with ``pipe:``
+(``tarfile_samples``), and the worker's rank and id (``pytorch_worker_info``). What is added:
+globs of local paths, an epoch that every worker of every rank agrees on (so a shard shuffle is
+the same everywhere and splits stay disjoint: :mod:`mmproxy.datasets.plan` makes them), and a
+zero-copy reader for local shards:
 webdataset's streaming tar reader copies each member through 10 KB reads (about 600 MB/s per
 worker here); mapping a local tar and slicing its members is about 15x faster, and the members
 then travel to the server by reference (the shard's descriptor and offsets), not copied.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import glob
 import mmap
 import os
-import random
 import tarfile
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -32,8 +31,8 @@ from ._sources import Permanent, list_s3
 from ._tar import members
 from .remote import RemoteOptions, RemoteShard, is_remote, open_remote, redact
 
-__all__ = ["expand", "is_local", "is_remote", "local_glob", "rank_shards", "read_local_tar",
-           "read_remote_tar", "require_files", "worker_info", "worker_shards"]
+__all__ = ["current_epoch", "expand", "is_local", "is_remote", "local_glob", "read_local_tar",
+           "read_remote_tar", "require_files", "worker_info"]
 
 
 def expand(urls: str | Sequence[str]) -> list[str]:
@@ -139,33 +138,6 @@ def current_epoch(explicit: int | None) -> int:
         return explicit
     epoch = worker.loader_epoch()
     return 0 if epoch is None else epoch
-
-
-def rank_shards(urls: list[str], *, shuffle: bool, seed: int, epoch: int) -> list[str]:
-    """This rank's shards: the list shuffled with a seed shared by all ranks, then split by node."""
-    ordered = list(urls)
-    if shuffle:
-        random.Random(f"{seed}:{epoch}").shuffle(ordered)
-    mine = list(wds.shardlists.split_by_node(ordered))
-    if not mine:
-        rank, world, _, _ = worker_info()
-        raise ShardError(f"rank {rank} of {world} gets no shards: there are only {len(urls)} "
-                         f"shards for {world} ranks; write more, smaller shards or use "
-                         "resampled=True")
-    return mine
-
-
-def worker_shards(shards: list[str]) -> list[str]:
-    """This worker's part of the rank's shards; empty for a worker beyond the number of shards
-    (it stays idle; :meth:`MultiModalDataset.check_loader` refuses that when every worker must
-    yield ``epoch_length`` batches)."""
-    return list(wds.shardlists.split_by_worker(shards))
-
-
-def resampled(urls: list[str], rng: random.Random) -> Iterator[str]:
-    """Shards drawn with replacement, forever (with resampling every rank sees every shard)."""
-    while True:
-        yield rng.choice(urls)
 
 
 def is_local(url: str) -> bool:

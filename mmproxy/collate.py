@@ -16,6 +16,7 @@ from torch.utils.data import default_collate
 
 from mmproxy import _walk
 from mmproxy.errors import CollateError
+from mmproxy.protocols import Proxy
 from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef
 
 __all__ = ["Collate"]
@@ -23,7 +24,7 @@ __all__ = ["Collate"]
 
 def _identity(server: Any) -> tuple[str, str]:
     """(uid, name) of a DALIServer or of a DALIProxy."""
-    if hasattr(server, "server_uid"):
+    if isinstance(server, Proxy):
         return server.server_uid, server.server_name
     return server.uid, server.name
 

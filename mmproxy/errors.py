@@ -23,6 +23,7 @@ __all__ = [
     "ServerStateError",
     "ShardError",
     "SkipLimitError",
+    "StateError",
     "TransportError",
     "WaitTimeoutError",
     "WorkerDiedError",
@@ -79,6 +80,11 @@ class SampleError(MmproxyError, ValueError):
 
 class ShardError(MmproxyError, ValueError):
     """A shard list is empty or cannot be split among ranks and workers."""
+
+
+class StateError(MmproxyError, ValueError):
+    """A saved state that this code cannot load: another version, or keys it does not know or
+    lacks; names the part of the state (loader, dataset stage) and what is wrong."""
 
 
 class EmptyEpochError(MmproxyError, RuntimeError):

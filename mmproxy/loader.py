@@ -28,12 +28,14 @@ import torch.utils.data
 
 from mmproxy import _context, _process, _walk
 from mmproxy._context import Stamped
-from mmproxy._progress import VERSION, Progress, hand_out
+from mmproxy._progress import Progress, hand_out, rank_and_world
 from mmproxy._resolve import claim, resolve_batch
-from mmproxy.errors import WorkerDiedError
+from mmproxy.errors import StateError, WorkerDiedError
+from mmproxy.protocols import ChecksLoader, LimitsSkips
 from mmproxy.refs import DALIOutputBatchRef
 from mmproxy.server import DALIServer
 from mmproxy.skips import SHARDS_TRIED, SKIPPED, SkipReport
+from mmproxy.state import LoaderState, ResumePoint
 
 __all__ = ["DataLoader"]
 
@@ -63,7 +65,7 @@ class _WorkerInit:
     def __init__(self, loader_id: str, epoch: Any, user: Callable[[int], None] | None,
                  persistent: bool) -> None:
         self.loader_id, self.epoch, self.user, self.persistent = loader_id, epoch, user, persistent
-        self.resume: dict[int, dict[str, Any]] | None = None
+        self.resume: dict[int, ResumePoint] | None = None
 
     def __call__(self, worker_id: int) -> None:
         _context.set_loader_tag((self.loader_id, self.epoch), self.persistent)
@@ -128,10 +130,9 @@ class DataLoader(torch.utils.data.DataLoader):
         super().__init__(**arguments)
         self._report = SkipReport()
         self._progress: Progress | None = None
-        self._resume: list[Mapping[str, Any]] | None = None
-        check = getattr(self.dataset, "check_loader", None)
-        if check is not None:
-            check(self)  # e.g. a dataset that batches itself refuses batch_size, before any batch
+        self._resume: list[LoaderState] | None = None
+        if isinstance(self.dataset, ChecksLoader):
+            self.dataset.check_loader(self)  # e.g. a dataset that batches refuses batch_size
 
     @property
     def servers(self) -> list[DALIServer]:
@@ -152,18 +153,21 @@ class DataLoader(torch.utils.data.DataLoader):
         of an epoch, a loader built the same way and given this state continues with batch k+1;
         after the epoch's last batch (or before the first), with the next epoch. Small and
         picklable: the epoch, the batches delivered, and per worker the position of the dataset
-        (:func:`mmproxy.worker.stamp`). In a multi-rank job each rank saves its own."""
+        (:func:`mmproxy.worker.stamp`), as :class:`~mmproxy.state.LoaderState` writes it. In a
+        multi-rank job each rank saves its own."""
         if self._resume is not None:  # loaded, not yet iterated: where the loaded state stands
-            return hand_out(self._resume, self.dataset, max(1, self.num_workers))[1].state_dict()
+            return hand_out(self._resume, self.dataset,
+                            max(1, self.num_workers))[1].state().to_dict()
         if self._progress is None:
-            return {"version": VERSION, "epoch": int(self._epoch.value), "done": True}
+            return LoaderState(int(self._epoch.value), True, *rank_and_world(),
+                               max(1, self.num_workers)).to_dict()
         progress = self._progress
         if not progress.done and progress.batches and not progress.positions:
             raise TypeError(
                 f"{type(self.dataset).__name__} does not say where its workers stand (its batches "
                 "carry no mmproxy.worker.stamp), so this loader cannot resume it mid-epoch; "
                 "MultiModalDataset does, or save the state at an epoch's end")
-        return progress.state_dict()
+        return progress.state().to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Continues from :meth:`state_dict` at the next ``iter(loader)``.
@@ -174,11 +178,11 @@ class DataLoader(torch.utils.data.DataLoader):
         redistributes what the epoch has left (``dataset.reshard``): every remaining sample once,
         in a new order.
         """
-        states = [state] if isinstance(state, Mapping) else list(state)
-        if not states or any(s.get("version") != VERSION for s in states):
-            raise ValueError(f"not a state of this mmproxy.DataLoader (version {VERSION}): "
-                             f"{[s.get('version') for s in states]}")
-        epochs = {int(s["epoch"]) for s in states}
+        states = [LoaderState.from_dict(s)
+                  for s in ([state] if isinstance(state, Mapping) else list(state))]
+        if not states:
+            raise StateError("load_state_dict got an empty list of states")
+        epochs = {s.epoch for s in states}
         if len(epochs) > 1:
             raise ValueError(f"the ranks' states are from different epochs: {sorted(epochs)}")
         epoch = epochs.pop()
@@ -186,7 +190,7 @@ class DataLoader(torch.utils.data.DataLoader):
             _LoaderIter.shutdown(self._iterator)
             self._iterator = None
         self._progress = None
-        if all(s["done"] for s in states):
+        if all(s.done for s in states):
             self._epoch.value, self._resume = epoch, None
         else:
             self._epoch.value, self._resume = epoch - 1, states
@@ -223,8 +227,9 @@ class _LoaderIter:
         self._report = loader._report
         self._progress = loader._progress
         self._seq = 0  # items taken from torch's iterator
-        self._checked = hasattr(loader.dataset, "max_skipped")
-        self._max_skipped = getattr(loader.dataset, "max_skipped", None)
+        dataset = loader.dataset
+        self._checked = isinstance(dataset, LimitsSkips)
+        self._max_skipped = dataset.max_skipped if isinstance(dataset, LimitsSkips) else None
         _live_iterators.add(self)
 
     def __iter__(self) -> _LoaderIter:

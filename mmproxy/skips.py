@@ -71,12 +71,13 @@ class SkipKind(str, enum.Enum):
 
 class SkippedSample(NamedTuple):
     """One skipped sample, or a whole shard (then ``key`` is empty): where, why in words, and
-    the kind of failure."""
+    the kind of failure (mmproxy's records always say; a dataset of your own may leave it
+    :attr:`SkipKind.OTHER`)."""
 
     shard: str
     key: str
     reason: str
-    kind: SkipKind
+    kind: SkipKind = SkipKind.OTHER
 
 
 def _legacy_kind(reason: str) -> SkipKind:

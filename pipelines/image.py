@@ -35,8 +35,9 @@ import numpy as np
 from mmproxy.pipelines._device import Device, resolve_device
 from mmproxy.pipelines.external import external_pipeline
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "RandomResizedCrop", "image_eval_graph",
-           "image_eval_pipeline", "image_train_graph", "image_train_pipeline", "resize"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "RandomResizedCrop", "centre_crop_position",
+           "image_eval_graph", "image_eval_pipeline", "image_train_graph", "image_train_pipeline",
+           "resize"]
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -82,6 +83,35 @@ def resize(images: Any, size: int, *, gpu: bool, cpu_resize: CpuResize = "torchv
                               num_outputs=1, output_layouts=layout)
 
 
+def centre_crop_position(images: Any, size: int, *, layout: Literal["HWC", "FHWC"] = "HWC"
+                         ) -> tuple[Any, Any]:
+    """``crop_pos_x`` and ``crop_pos_y`` (DALI nodes) that put a ``size`` square where
+    torchvision's ``CenterCrop`` puts it in images at least that large: ``round((side - size) /
+    2)`` pixels in, halves rounded to even as Python rounds them (a margin of 5 puts it 2 in, one
+    of 7 puts it 4 in; DALI's own ``0.5`` rounds every half up, one pixel right or down for half
+    the odd margins). Costs a few scalar operations per sample."""
+    import nvidia.dali.math as dmath
+    from nvidia.dali import types
+
+    shape = images.shape(dtype=types.INT64)
+    first = 1 if layout == "FHWC" else 0
+
+    def position(side: Any) -> Any:
+        margin = side - size
+        half = margin // 2
+        offset = half + (margin & 1) * (half & 1)  # an odd half rounds to the even neighbour
+        return offset / dmath.max(margin, 1)  # DALI places it at round(position * margin)
+
+    return position(shape[first + 1]), position(shape[first])
+
+
+def _check_resize_size(size: int, resize_size: int | None) -> None:
+    """Refuses a ``resize_size`` smaller than the ``size`` crop cut from the resized image."""
+    if resize_size is not None and resize_size < size:
+        raise ValueError(f"resize_size={resize_size} is smaller than size={size}: the "
+                         f"{size}x{size} crop is cut from the image resized to {resize_size}")
+
+
 def _normalize(images: Any, *, size: int, layout: Layout, dtype: DType, mean: Sequence[float],
                std: Sequence[float], mirror: Any = None, crop: bool = False) -> Any:
     from nvidia.dali import fn, types
@@ -89,7 +119,10 @@ def _normalize(images: Any, *, size: int, layout: Layout, dtype: DType, mean: Se
     dali_type = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}[dtype]
     if dtype == "uint8":
         mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    kwargs: dict[str, Any] = {"crop": (size, size)} if crop else {}
+    kwargs: dict[str, Any] = {}
+    if crop:
+        x, y = centre_crop_position(images, size)
+        kwargs = {"crop": (size, size), "crop_pos_x": x, "crop_pos_y": y}
     if mirror is not None:
         kwargs["mirror"] = mirror
     return fn.crop_mirror_normalize(images, dtype=dali_type, output_layout=layout,
@@ -263,6 +296,7 @@ def image_eval_pipeline(*, batch_size: int, size: int = 224, resize_size: int | 
     center crop ``size``, normalize. Deterministic. Other arguments as in
     :func:`image_train_pipeline`.
     """
+    _check_resize_size(size, resize_size)
     gpu, dev_id = resolve_device(device, device_id)
     graph = partial(image_eval_graph, gpu=gpu, size=size, resize_size=resize_size, mean=mean,
                     std=std, layout=layout, dtype=dtype, cpu_resize=cpu_resize)

@@ -20,6 +20,13 @@ start, the crop position and the flip are drawn by the proxy in the worker from 
 so a resumed run repeats them exactly. The start needs the number of frames: read from the MP4 or
 AVI header, or counted by PyAV for WebM (without PyAV a WebM clip starts at frame 0).
 
+Damaged videos: only a video whose header says it is shorter than the clip has frames repeated.
+A file that ends before the frames its header promises (an interrupted download) fails in the
+worker before any decoder sees it, whichever the decoder and the clip's position (its boxes,
+elements or chunks declare more bytes than follow:
+:func:`~mmproxy.datasets.checks.video_cut`), and a PyAV decode that ends early for any other
+reason fails saying why (:func:`decode_clip`): a skip record with ``on_error="skip"``.
+
 Decoders, and which codec is decoded where (DALI 2.4):
 
 =============  ===================================  ============================================
@@ -54,11 +61,19 @@ from __future__ import annotations
 import io
 import random
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 import numpy as np
 from mmproxy.pipelines._device import Device, resolve_device
-from mmproxy.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, CpuResize, DType, resize
+from mmproxy.pipelines.image import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    CpuResize,
+    DType,
+    _check_resize_size,
+    centre_crop_position,
+    resize,
+)
 
 if TYPE_CHECKING:
     from mmproxy.datasets.checks import VideoInfo
@@ -106,35 +121,65 @@ def _presentation_order(container: Any, stream: Any) -> list[int] | None:
 
 def decode_clip(data: bytes | memoryview, start: int | None, frames: int | None,
                 stride: int) -> np.ndarray:
-    """Frames ``start, start + stride, ...`` (``frames`` of them, the last repeated past the end;
-    every frame with ``frames=None``) decoded with PyAV, as uint8 ``[T, H, W, 3]`` RGB.
+    """Frames ``start, start + stride, ...`` (``frames`` of them; every frame with
+    ``frames=None``) decoded with PyAV, as uint8 ``[T, H, W, 3]`` RGB.
 
     Frame ``i`` is the ``i``-th frame in presentation order (what the header's frame count
     counts), also in variable-frame-rate videos: the packets' timestamps are read first (no
     decoding), then the decode seeks to the key frame before ``start``'s timestamp instead of
     starting from the beginning. A video whose packets lack timestamps, or where the seek lands
-    past ``start``, is decoded from the beginning, counting frames."""
+    past ``start``, is decoded from the beginning, counting frames.
+
+    A clip that runs past the last frame of a video that ends there (its header promises no
+    more) repeats that last frame. Frames are never made up for a damaged file: where the
+    decode ends before a frame the clip needs (or, with ``frames=None``, before the last one)
+    while the header promises more frames or a longer duration, or where frames the file holds
+    do not decode, it raises ValueError saying which. Telling the two apart reads the packets'
+    timestamps again (no decoding), only where the decode ends before the clip does, or, with
+    ``frames=None``, short of the header's frame count (always for Matroska: it has none).
+    """
     wanted = None if frames is None else [(start or 0) + i * stride for i in range(frames)]
-    out = _decode(data, wanted, seek=bool(wanted and wanted[0] > 0))
-    if out is None:
-        out = _decode(data, wanted, seek=False)
+    decoded = _decode(data, wanted, seek=bool(wanted and wanted[0] > 0))
+    if decoded is None:  # from the beginning, counting: never None
+        decoded = cast(_Decoded, _decode(data, wanted, seek=False))
+    out, reached, error, last, listed = decoded
+    # the decode ended before the clip did, or short of every frame the header lists
+    early = reached <= wanted[-1] if wanted else not 0 < listed <= reached
+    if early:
+        problem = _shortfall(data, reached, error)
+        if problem:
+            needs = "" if wanted is None else f"; the clip needs frames {wanted[0]}-{wanted[-1]}"
+            raise ValueError(f"{problem}{needs}")
     if not out:
         raise ValueError("the video holds no decodable frame at the clip's position")
-    clip = np.stack(out)
-    if frames is not None and len(clip) < frames:  # past the end: repeat the last frame
-        clip = np.concatenate([clip, np.repeat(clip[-1:], frames - len(clip), axis=0)])
-    return clip
+    if frames is not None and len(out) < frames:  # past the end: repeat the video's last frame
+        out += [last.to_ndarray(format="rgb24")] * (frames - len(out))
+    return np.stack(out)
 
 
-def _decode(data: bytes | memoryview, wanted: list[int] | None,
-            seek: bool) -> list[np.ndarray] | None:
+class _Decoded(NamedTuple):
+    """What a decode gave: the ``frames`` wanted, how many frames it ``reached`` (the index of
+    the last one decoded, plus one), the decoder's ``error`` where one stopped it, and the
+    ``last`` frame it decoded (PyAV's, not converted); ``listed``: the frames the header lists
+    (0: not said)."""
+
+    frames: list[np.ndarray]
+    reached: int
+    error: str | None
+    last: Any
+    listed: int
+
+
+def _decode(data: bytes | memoryview, wanted: list[int] | None, seek: bool) -> _Decoded | None:
     """The frames ``wanted`` (every frame with None), counted from the beginning; with ``seek``
     from the key frame before the first: the first frame decoded takes its index from its pts,
-    the next ones are counted. None when seeking fails: packets without pts, or the seek went
-    past the first frame wanted (H.264 with B-frames in AVI, whose pts are guesses)."""
+    the next ones are counted. None when seeking fails: packets without pts, the seek went
+    past the first frame wanted (H.264 with B-frames in AVI, whose pts are guesses), or no
+    frame decoded after it."""
     import av
 
     out: list[np.ndarray] = []
+    error = frame = None
     with cast(Any, av.open(io.BytesIO(data))) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
@@ -149,20 +194,65 @@ def _decode(data: bytes | memoryview, wanted: list[int] | None,
             count = None
         needed = set(wanted) if wanted else None
         last = max(wanted) if wanted else None
-        for frame in container.decode(stream):
-            if count is not None:
-                count += 1
-            elif frame.pts in index_of:  # the first frame after the seek
-                count = index_of[frame.pts]
-                if wanted and count > wanted[0]:
-                    return None
-            else:
-                continue
-            if needed is None or count in needed:
-                out.append(frame.to_ndarray(format="rgb24"))
-            if last is not None and count >= last:
-                break
-    return out
+        try:
+            for frame in container.decode(stream):
+                if count is not None:
+                    count += 1
+                elif frame.pts in index_of:  # the first frame after the seek
+                    count = index_of[frame.pts]
+                    if wanted and count > wanted[0]:
+                        return None
+                else:
+                    continue
+                if needed is None or count in needed:
+                    out.append(frame.to_ndarray(format="rgb24"))
+                if last is not None and count >= last:
+                    break
+        except av.FFmpegError as err:  # damaged data: the frames decoded so far are good
+            error = str(err)
+    if count is None:
+        return None
+    return _Decoded(out, count + 1, error, frame, stream.frames)
+
+
+_FEWER = "the file holds fewer frames than its header promises"
+_WHY = "(it ends early, or its data is damaged)"
+
+
+def _shortfall(data: bytes | memoryview, reached: int, error: str | None) -> str | None:
+    """Why a decode that ended after ``reached`` frames (stopped by the decoder's ``error``,
+    if any) ended early on a damaged file; None where the video simply ends there. Damaged: the
+    file holds fewer frames than its header lists (MP4, AVI), frames it holds did not decode,
+    or (no frame count in the header: Matroska/WebM) its frames end before the duration its
+    header declares."""
+    import av
+
+    present = shown = 0  # the video's packets in the file; those an edit list does not cut
+    end = 0.0  # where the last of them ends, in seconds
+    with cast(Any, av.open(io.BytesIO(data))) as container:
+        stream = container.streams.video[0]
+        listed = stream.frames
+        declared = None  # the duration the header declares, where it has no frame count
+        if not listed and container.duration and len(container.streams) == 1:
+            declared = ((container.start_time or 0) + container.duration) / av.time_base
+        try:
+            for packet in container.demux(stream):
+                if packet.size == 0 and packet.dts is None:  # the demuxer's final flush
+                    continue
+                present += 1
+                if packet.size and not packet.is_discard:
+                    shown += 1
+                    end = float(((packet.pts or 0) + (packet.duration or 0)) * stream.time_base)
+        except av.FFmpegError:  # the packets end where the data is damaged
+            pass
+    if listed and present < listed:
+        return f"{_FEWER}: only {present:,} of the {listed:,} it lists can be read {_WHY}"
+    if reached < shown:
+        return f"frame {reached} of the {shown:,} in the file does not decode" + (
+            f" ({error})" if error else "")
+    if declared is not None and shown and end < declared - 1.5 * end / shown:
+        return f"{_FEWER}: they end at {end:.2f} s, its header declares {declared:.2f} s {_WHY}"
+    return None
 
 
 class ClipDraw:
@@ -177,14 +267,17 @@ class ClipDraw:
         self.flip_probability, self.every_frame = flip_probability, every_frame
         self.decode_in_worker, self.cpu_decoder = decode_in_worker, cpu_decoder
         place = ("frames",) if decode_in_worker else () if every_frame else ("start",)
-        self.names = (*place, "crop_x", "crop_y", "flip")
+        self.names = (*place, *(("crop_x", "crop_y") if train else ()), "flip")
         self.arguments = (input_name,)
 
     def __call__(self, given: dict[str, np.ndarray], rng: random.Random) -> dict[str, np.ndarray]:
-        from mmproxy.datasets.checks import video_info
+        from mmproxy.datasets.checks import video_cut, video_info
 
         data = given[self.input_name].data.cast("B")
         info = video_info(data)
+        cut = video_cut(data)  # a decoder would stop early, or repeat its last frame
+        if cut:
+            raise ValueError(f"the video {cut}")
         if info is not None and self.cpu_decoder and info.codec not in (None, *CPU_CODECS):
             raise ValueError(
                 f"{_NAMES.get(info.codec, info.codec)} video: DALI's CPU video decoder decodes "
@@ -199,21 +292,22 @@ class ClipDraw:
                                             self.stride)
             else:
                 out["start"] = np.array(start, np.int32)
-        centre = not self.train
-        out["crop_x"] = np.array(0.5 if centre else rng.random(), np.float32)
-        out["crop_y"] = np.array(0.5 if centre else rng.random(), np.float32)
-        out["flip"] = np.array(0 if centre else rng.random() < self.flip_probability, np.int32)
+        if self.train:  # evaluation crops sit at the centre (the pipeline places them)
+            out["crop_x"] = np.array(rng.random(), np.float32)
+            out["crop_y"] = np.array(rng.random(), np.float32)
+        out["flip"] = np.array(self.train and rng.random() < self.flip_probability, np.int32)
         return out
 
 
 def video_graph(video: Any, *, gpu: bool, size: int = 224, resize_size: int | None = None,
-                crop_x: Any = 0.5, crop_y: Any = 0.5, flip: Any = 0,
+                crop_x: Any = None, crop_y: Any = None, flip: Any = 0,
                 mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                 layout: VideoLayout = "CTHW", dtype: DType = "float32",
                 cpu_resize: CpuResize = "torchvision") -> Any:
     """Decoded clips (a DALI node, ``FHWC`` uint8) to resized, cropped, flipped, normalized
     clips: the shorter side to ``resize_size`` (default ``size * 256 / 224``), a ``size`` square
-    at ``crop_x``/``crop_y`` (0-1, same for every frame of a clip), mirrored where ``flip``."""
+    at ``crop_x``/``crop_y`` (0-1, same for every frame of a clip; None: at the centre, where
+    torchvision's ``CenterCrop`` puts it), mirrored where ``flip``."""
     from nvidia.dali import fn, types
 
     if layout not in ("CTHW", "THWC"):
@@ -222,6 +316,10 @@ def video_graph(video: Any, *, gpu: bool, size: int = 224, resize_size: int | No
         video = video.gpu()
     video = resize(video, resize_size or round(size * 256 / 224), gpu=gpu, cpu_resize=cpu_resize,
                    shorter=True, layout="FHWC")
+    if crop_x is None or crop_y is None:
+        centre_x, centre_y = centre_crop_position(video, size, layout="FHWC")
+        crop_x = centre_x if crop_x is None else crop_x
+        crop_y = centre_y if crop_y is None else crop_y
     dali_type = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}[dtype]
     if dtype == "uint8":
         mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
@@ -281,6 +379,7 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
         except ImportError:
             raise ImportError("decoder='pyav' needs PyAV: pip install av (or 'mmproxy[video]')") \
                 from None
+    _check_resize_size(size, resize_size)
     if frames < 1 or stride < 1:
         raise ValueError(f"frames and stride must be at least 1, got {frames} and {stride}")
     draw = ClipDraw(input_name, frames, stride, train, flip_probability, every_frame,
@@ -301,7 +400,8 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
                                       **(decoder_options or {}))
         length = video.shape(dtype=types.INT64)[0]
         clip = video_graph(video, gpu=gpu, size=size, resize_size=resize_size,
-                           crop_x=drawn["crop_x"], crop_y=drawn["crop_y"], flip=drawn["flip"],
+                           crop_x=drawn.get("crop_x"), crop_y=drawn.get("crop_y"),
+                           flip=drawn["flip"],
                            mean=mean, std=std, layout=layout, dtype=dtype, cpu_resize=cpu_resize)
         if every_frame:
             return fn.pad(clip, axes=[1 if layout == "CTHW" else 0], fill_value=0), length

@@ -798,7 +798,8 @@ def test_skip_kinds_are_enum_members_that_survive_pickling_and_old_states():
 
     from mmproxy.skips import SkipKind, SkippedSample, SkipReport
 
-    odd = SkippedSample("s.tar", "k", "bad header? no: the user's own words", SkipKind.OTHER)
+    odd = SkippedSample("s.tar", "k", "bad header? no: the user's own words")  # a user's own
+    assert odd.kind is SkipKind.OTHER
     assert pickle.loads(pickle.dumps(odd)) == odd and pickle.loads(pickle.dumps(odd)).kind is SkipKind.OTHER
     report = SkipReport()
     report.add(1, [odd, SkippedSample("s.tar", "j", "whatever", SkipKind.BAD_HEADER)])

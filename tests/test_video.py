@@ -15,7 +15,7 @@ from mmproxy.pipelines import decode_clip, video_pipeline
 from torch.utils.data import default_collate
 
 import mmproxy
-from mmproxy.testing import make_tokenizer, synth_video, video_bytes, write_tar
+from mmproxy.testing import faststart_mp4, make_tokenizer, synth_video, video_bytes, write_tar
 from mmproxy.worker import sample_key
 
 av = pytest.importorskip("av")
@@ -100,6 +100,31 @@ def test_centred_clips_match_pyav_frame_for_frame(decoder, codec):
     assert np.abs(_luma(clip.astype(float)) - _luma(expected)).mean() <= LUMA_TOLERANCE
     shifted = np.abs(clip[1:].astype(int) - frames[start + 1:start + 10:3, :, 16:80][:3]).mean()
     assert shifted > 2 * errors.max() + 1  # the comparison can tell a frame from its neighbour
+
+
+@pytest.mark.parametrize("decoder,codec", [("pyav", "h264"), ("dali", "vp9")])
+def test_eval_clips_are_cropped_where_torchvision_centre_crop_puts_them(decoder, codec):
+    """96x64 frames resized to 49x33 and cropped to 28: odd margins of 21 and 5, which
+    torchvision's CenterCrop rounds to 10 and 2 (halves to even). PyAV's frames, resized with
+    torchvision as the CPU pipeline does, give its crop exactly; DALI's decoder converts colours
+    differently, and one pixel off is clearly worse than its colour error."""
+    from torchvision.transforms import v2
+
+    data = _encode(codec)
+    with _server(decoder, size=28, resize_size=33) as server:
+        clip = _run(server, [data])[0]
+    start = (50 - 10) // 2
+    frames = torch.from_numpy(_reference(data)[start:start + 10:3]).permute(0, 3, 1, 2)
+    resized = v2.Resize(33, antialias=True)(frames)
+    assert [side - 28 for side in resized.shape[2:]] == [5, 21]
+    expected = v2.CenterCrop(28)(resized).permute(0, 2, 3, 1)
+    errors = [(clip.int() - expected.int()).abs().float().mean()]
+    for dy, dx in ((1, 0), (0, 1)):  # DALI's own rounding of crop_pos 0.5: one pixel down, right
+        shifted = resized[:, :, 2 + dy:30 + dy, 10 + dx:38 + dx].permute(0, 2, 3, 1)
+        errors.append((clip.int() - shifted.int()).abs().float().mean())
+    if decoder == "pyav":
+        assert errors[0] == 0, errors
+    assert errors[0] <= MEAN_TOLERANCE and min(errors[1:]) > 2 * errors[0], errors
 
 
 @pytest.mark.parametrize("codec,container,expect", [
@@ -250,6 +275,137 @@ def test_video_text_dataset_and_make_shards_from_a_folder(tmp_path):
     assert all(b["input_ids"].shape[0] == b["video"].shape[0] for b in batches)
     labels = make_shards(src, tmp_path / "labels", kind="video-label")
     assert labels.samples == 6
+
+
+CUT = "the file ends before the frames its header promises"
+
+
+@pytest.fixture(scope="module")
+def cut_videos(tmp_path_factory):
+    """60-frame videos, whole and cut at 60% (an interrupted download), by name: H.264 in an MP4
+    whose index comes first (so the index survives the cut), VP9 in WebM, MJPEG in AVI."""
+    folder = tmp_path_factory.mktemp("cut")
+    frames = synth_video(7, 60)
+    whole = {"mp4": faststart_mp4(_encode("h264", seed=7, frames=60), folder),
+             "webm": video_bytes(frames, "libvpx-vp9", "webm"),
+             "avi": video_bytes(frames, "mjpeg", "avi")}
+    return {name: (data, data[:len(data) * 6 // 10]) for name, data in whole.items()}
+
+
+def _decodable(data):
+    """How many frames PyAV decodes from the start of ``data`` before the data runs out."""
+    count = 0
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            for _ in container.decode(video=0):
+                count += 1
+    except av.FFmpegError:
+        pass
+    return count
+
+
+@pytest.mark.parametrize("name", ["mp4", "webm", "avi"])
+def test_the_header_check_refuses_a_cut_video(cut_videos, name):
+    from mmproxy.datasets.checks import check_header
+
+    whole, cut = cut_videos[name]
+    assert check_header(name, whole) is None
+    assert check_header(name, whole + bytes(64)) is None  # zero padding after the end is harmless
+    for damaged in (cut, whole[:-1]):  # cut in the middle, or one byte short
+        assert CUT in check_header(name, damaged)
+    if name == "mp4":  # cut where the frames begin: only the index says frames are missing
+        index_only = whole[:whole.find(b"mdat") - 4]
+        assert "its index places the video's frames up to byte" in check_header(name, index_only)
+
+
+@pytest.mark.parametrize("name", ["mp4", "webm", "avi"])
+def test_decode_clip_never_makes_up_the_frames_a_cut_file_lacks(cut_videos, name):
+    """Straddling the cut, past it, or every frame: an error saying the file ends early; a clip
+    that lies before the cut is what the whole file gives."""
+    whole, cut = cut_videos[name]
+    frames, n = _reference(whole), _decodable(cut)
+    assert 20 < n < 50
+    assert np.array_equal(decode_clip(cut, n - 8, 4, 2), frames[n - 8:n:2])  # before the cut
+    fewer = "the file holds fewer frames than its header promises: " + (  # WebM: a duration
+        r"they end at 1\.\d\d s, its header declares 2\.40 s" if name == "webm" else
+        r"only \d\d of the 60 it lists can be read")
+    for start, stride in ((n - 2, 1), (n - 9, 3), (n + 3, 1)):  # straddling, straddling, past
+        with pytest.raises(ValueError, match=f"{fewer}.*the clip needs frames {start}-"):
+            decode_clip(cut, start, 4, stride)
+    with pytest.raises(ValueError, match=fewer):
+        decode_clip(cut, 0, None, 1)
+
+
+def test_frames_that_do_not_decode_are_an_error_not_a_shorter_video(cut_videos):
+    """Zeros over a twentieth of the frames' data: the sizes and index are intact (the header
+    check passes), the decoder fails there; clips before the damage decode."""
+    whole, _ = cut_videos["mp4"]
+    damaged = bytearray(whole)
+    damaged[len(whole) // 2:len(whole) * 11 // 20] = bytes(len(whole) * 11 // 20 - len(whole) // 2)
+    damaged = bytes(damaged)
+    from mmproxy.datasets.checks import check_header
+
+    assert check_header("mp4", damaged) is None
+    assert np.array_equal(decode_clip(damaged, 0, 4, 1), _reference(whole)[:4])
+    for start, frames in ((0, None), (31, 8)):
+        with pytest.raises(ValueError, match=r"frame \d+ of the 60 in the file does not decode"):
+            decode_clip(damaged, start, frames, 4)
+
+
+def test_a_video_that_is_short_by_its_header_repeats_its_last_frame(tmp_path):
+    """The one case where frames repeat: the header promises 20 frames and the file holds 20, so
+    a clip of 8 frames at stride 4 (29 frames) repeats the video's last frame past its end, with
+    either decoder."""
+    data = faststart_mp4(_encode("h264", seed=8, frames=20), tmp_path)
+    frames = _reference(data)
+    assert len(frames) == 20
+    assert np.array_equal(decode_clip(data, 0, 8, 4), frames[[0, 4, 8, 12, 16, 19, 19, 19]])
+    for decoder, video in (("pyav", data), ("dali", _encode("vp9", seed=8, frames=20))):
+        with _server(decoder, frames=8, stride=4) as server:
+            clip = _run(server, [video])[0].numpy()
+        reference = _reference(video)[[16, 19], :, 16:80]  # the 64x64 centre of a 96x64 video
+        assert np.abs(clip[4].astype(int) - reference[0]).mean() <= MEAN_TOLERANCE, decoder
+        for i in (5, 6, 7):
+            assert np.abs(clip[i].astype(int) - reference[1]).mean() <= MEAN_TOLERANCE, decoder
+
+
+@pytest.mark.parametrize("decoder,name,mode", [
+    ("pyav", "mp4", "train"), ("pyav", "mp4", "eval"), ("pyav", "mp4", "every_frame"),
+    ("dali", "webm", "eval"), ("dali", "avi", "eval"), ("dali", "avi", "every_frame")])
+def test_a_cut_video_is_refused_on_every_decoding_path(cut_videos, decoder, name, mode):
+    """Through the proxy without a dataset (no header check before it): training clips at twelve
+    seeds (whichever the start, also those straddling the cut), the centred evaluation clip
+    (frames 15-43 of 60, across the cut), every frame; DALI's decoders, fed a cut file, would
+    repeat their last frame or end the video early."""
+    whole, cut = cut_videos[name]
+    with _server(decoder, frames=8, stride=4, train=mode == "train",
+                 every_frame=mode == "every_frame") as server:
+        good = _run(server, [whole])
+        assert (good[0] if mode == "every_frame" else good).shape[1] in (8, 60)
+        for seed in range(12 if mode == "train" else 1):
+            with pytest.raises(ValueError, match=f"the video is truncated: {CUT}"):
+                _run(server, [cut], seeds=[seed])
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_cut_mp4_in_a_shard_is_a_damaged_sample_every_epoch(cut_videos, tmp_path, on_error):
+    whole, cut = cut_videos["mp4"]
+    samples = [{"__key__": f"clip{i}", "mp4": whole, "cls": "0"} for i in range(3)]
+    samples.insert(1, {"__key__": "clip-cut", "mp4": cut, "cls": "1"})
+    write_tar(tmp_path / "cut-0.tar", samples)
+    with _server("pyav", train=True, frames=8, stride=4) as server:
+        ds = video_label_dataset(str(tmp_path / "cut-0.tar"), server, batch_size=4,
+                                 on_error=on_error, max_skipped=None)
+        loader = ds.loader(server, num_workers=1)
+        if on_error == "raise":
+            with pytest.raises(mmproxy.SampleError, match=rf"cut-0\.tar, sample 'clip-cut'.*{CUT}"):
+                list(loader)
+            return
+        for _ in range(3):
+            keys = [k for batch in loader for k in batch["__key__"]]
+            assert keys == ["clip0", "clip1", "clip2"]
+            (record,) = loader.skipped.records
+            assert record.key == "clip-cut" and CUT in record.reason
 
 
 @pytest.mark.gpu
