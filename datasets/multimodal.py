@@ -18,7 +18,7 @@ cannot process (damage inside the compressed data) is found by the server (see
 key (:class:`~mmproxy.errors.SampleError`, :class:`~mmproxy.errors.PipelineError`); a shard that
 cannot be opened raises :class:`~mmproxy.errors.ShardError`. With ``on_error="skip"`` the sample
 (or shard) is left out and reported as a :class:`~mmproxy.skips.SkippedSample` ``(shard, key,
-reason)`` in the next batch's ``"__skipped__"`` list, and in the loader's
+reason, kind)`` in the next batch's ``"__skipped__"`` list, and in the loader's
 :attr:`~mmproxy.DataLoader.skipped` report. A batch that lost samples in a server is smaller:
 the loader removes those samples' rows from every field (every server's outputs, tokens, labels,
 keys), so the fields stay aligned. Records that no batch can carry (after a worker's last batch,
