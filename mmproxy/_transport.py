@@ -18,7 +18,12 @@ kernel holds it while in flight (and frees it if the socket closes first), and t
 the mapping until the pipeline run that reads it has produced its outputs, so DALI's ``no_copy``
 never reads recycled memory. A shard's mapping stays valid while mapped even if the file is
 deleted; a shard must not be rewritten in place while it is read (true of every tar reader).
-The socket lives in a private ``0700`` directory.
+
+The socket has an address in Linux's abstract namespace (:func:`address`): nothing is written to
+disk, so nothing is left behind however the process ends (a normal exit, an exception, SIGKILL);
+the address is freed with the socket's last descriptor. Anyone on the host may send to an
+abstract address, so the listener asks the kernel for each datagram's sender and accepts only
+this user's processes; others are dropped with a warning.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import pickle
 import socket
 import struct
 import threading
+import warnings
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -229,21 +236,58 @@ def unpack(fds: list[int]) -> Request:
     return Request(run_id, tag, keys, inputs)
 
 
-class Listener:
-    """The server's end: a Unix datagram socket that receives memfd descriptors."""
+def address(server_uid: str) -> str:
+    """The socket address of server ``server_uid``: a name in the abstract namespace."""
+    return f"\0mmproxy-{server_uid}"
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+
+# Room for the descriptors of one batch and the sender's credentials (struct ucred).
+_ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4) + socket.CMSG_SPACE(struct.calcsize("iII"))
+
+
+class Listener:
+    """The server's end: a Unix datagram socket that receives memfd descriptors.
+
+    Raises:
+        OSError: ``address`` is taken (``EADDRINUSE``), or no socket can be made.
+    """
+
+    def __init__(self, address: str, server_name: str) -> None:
+        self.address = address
+        self.server_name = server_name
+        self._uid = os.getuid()
+        self._warned = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(path)
-        os.chmod(path, 0o600)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            self._sock.bind(address)
+        except BaseException:
+            self._sock.close()
+            raise
         self._sock.settimeout(0.05)
 
     def receive(self) -> list[int] | None:
-        """Returns the descriptors of one batch (memfd first), or None after a short timeout."""
+        """Returns the descriptors of one batch (memfd first), or None after a short timeout
+        or when the datagram came from another user's process."""
         try:
-            _, fds, flags, _ = socket.recv_fds(self._sock, 16, _MAX_FDS)
+            _, ancillary, flags, _ = self._sock.recvmsg(16, _ANCILLARY)
         except (TimeoutError, BlockingIOError):
+            return None
+        fds: list[int] = []
+        uid = None
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array("i", data[:len(data) - len(data) % 4]))
+            elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                _, uid, _ = struct.unpack_from("iII", data)
+        if uid != self._uid:
+            for fd in fds:
+                os.close(fd)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"server {self.server_name!r}: dropped a datagram sent by user id "
+                              f"{uid}, not this process's user ({self._uid}); later ones are "
+                              "dropped silently", RuntimeWarning, stacklevel=2)
             return None
         if flags & socket.MSG_CTRUNC or not fds:
             for fd in fds:
@@ -253,17 +297,14 @@ class Listener:
         return fds
 
     def close(self) -> None:
+        """Closes the socket, which frees its address."""
         self._sock.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     def forget(self) -> None:
-        """In a forked child: drop the inherited descriptor (the path stays the parent's).
+        """In a forked child: drop the inherited descriptor.
 
-        Otherwise the child would keep the socket alive after the server closes it, and sends
-        after a server restart would queue into a socket that nobody reads.
+        Otherwise the child would keep the socket (and its address) alive after the server
+        closes it: a restarted server could not bind its address again.
         """
         self._sock.close()
 
@@ -274,7 +315,8 @@ _clients_lock = threading.Lock()
 
 
 def send(path: str, fds: list[int], server_name: str) -> None:
-    """Sends a batch's descriptors to the server at ``path`` (one socket per process and server)."""
+    """Sends a batch's descriptors to the server at address ``path`` (one socket per process and
+    server)."""
     global _clients_pid
     with _clients_lock:
         if _clients_pid != os.getpid():  # a forked child must not share its parent's sockets

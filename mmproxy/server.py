@@ -27,10 +27,9 @@ reused, so an output can only be paired with the batch that asked for it. Each r
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
-import shutil
-import tempfile
 import threading
 from typing import Any
 
@@ -102,10 +101,8 @@ class DALIServer:
         self.table = RunTable(self.name, self._pipe.max_batch_size,
                               deterministic=bool(deterministic), timeout=timeout, device=device)
         self._owner_pid = os.getpid()
-        # The socket's private directory exists only while the server runs.
-        self._sockdir = os.path.join(tempfile.gettempdir(), f"mmproxy-{self.uid}")
         self._proxy = DALIProxy(self.name, self.uid, self._pipe.input_names, self._pipe.num_outputs,
-                                self._pipe.max_batch_size, os.path.join(self._sockdir, "inputs.sock"),
+                                self._pipe.max_batch_size, _transport.address(self.uid),
                                 sample_random_of(self._pipe.pipeline))
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -170,11 +167,13 @@ class DALIServer:
             return
         self.table.check_startable()
         try:
-            os.mkdir(self._sockdir, mode=0o700)
-        except FileExistsError:
-            raise ServerStateError(f"server {self.name!r}: {self._sockdir} already exists; "
-                                   "refusing to listen in a directory mmproxy did not make") from None
-        self._listener = _transport.Listener(self._proxy.address)
+            self._listener = _transport.Listener(self._proxy.address, self.name)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            raise ServerStateError(f"server {self.name!r}: its socket address is in use by another "
+                                   "socket (a process forked from this one that still holds it?)"
+                                   ) from err
         self._stop.clear()
         self.table.set_state(ServerState.RUNNING)
         runner = Runner(self._pipe, self.table, self._pad, self.table.device, self._stop)
@@ -199,7 +198,6 @@ class DALIServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        shutil.rmtree(self._sockdir, ignore_errors=True)
         self.table.clear()
 
     def produce_data(self, obj: Any) -> Any:
@@ -240,7 +238,6 @@ class DALIServer:
                 return  # a forked child never touches a server it inherited
             if self.table.state is ServerState.RUNNING:
                 self.stop_thread()
-            shutil.rmtree(self._sockdir, ignore_errors=True)
             self._pipe.close()  # now, not when the collector (maybe in a forked child) finds it
         except Exception:  # noqa: BLE001 - a silent safety net only
             pass
