@@ -49,6 +49,8 @@ def resolve(obj: Any, servers: dict[str, RunTable], *, strict: bool = False) -> 
     """Replaces the batch references of ``servers`` (uid -> run table) inside ``obj`` with data.
 
     With ``strict``, a reference to a server not in ``servers`` raises; otherwise it is kept.
+    A sample reference (a proxy output that was never collated) raises
+    :class:`~mmproxy.errors.CollateError` either way: no server can ever produce it.
     """
     return resolve_batch(obj, servers, strict=strict).batch
 
@@ -57,7 +59,7 @@ def resolve_batch(obj: Any, servers: dict[str, RunTable], *, strict: bool = Fals
     """:func:`resolve`, also saying how many samples the batch holds and which were dropped."""
     found = _walk.collect(obj, (DALIOutputBatchRef, DALIOutputSampleRef))
     refs = [r for r in found if isinstance(r, DALIOutputBatchRef)]
-    if strict and len(refs) < len(found):  # e.g. webdataset's .batched() with its default collation
+    if len(refs) < len(found):  # e.g. webdataset's .batched() with its default collation
         raise uncollated_error(next(r for r in found if isinstance(r, DALIOutputSampleRef)))
     if not refs:
         return Resolved(obj, None, [])

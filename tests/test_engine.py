@@ -131,6 +131,14 @@ def test_own_produce_data_leaves_other_servers_refs_alone(add_server, double_ser
     torch.testing.assert_close(out["view1"][:, 0], torch.arange(4.0) * 2)
 
 
+def test_produce_data_refuses_an_uncollated_proxy_output(add_server):
+    """As mmproxy.DataLoader does: a proxy output that was never collated is an error, not
+    something to hand back unchanged."""
+    s, _ = add_server.proxy(vec(1), vec(2))
+    with pytest.raises(mmproxy.CollateError, match="uncollated DALI sample reference"):
+        add_server.produce_data({"a": s})
+
+
 def test_variable_shapes_give_lists_or_padded_batches():
     with mmproxy.DALIServer(cpu(double_pipe)) as plain, \
             mmproxy.DALIServer(cpu(double_pipe), pad=True) as padded:
