@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mmproxy import _convert
+from mmproxy._encoded import Encoded
 from mmproxy.errors import ServerStateError
 
 __all__ = ["Pipe", "named_sample", "summary"]
@@ -34,6 +35,31 @@ def _input_names(pipeline: Any) -> tuple[str, ...]:
         pipeline._build_graph()
     return tuple(op.name for op in pipeline._ops
                  if isinstance(op._op, ExternalSource) and getattr(op._op, "_callback", None) is None)
+
+
+# DALI's decoder operators (schema names: ``fn.decoders.image`` is ``decoders__Image``; the
+# ``experimental`` and legacy ``ops`` spellings too) and what they read from their first input.
+_DECODERS = {
+    **{f"{prefix}decoders__{name}": Encoded.IMAGE for prefix in ("", "experimental__")
+       for name in ("Image", "ImageCrop", "ImageRandomCrop", "ImageSlice")},
+    **{f"ImageDecoder{name}": Encoded.IMAGE for name in ("", "Crop", "RandomCrop", "Slice")},
+    "PeekImageShape": Encoded.IMAGE, "experimental__PeekImageShape": Encoded.IMAGE,
+    "decoders__Audio": Encoded.AUDIO, "AudioDecoder": Encoded.AUDIO,
+    "decoders__Video": Encoded.VIDEO, "experimental__decoders__Video": Encoded.VIDEO,
+}
+
+
+def _encoded_inputs(pipeline: Any, names: tuple[str, ...]) -> dict[str, Encoded]:
+    """The inputs among ``names`` that feed a decoder directly, and what it decodes."""
+    kinds: dict[str, Encoded] = {}
+    for op in pipeline._ops:
+        kind = _DECODERS.get(getattr(op._op, "schema_name", None) or "")
+        if kind is None or not op.inputs:
+            continue
+        source = op.inputs[0].source
+        if source is not None and source.name in names:
+            kinds[source.name] = kind
+    return kinds
 
 
 class Pipe:
@@ -59,6 +85,7 @@ class Pipe:
         if not self.input_names:
             raise ValueError(f"server {name!r}: the pipeline has no fn.external_source input "
                              "without a source; the proxy would have nothing to send")
+        self.encoded_inputs = _encoded_inputs(pipeline, self.input_names)
         pipeline.build()
         self.pipeline = pipeline
         self.num_outputs: int = pipeline.num_outputs
@@ -187,10 +214,43 @@ def named_sample(err: BaseException, n: int) -> int | None:
     return i if i < n else None
 
 
+# nvImageCodec's status codes (nvimgcodecStatus_t, in DALI's "nvImageCodec failure: '#3'") in words.
+_DAMAGED = "the image data is damaged: it is not a valid stream of the format it starts as"
+_UNREAD = "the data is not an image of a format the decoder reads"
+_FAILED = "the image decoder failed on the data, which is usually damaged or cut short"
+_MEMORY = "the decoder ran out of memory"
+_CODEC_WORDS = {
+    3: _DAMAGED, 13: _DAMAGED, 19: "the image data ends early (a file cut short)",
+    4: _UNREAD, 14: _UNREAD, 9: "no decoder supports this kind of image",
+    18: "no decoder supports this kind of image", 5: _MEMORY, 15: _MEMORY,
+    6: _FAILED, 8: _FAILED, 17: _FAILED, 20: _FAILED,
+}
+_CODEC = re.compile(r"nvImageCodec failure: '#(\d+)'")
+_UNDECODED = re.compile(r"Failed to decode sample #\d+\s*:?\s*(.*)")
+
+
+def _in_words(line: str) -> str:
+    """A DALI error line made a sentence where DALI's own is a code or stops short."""
+    codec = _CODEC.search(line)
+    if codec is not None:
+        status = int(codec.group(1))
+        words = _CODEC_WORDS.get(status, "the image codec failed")
+        return f"{words} (nvImageCodec status {status})"
+    undecoded = _UNDECODED.match(line)
+    if undecoded is not None:
+        detail = undecoded.group(1).strip()
+        return ("the decoder could not decode the data" + (f": {detail}" if detail else
+                ", which is damaged or cut short (DALI gives no detail)"))
+    if "std::bad_alloc" in line:
+        return f"{_MEMORY} (does the data declare a huge size?)"
+    return line
+
+
 def summary(err: BaseException) -> str:
-    """The informative line of a DALI error (the one after 'encountered:', else the first one),
-    with the operator that raised it when DALI names one: ``fn.decoders.image: nvImageCodec
-    failure: '#3'`` (that number is nvImageCodec's status code, not a sample)."""
+    """What failed, in words: the informative line of a DALI error (the one after
+    'encountered:', else the first one) with the operator that raised it when DALI names one,
+    and DALI's codes and cut-off lines said in words: ``fn.decoders.image: the image data is
+    damaged: ... (nvImageCodec status 3)``."""
     text = str(err)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     line = lines[0] if lines else type(err).__name__
@@ -199,4 +259,5 @@ def summary(err: BaseException) -> str:
         if rest:
             line = rest[0]
     operator = _OPERATOR.search(text)
+    line = _in_words(line)
     return f"{operator.group(1)}: {line}" if operator else line

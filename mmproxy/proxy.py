@@ -19,7 +19,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from mmproxy import _context, _process, _transport
+from mmproxy import _context, _encoded, _process, _transport
+from mmproxy._encoded import Encoded
 from mmproxy.errors import BatchSizeError, ProxyArgumentError
 from mmproxy.refs import DALIOutputSampleRef, _Call
 
@@ -129,13 +130,16 @@ class DALIProxy:
         input_names: The pipeline's ``external_source`` names, in declaration order.
         num_outputs: How many outputs the pipeline has.
         max_batch_size: The pipeline's ``batch_size``.
-        address: Path of the server's socket.
+        address: The server's socket address.
         sample_random: Inputs the proxy draws itself from each sample's seed (not arguments).
+        encoded: Inputs that a decoder of the pipeline reads: each call refuses an array that
+            cannot be what it decodes (:func:`mmproxy._encoded.problem`), naming the sample.
     """
 
     def __init__(self, server_name: str, server_uid: str, input_names: tuple[str, ...],
                  num_outputs: int, max_batch_size: int, address: str,
-                 sample_random: SampleRandom | None = None) -> None:
+                 sample_random: SampleRandom | None = None,
+                 encoded: dict[str, Encoded] | None = None) -> None:
         self.server_name = server_name
         self.server_uid = server_uid
         self.input_names = input_names
@@ -143,6 +147,7 @@ class DALIProxy:
         self.max_batch_size = max_batch_size
         self.address = address
         self.sample_random = sample_random
+        self.encoded = dict(encoded or {})
         drawn = set(sample_random.names) if sample_random is not None else set()
         if not drawn <= set(input_names):
             raise ValueError(f"server {server_name!r}: the pipeline's sample-drawn inputs "
@@ -185,6 +190,13 @@ class DALIProxy:
         key = _context.current_key()
         if self.sample_random is not None:
             inputs = self._draw(dict(zip(names, inputs)), key)
+        for name, kind in self.encoded.items():
+            problem = _encoded.problem(kind, inputs[self.input_names.index(name)])
+            if problem is not None:
+                sample = f", sample {key}" if key is not None else ""
+                raise ProxyArgumentError(
+                    f"server {self.server_name!r}, input {name!r}{sample}: the pipeline decodes "
+                    f"this input and expects {_encoded.expected(kind)}; {problem}")
         call = _Call(self, _process.new_id(), inputs, key)
         if self.num_outputs == 1:
             return DALIOutputSampleRef(call, 0)

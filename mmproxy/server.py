@@ -67,6 +67,10 @@ class DALIServer:
             the default (300 s) only turns a bug into an error instead of a hang. ``None``
             waits as long as the server is alive.
 
+    Inputs a decoder of the pipeline reads (an ``external_source`` feeding ``fn.decoders.*``)
+    are checked at the proxy call: a decoded array, or bytes that are not an image file of a
+    format DALI reads, raise :class:`~mmproxy.errors.ProxyArgumentError` there, naming the sample.
+
     Bad samples: when a run fails, the server finds the sample(s) that caused it (the sample a
     decoder names, confirmed by running it alone, else by bisecting the batch), runs the rest of
     the batch, and stays healthy. Samples named with ``skip`` (a dataset in skip mode, see
@@ -103,7 +107,7 @@ class DALIServer:
         self._owner_pid = os.getpid()
         self._proxy = DALIProxy(self.name, self.uid, self._pipe.input_names, self._pipe.num_outputs,
                                 self._pipe.max_batch_size, _transport.address(self.uid),
-                                sample_random_of(self._pipe.pipeline))
+                                sample_random_of(self._pipe.pipeline), self._pipe.encoded_inputs)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: _transport.Listener | None = None

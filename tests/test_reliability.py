@@ -345,6 +345,7 @@ def test_datagrams_of_another_user_are_dropped(server):
     send("mine:0")
     out = server.table.wait("mine:0").outputs[0]
     assert out.tolist() == [[2.0, 2.0]]
+    _transport._clients.pop(server.proxy.address).close()  # this process's client socket
 
 
 def test_no_shell_command_is_built_anywhere():
