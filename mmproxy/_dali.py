@@ -100,56 +100,29 @@ class Pipe:
             self.queue_depth = 1
 
     @property
-    def runs_async(self) -> bool:
-        """Whether ``_run_once`` returns before the run is done (DALI's asynchronous executors)."""
-        return bool(self.pipeline.exec_async)
-
-    @property
     def survives_errors(self) -> bool:
         """Whether the pipeline stays usable after a run fails (the dynamic executor)."""
         return bool(self.pipeline.exec_dynamic)
 
-    def feed(self, inputs: Sequence[Sequence[Any]], rows: Sequence[int] | None = None, *,
-             schedule: bool = True) -> None:
-        """Feeds one run (``rows`` of it, when given) and schedules it; with ``schedule=False``
-        the inputs wait in DALI's queue for :meth:`schedule` (runs take them in feeding order)."""
+    def feed(self, inputs: Sequence[Sequence[Any]], rows: Sequence[int] | None = None) -> None:
+        """Feeds one run (``rows`` of it, when given) and schedules it (``_run_once``)."""
         for name, arrays in zip(self.input_names, inputs):
             chosen = arrays if rows is None else [arrays[i] for i in rows]
-            if len(chosen) > self.max_batch_size:  # DALI checks a list, not a tensor list
-                raise ValueError(f"{len(chosen)} samples for input {name!r}, more than the "
-                                 f"pipeline's batch_size={self.max_batch_size}")
             self.pipeline.feed_input(name, _tensor_list(chosen))
-        if schedule:
-            self.schedule()
-
-    def schedule(self) -> None:
-        """Schedules a run of the oldest inputs fed and not yet run."""
         self.pipeline._run_once()
 
-    def outputs(self, pad: set[int], stream: Any = None,
-                then: Callable[[], None] | None = None) -> tuple[tuple[Any, ...], Any]:
+    def outputs(self, pad: set[int], stream: Any = None) -> tuple[tuple[Any, ...], Any]:
         """The oldest scheduled run's outputs as torch, and the CUDA event that marks them ready
-        on ``stream`` (None for a CPU pipeline). Raises DALI's error when the run failed.
-        ``then`` is called as soon as DALI has given the outputs up: before they are converted
-        with the dynamic executor (a GPU pipeline's only one), after with the classic ones, whose
-        next run may write into the same buffers."""
+        on ``stream`` (None for a CPU pipeline). Raises DALI's error when the run failed."""
         pipe = self.pipeline
         if stream is None:
             copy = not pipe.exec_dynamic  # the classic executors reuse their output buffers
-            cpu = pipe.outputs()
-            if then is not None and not copy:
-                then()
-            data = tuple(_convert.to_torch(o, copy=copy, want_pad=i in pad)
-                         for i, o in enumerate(cpu))
-            if then is not None and copy:
-                then()
-            return data, None
+            return tuple(_convert.to_torch(o, copy=copy, want_pad=i in pad)
+                         for i, o in enumerate(pipe.outputs())), None
         import torch
 
         with torch.cuda.stream(stream):
             outs = pipe.outputs(cuda_stream=stream)
-            if then is not None:
-                then()
             data = tuple(_convert.to_torch(o, copy=False, want_pad=i in pad, stream=stream)
                          for i, o in enumerate(outs))
             event = torch.cuda.Event()
