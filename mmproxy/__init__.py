@@ -27,6 +27,7 @@ __all__ = [
     "ProxyArgumentError",
     "RunDroppedError",
     "SampleError",
+    "SampleSeeded",
     "ServerFailedError",
     "ServerState",
     "ServerStateError",
@@ -56,6 +57,7 @@ _WHERE = {
     "ProxyArgumentError": "mmproxy.errors",
     "RunDroppedError": "mmproxy.errors",
     "SampleError": "mmproxy.errors",
+    "SampleSeeded": "mmproxy.proxy",
     "ServerFailedError": "mmproxy.errors",
     "ServerState": "mmproxy.server",
     "ServerStateError": "mmproxy.errors",
@@ -90,7 +92,7 @@ if TYPE_CHECKING:
         WorkerDiedError,
     )
     from mmproxy.loader import DataLoader
-    from mmproxy.proxy import DALIProxy
+    from mmproxy.proxy import DALIProxy, SampleSeeded
     from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, PaddedBatch
     from mmproxy.server import DALIServer, ServerState
     from mmproxy.skips import SkippedSample, SkipReport

@@ -14,6 +14,7 @@ import inspect
 import os
 import random
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,7 +25,7 @@ from mmproxy._encoded import Encoded
 from mmproxy.errors import BatchSizeError, ProxyArgumentError
 from mmproxy.refs import DALIOutputSampleRef, _Call
 
-__all__ = ["DALIProxy", "SampleRandom", "sample_random_of"]
+__all__ = ["DALIProxy", "SampleRandom", "SampleSeeded"]
 
 
 class SampleRandom(Protocol):
@@ -33,15 +34,12 @@ class SampleRandom(Protocol):
     A pipeline whose randomness comes in through such inputs (a crop window, a flip; see
     :func:`mmproxy.pipelines.image_train_pipeline`) gives every sample the same augmentation in
     whichever worker, batch or run it lands: what exact resume needs, and what DALI's own
-    random operators (one generator per batch slot, advanced run after run) cannot give. Attach
-    one to a pipeline as ``pipeline.mmproxy_sample_random``; the server's proxy then takes only
-    the other inputs.
+    random operators (one generator per batch slot, advanced run after run) cannot give. Give
+    one to a server with its pipeline, as :class:`SampleSeeded`; the server's proxy then takes
+    only the other inputs.
     """
 
     names: tuple[str, ...]  # the inputs it fills
-    # The proxy's arguments, when they are not simply the other inputs (optional attribute): e.g.
-    # encoded video that the worker decodes into the pipeline's ``frames`` input.
-    # arguments: tuple[str, ...]
 
     def __call__(self, given: dict[str, np.ndarray], rng: random.Random
                  ) -> dict[str, np.ndarray]:
@@ -50,9 +48,23 @@ class SampleRandom(Protocol):
         ...
 
 
-def sample_random_of(pipeline: Any) -> SampleRandom | None:
-    """The :class:`SampleRandom` attached to ``pipeline``, if any."""
-    return getattr(pipeline, "mmproxy_sample_random", None)
+@dataclass(frozen=True)
+class SampleSeeded:
+    """A pipeline whose sample-seeded inputs the proxy draws: what :class:`~mmproxy.DALIServer`
+    takes in place of a bare pipeline (and what ``image_train_pipeline(sample_seeded=True)`` and
+    ``video_pipeline`` return).
+
+    Args:
+        pipeline: A DALI pipeline, or a function that builds one (see the server).
+        sample_random: The inputs the proxy draws from each sample's seed (None: none).
+        arguments: The proxy's arguments, when they are not simply the pipeline's other inputs
+            (e.g. encoded video that ``sample_random`` decodes in the worker into the
+            pipeline's ``frames`` input).
+    """
+
+    pipeline: Any
+    sample_random: SampleRandom | None
+    arguments: tuple[str, ...] | None = None
 
 
 _unseeded = random.Random()  # samples named without a seed: drawn, not reproducible
@@ -132,6 +144,8 @@ class DALIProxy:
         max_batch_size: The pipeline's ``batch_size``.
         address: The server's socket address.
         sample_random: Inputs the proxy draws itself from each sample's seed (not arguments).
+        arguments: The proxy's arguments (see :class:`SampleSeeded`); by default the inputs
+            that are not drawn.
         encoded: Inputs that a decoder of the pipeline reads: each call refuses an array that
             cannot be what it decodes (:func:`mmproxy._encoded.problem`), naming the sample.
     """
@@ -139,6 +153,7 @@ class DALIProxy:
     def __init__(self, server_name: str, server_uid: str, input_names: tuple[str, ...],
                  num_outputs: int, max_batch_size: int, address: str,
                  sample_random: SampleRandom | None = None,
+                 arguments: tuple[str, ...] | None = None,
                  encoded: dict[str, Encoded] | None = None) -> None:
         self.server_name = server_name
         self.server_uid = server_uid
@@ -154,7 +169,7 @@ class DALIProxy:
                              f"{sorted(drawn - set(input_names))} are not among its inputs "
                              f"{list(input_names)}")
         rest = tuple(n for n in input_names if n not in drawn)
-        self.argument_names: tuple[str, ...] = getattr(sample_random, "arguments", None) or rest
+        self.argument_names: tuple[str, ...] = arguments or rest
         if not set(rest) <= set(self.argument_names):
             raise ValueError(f"server {server_name!r}: inputs {sorted(set(rest) - set(self.argument_names))} "
                              "are neither drawn nor arguments")

@@ -39,7 +39,7 @@ from mmproxy._resolve import resolve
 from mmproxy._runner import Runner
 from mmproxy._runs import Run, RunState, RunTable, ServerState
 from mmproxy.errors import ServerFailedError, ServerStateError, with_remote_cause
-from mmproxy.proxy import DALIProxy, sample_random_of
+from mmproxy.proxy import DALIProxy, SampleSeeded
 
 __all__ = ["DALIServer", "RunState", "ServerState"]
 
@@ -54,7 +54,9 @@ class DALIServer:
         pipeline: A DALI pipeline whose inputs are ``fn.external_source`` nodes without a
             ``source``; their names become the proxy's arguments, in declaration order. Or a
             function that builds one (called once now, and again whenever a pipeline must be
-            rebuilt after an error; see "Bad samples" below).
+            rebuilt after an error; see "Bad samples" below). Or either of those with the inputs
+            the proxy draws from each sample's seed, as :class:`~mmproxy.proxy.SampleSeeded`
+            (what ``image_train_pipeline(sample_seeded=True)`` and ``video_pipeline`` return).
         deterministic: Run batches in the order the main loop consumes them, not in the order
             workers collate them, so a seeded pipeline gives the same outputs run after run.
         name: Used in every message; defaults to ``server<N>``.
@@ -95,7 +97,8 @@ class DALIServer:
                  timeout: float | None = 300.0) -> None:
         self.name = name or f"server{next(_names)}"
         self.uid = os.urandom(8).hex()
-        self._pipe = Pipe(pipeline, self.name)
+        seeded = pipeline if isinstance(pipeline, SampleSeeded) else SampleSeeded(pipeline, None)
+        self._pipe = Pipe(seeded.pipeline, self.name)
         self._pad = set(range(self._pipe.num_outputs)) if pad is True else set(pad or ())
         device = None
         if self._pipe.device_id is not None:
@@ -107,7 +110,7 @@ class DALIServer:
         self._owner_pid = os.getpid()
         self._proxy = DALIProxy(self.name, self.uid, self._pipe.input_names, self._pipe.num_outputs,
                                 self._pipe.max_batch_size, _transport.address(self.uid),
-                                sample_random_of(self._pipe.pipeline), self._pipe.encoded_inputs)
+                                seeded.sample_random, seeded.arguments, self._pipe.encoded_inputs)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: _transport.Listener | None = None

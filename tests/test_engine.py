@@ -22,6 +22,7 @@ from datasets_for_tests import (
     TwoServerDataset,
     VarLenDataset,
 )
+from nvidia.dali import fn, pipeline_def, types
 from torch.utils.data import default_collate
 
 import mmproxy
@@ -282,6 +283,41 @@ def test_pipeline_errors_are_said_in_words(line, words):
     said = summary(RuntimeError(text))
     assert said.startswith("fn.decoders.image: ") and words in said, said
     assert not said.rstrip().endswith(":")
+
+
+class _SeededNoise:
+    """Draws the pipeline's ``noise`` input from each sample's seed (a SampleRandom)."""
+
+    names = ("noise",)
+
+    def __call__(self, given, rng):
+        return {"noise": np.array([rng.random()], np.float32)}
+
+
+def test_sample_seeded_inputs_are_an_explicit_argument_of_the_server():
+    """SampleSeeded hands the server a pipeline with the inputs its proxy draws per sample: the
+    proxy takes only the others, and a sample's draw follows its seed, not its batch."""
+    from mmproxy.worker import sample_key
+
+    @pipeline_def
+    def noisy():
+        x = fn.external_source(name="x", no_copy=True, dtype=types.FLOAT)
+        return x + fn.external_source(name="noise", no_copy=True, dtype=types.FLOAT)
+
+    def outputs(order):
+        seeded = mmproxy.SampleSeeded(lambda: cpu(noisy), _SeededNoise())
+        with mmproxy.DALIServer(seeded, name="seeded") as server:
+            assert list(inspect.signature(server.proxy).parameters) == ["x"]
+            refs = []
+            for i in order:
+                with sample_key(f"s{i}", seed=100 + i):
+                    refs.append(server.proxy(np.zeros(1, np.float32)))
+            return dict(zip(order, server.produce_data(default_collate(refs))[:, 0].tolist()))
+
+    a, b = outputs([0, 1, 2, 3]), outputs([3, 1])
+    assert a[3] == b[3] and a[1] == b[1] and len(set(a.values())) == 4
+    with pytest.raises(TypeError, match="expected an NVIDIA DALI pipeline.*got SampleSeeded"):
+        mmproxy.DALIServer(lambda: mmproxy.SampleSeeded(cpu(noisy), _SeededNoise()))
 
 
 def test_dead_worker_raises_in_the_main_loop(double_server):
