@@ -39,7 +39,10 @@ class SampleRandom(Protocol):
     only the other inputs.
     """
 
-    names: tuple[str, ...]  # the inputs it fills
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The inputs it fills."""
+        ...
 
     def __call__(self, given: dict[str, np.ndarray], rng: random.Random
                  ) -> dict[str, np.ndarray]:
