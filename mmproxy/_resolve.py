@@ -18,8 +18,8 @@ import torch
 
 from mmproxy import _convert, _walk
 from mmproxy._runs import Run, RunTable
-from mmproxy.errors import PipelineError, ServerStateError
-from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, uncollated_error
+from mmproxy.errors import PipelineError
+from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, check_servers, uncollated_error
 from mmproxy.skips import SKIPPED, SkippedSample
 
 
@@ -48,7 +48,9 @@ def claim(refs: list[DALIOutputBatchRef], servers: dict[str, RunTable],
 def resolve(obj: Any, servers: dict[str, RunTable], *, strict: bool = False) -> Any:
     """Replaces the batch references of ``servers`` (uid -> run table) inside ``obj`` with data.
 
-    With ``strict``, a reference to a server not in ``servers`` raises; otherwise it is kept.
+    With ``strict``, a reference to a server not in ``servers`` raises
+    :class:`~mmproxy.errors.CollateError` (:func:`~mmproxy.refs.check_servers`); otherwise it is
+    kept.
     A sample reference (a proxy output that was never collated) raises
     :class:`~mmproxy.errors.CollateError` either way: no server can ever produce it.
     """
@@ -64,11 +66,7 @@ def resolve_batch(obj: Any, servers: dict[str, RunTable], *, strict: bool = Fals
     if not refs:
         return Resolved(obj, None, [])
     if strict:
-        for ref in refs:
-            if ref.server_uid not in servers:
-                known = ", ".join(repr(s.name) for s in servers.values())
-                raise ServerStateError(f"the batch holds references of server {ref.server_name!r}, "
-                                       f"which this loader was not given (it has {known})")
+        check_servers(refs, {uid: table.name for uid, table in servers.items()}, "this loader")
     claim(refs, servers)
     runs: dict[tuple[str, str], Run] = {}
     try:

@@ -10,7 +10,8 @@ Each array arrives as it was packed: its shape (0-d and empty dimensions include
 Payloads that already live in a mapped file (the members of a local shard, see
 :func:`register_file_mapping`) are not copied at all: the worker sends the shard's descriptor
 along with the memfd and only the members' offsets; the server maps the shard read-only (one
-mapping per shard, kept for later batches) and DALI reads the page cache directly.
+mapping per shard, kept for later batches) and DALI reads the page cache directly
+(:mod:`mmproxy._mappings` holds both sides' mappings).
 
 Lifetime: a memfd has no name, so nothing appears in ``/dev/shm`` and nothing can leak there. Its
 memory is freed when the last holder lets go: the worker closes its descriptor after sending, the
@@ -28,7 +29,6 @@ this user's processes; others are dropped with a warning.
 
 from __future__ import annotations
 
-import bisect
 import mmap
 import os
 import pickle
@@ -37,20 +37,18 @@ import struct
 import threading
 import warnings
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mmproxy import _process
+from mmproxy import _mappings
 from mmproxy.errors import TransportError
 
 _ALIGN = 64
 _IOV_MAX = 1024
 _MAGIC = b"MMPX"
-_MAX_FILES = 16  # shard mappings a worker keeps registered (and may reference in one batch)
-_MAX_FDS = 1 + _MAX_FILES
+_MAX_FDS = 1 + _mappings.MAX_FILES
 
 
 @dataclass
@@ -68,71 +66,16 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _address(a: Any) -> int:
-    return int(np.frombuffer(a, np.uint8).__array_interface__["data"][0]) if len(a) else 0
-
-
-class _FileMappings:
-    """This process's registered read-only file mappings, by address (most recent last).
-
-    An entry holds the mapping and a descriptor of its file, so while registered the address
-    range cannot be reused by anything else; evicted mappings live on in the samples that still
-    view them, and their payloads are then copied like any other.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.entries: OrderedDict[int, tuple[int, int, mmap.mmap]] = OrderedDict()  # start -> end, fd
-        self.starts: list[int] = []
-
-    def add(self, mapping: mmap.mmap, fd: int) -> None:
-        start = _address(mapping)
-        own = os.dup(fd)
-        with self.lock:
-            if start in self.entries:
-                os.close(self.entries.pop(start)[1])
-            self.entries[start] = (start + len(mapping), own, mapping)
-            while len(self.entries) > _MAX_FILES:
-                os.close(self.entries.popitem(last=False)[1][1])
-            self.starts = sorted(self.entries)
-
-    def remove(self, mapping: mmap.mmap) -> None:
-        start = _address(mapping)
-        with self.lock:
-            entry = self.entries.pop(start, None)
-            if entry is not None:
-                os.close(entry[1])
-                self.starts = sorted(self.entries)
-
-    def find(self, address: int, nbytes: int) -> tuple[int, int] | None:
-        """(descriptor, offset) of a registered file holding [address, address + nbytes)."""
-        i = bisect.bisect_right(self.starts, address) - 1
-        if i < 0:
-            return None
-        start = self.starts[i]
-        end, fd, _ = self.entries[start]
-        return (fd, address - start) if address + nbytes <= end else None
-
-    def after_fork(self) -> None:
-        # A forked child keeps the entries (its mappings and descriptors are copies), not a lock
-        # some other thread of the parent may have held.
-        self.lock = threading.Lock()
-
-
-_files = _FileMappings()
-_process.on_fork_in_child(_files.after_fork)
-
-
 def release_file_mapping(mapping: mmap.mmap) -> None:
     """Stops sending bytes of ``mapping`` by reference (its registry entry and descriptor go, so
     a memfd's memory is freed once nothing else maps it); views sent later are copied."""
-    _files.remove(mapping)
+    _mappings.files.remove(mapping)
 
 
 def register_file_mapping(mapping: mmap.mmap, fd: int) -> None:
     """Lets this process send bytes inside ``mapping`` (a read-only map of the file ``fd``) by
     reference; ``fd`` is duplicated, so the caller may close its own."""
-    _files.add(mapping, fd)
+    _mappings.files.add(mapping, fd)
 
 
 def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
@@ -146,7 +89,8 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
     payloads: list[np.ndarray] = []
     files: list[int] = []
     offset = 0
-    with _files.lock:
+    registry = _mappings.files
+    with registry.lock:
         for arrays in inputs:
             shapes: list[Any] = []
             offsets: list[Any] = []  # an int (memfd) or (file index, offset)
@@ -157,8 +101,8 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
                         f"all samples of one input must share a dtype: {dtype} vs {a.dtype.str}")
                 a = np.asarray(a, order="C")  # not ascontiguousarray: that makes 0-d 1-d
                 shapes.append(a.shape)
-                where = _files.find(a.__array_interface__["data"][0], a.nbytes) if a.nbytes else None
-                if where is not None and (where[0] in files or len(files) < _MAX_FILES):
+                where = registry.find(a.__array_interface__["data"][0], a.nbytes) if a.nbytes else None
+                if where is not None and (where[0] in files or len(files) < _mappings.MAX_FILES):
                     if where[0] not in files:
                         files.append(where[0])
                     offsets.append((files.index(where[0]), where[1]))
@@ -193,29 +137,6 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
     return fd, files
 
 
-_mapped_files: OrderedDict[tuple[int, int, int, int], mmap.mmap] = OrderedDict()
-_mapped_memfds: OrderedDict[tuple[int, int, int, int], mmap.mmap] = OrderedDict()
-_mapped_lock = threading.Lock()
-
-
-def _map_file(fd: int) -> mmap.mmap:
-    """The server's read-only mapping of a shard, one per file version: the last 32 files kept,
-    but only the last 4 memfds (streamed remote shards, whose memory a kept mapping would hold)."""
-    st = os.fstat(fd)
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    memfd = os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-    cache, bound = (_mapped_memfds, 4) if memfd else (_mapped_files, 32)
-    with _mapped_lock:
-        mapping = cache.get(key)
-        if mapping is None:
-            mapping = cache[key] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            while len(cache) > bound:
-                cache.popitem(last=False)
-        else:
-            cache.move_to_end(key)
-    return mapping
-
-
 def unpack(fds: list[int]) -> Request:
     """Maps a memfd written by :func:`pack` (and the files it references); returns views of the
     payloads. The caller closes ``fds``."""
@@ -226,7 +147,7 @@ def unpack(fds: list[int]) -> Request:
     (hlen,) = struct.unpack_from("<Q", mm, 4)
     run_id, tag, keys, layout = pickle.loads(mm[12:12 + hlen])
     base = _align(12 + hlen)
-    files = [_map_file(fd) for fd in fds[1:]]
+    files = [_mappings.server_mapping(fd) for fd in fds[1:]]
     inputs = []
     for dtype, shapes, offsets in layout:
         dt = np.dtype(dtype)

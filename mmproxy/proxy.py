@@ -22,7 +22,7 @@ import torch
 
 from mmproxy import _context, _encoded, _process, _transport
 from mmproxy._encoded import Encoded
-from mmproxy.errors import BatchSizeError, ProxyArgumentError
+from mmproxy.errors import ProxyArgumentError
 from mmproxy.refs import DALIOutputSampleRef, _Call
 
 __all__ = ["DALIProxy", "SampleRandom", "SampleSeeded"]
@@ -144,7 +144,6 @@ class DALIProxy:
         server_uid: The server's unique id.
         input_names: The pipeline's ``external_source`` names, in declaration order.
         num_outputs: How many outputs the pipeline has.
-        max_batch_size: The pipeline's ``batch_size``.
         address: The server's socket address.
         sample_random: Inputs the proxy draws itself from each sample's seed (not arguments).
         arguments: The proxy's arguments (see :class:`SampleSeeded`); by default the inputs
@@ -154,7 +153,7 @@ class DALIProxy:
     """
 
     def __init__(self, server_name: str, server_uid: str, input_names: tuple[str, ...],
-                 num_outputs: int, max_batch_size: int, address: str,
+                 num_outputs: int, address: str,
                  sample_random: SampleRandom | None = None,
                  arguments: tuple[str, ...] | None = None,
                  encoded: dict[str, Encoded] | None = None) -> None:
@@ -162,7 +161,6 @@ class DALIProxy:
         self.server_uid = server_uid
         self.input_names = input_names
         self.num_outputs = num_outputs
-        self.max_batch_size = max_batch_size
         self.address = address
         self.sample_random = sample_random
         self.encoded = dict(encoded or {})
@@ -243,11 +241,6 @@ class DALIProxy:
         run_id = self._recent.get(key)
         if run_id is not None:
             return run_id
-        if len(calls) > self.max_batch_size:
-            raise BatchSizeError(
-                f"server {self.server_name!r}: a batch of {len(calls)} samples is larger than the "
-                f"pipeline's batch_size={self.max_batch_size}; raise the pipeline's batch_size or "
-                "lower the loader's")
         run_id = _process.new_id()
         tag = _context.current_tag()
         keys = [c.key for c in calls]

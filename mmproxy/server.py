@@ -109,8 +109,8 @@ class DALIServer:
                               deterministic=bool(deterministic), timeout=timeout, device=device)
         self._owner_pid = os.getpid()
         self._proxy = DALIProxy(self.name, self.uid, self._pipe.input_names, self._pipe.num_outputs,
-                                self._pipe.max_batch_size, _transport.address(self.uid),
-                                seeded.sample_random, seeded.arguments, self._pipe.encoded_inputs)
+                                _transport.address(self.uid), seeded.sample_random,
+                                seeded.arguments, self._pipe.encoded_inputs)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: _transport.Listener | None = None

@@ -187,7 +187,9 @@ def test_batch_larger_than_pipeline_batch_size_raises_fast(add_server):
                                 num_workers=2)
     gc.collect()
     start = time.perf_counter()
-    with pytest.raises(mmproxy.BatchSizeError, match=r"addsub.*16 samples.*batch_size=8"):
+    with pytest.raises(mmproxy.BatchSizeError, match=r"'addsub': a batch of 16 samples "
+                                                     r"\(run .*\) is larger than the pipeline's "
+                                                     "batch_size=8"):
         next(iter(loader))
     assert time.perf_counter() - start < 10
 
@@ -374,6 +376,20 @@ def test_collate_rejects_mixed_servers(add_server, double_server):
     refs = [add_server.proxy(vec(1), vec(1))[0], double_server.proxy(vec(1))]
     with pytest.raises(mmproxy.CollateError, match="different servers"):
         default_collate(refs)
+
+
+def test_a_reference_of_a_server_not_given_is_one_rule_with_one_error(add_server, double_server):
+    """A collate given its servers, and a loader given its servers, refuse a batch holding a
+    reference of another server the same way: CollateError, naming it and the known ones."""
+    samples = [TwoServerDataset(add_server.proxy, double_server.proxy)[i] for i in range(4)]
+    with pytest.raises(mmproxy.CollateError, match=r"server 'double', which this collate was not "
+                                                   r"given \(it has \['addsub'\]\)"):
+        mmproxy.Collate([add_server])(samples)
+    loader = mmproxy.DataLoader(add_server, TwoServerDataset(add_server.proxy, double_server.proxy),
+                                batch_size=4)
+    with pytest.raises(mmproxy.CollateError, match=r"server 'double', which this loader was not "
+                                                   r"given \(it has \['addsub'\]\)"):
+        next(iter(loader))
 
 
 @pytest.mark.gpu
