@@ -169,6 +169,9 @@ class DALIProxy:
             raise ValueError(f"server {server_name!r}: the pipeline's sample-drawn inputs "
                              f"{sorted(drawn - set(input_names))} are not among its inputs "
                              f"{list(input_names)}")
+        if arguments is not None and sample_random is None:
+            raise ValueError(f"server {server_name!r}: proxy arguments {list(arguments)} need a "
+                             "sample_random that makes the pipeline's inputs of them")
         rest = tuple(n for n in input_names if n not in drawn)
         self.argument_names: tuple[str, ...] = arguments or rest
         if not set(rest) <= set(self.argument_names):
