@@ -20,7 +20,8 @@
 A server is a thin composition: its :class:`~mmproxy._runs.RunTable` (lifecycle and runs, the
 interface proxies, loaders and resolvers use), a :class:`~mmproxy._dali.Pipe` (the only code that
 touches DALI's internals), the listener thread (:mod:`mmproxy._transport`) and the runner thread
-(:mod:`mmproxy._runner`, which also finds bad samples). Run ids are unique per process and never
+(:mod:`mmproxy._runner`, which searches a failed run for its bad samples with
+:mod:`mmproxy._isolation`). Run ids are unique per process and never
 reused, so an output can only be paired with the batch that asked for it. Each run is tagged with
 (loader id, epoch); when a loader starts a new epoch, its older runs are dropped.
 """
