@@ -27,6 +27,7 @@ __all__ = [
     "ProxyArgumentError",
     "RunDroppedError",
     "SampleError",
+    "SampleSeeded",
     "ServerFailedError",
     "ServerState",
     "ServerStateError",
@@ -57,6 +58,7 @@ _WHERE = {
     "ProxyArgumentError": "mmproxy.errors",
     "RunDroppedError": "mmproxy.errors",
     "SampleError": "mmproxy.errors",
+    "SampleSeeded": "mmproxy.proxy",
     "ServerFailedError": "mmproxy.errors",
     "ServerState": "mmproxy.server",
     "ServerStateError": "mmproxy.errors",
@@ -93,7 +95,7 @@ if TYPE_CHECKING:
         WorkerDiedError,
     )
     from mmproxy.loader import DataLoader
-    from mmproxy.proxy import DALIProxy
+    from mmproxy.proxy import DALIProxy, SampleSeeded
     from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, PaddedBatch
     from mmproxy.server import DALIServer, ServerState
     from mmproxy.skips import SkippedSample, SkipReport
