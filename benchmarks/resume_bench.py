@@ -47,8 +47,7 @@ def main() -> None:
         pipe = external_pipeline(graph, input_name="data", batch_size=batch,
                                  num_threads=args.threads, device_id=device_id,
                                  more_inputs=drawn.names if drawn else ())
-        pipe.mmproxy_sample_random = drawn
-        return mmproxy.DALIServer(pipe, name=("seeded" if roi else "seeded-full")
+        return mmproxy.DALIServer(mmproxy.SampleSeeded(pipe, drawn) if drawn else pipe, name=("seeded" if roi else "seeded-full")
                                   if seeded else "dali-drawn")
 
     seeded, drawn, full = server(True), server(False), server(True, roi=False)

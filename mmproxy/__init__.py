@@ -27,6 +27,7 @@ __all__ = [
     "ProxyArgumentError",
     "RunDroppedError",
     "SampleError",
+    "SampleSeeded",
     "ServerFailedError",
     "ServerState",
     "ServerStateError",
@@ -58,6 +59,7 @@ _WHERE = {
     "ProxyArgumentError": "mmproxy.errors",
     "RunDroppedError": "mmproxy.errors",
     "SampleError": "mmproxy.errors",
+    "SampleSeeded": "mmproxy.proxy",
     "ServerFailedError": "mmproxy.errors",
     "ServerState": "mmproxy.server",
     "ServerStateError": "mmproxy.errors",
@@ -95,7 +97,7 @@ if TYPE_CHECKING:
         WorkerDiedError,
     )
     from mmproxy.loader import DataLoader
-    from mmproxy.proxy import DALIProxy
+    from mmproxy.proxy import DALIProxy, SampleSeeded
     from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, PaddedBatch
     from mmproxy.server import DALIServer, ServerState
     from mmproxy.skips import SkipKind, SkippedSample, SkipReport

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.utils.data
 
-from mmproxy import _context, _process, _walk
+from mmproxy import _context, _indexed, _process, _walk
 from mmproxy._context import Stamped
 from mmproxy._progress import Progress, hand_out, rank_and_world
 from mmproxy._resolve import claim, resolve_batch
@@ -127,6 +127,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._init = _WorkerInit(self._loader_id, self._epoch, arguments.get("worker_init_fn"),
                                  bool(arguments.get("persistent_workers")))
         arguments["worker_init_fn"] = self._init
+        arguments["dataset"] = _indexed.indexed(arguments["dataset"])  # names samples in messages
         super().__init__(**arguments)
         self._report = SkipReport()
         self._progress: Progress | None = None

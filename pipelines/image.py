@@ -282,8 +282,9 @@ def image_train_pipeline(*, batch_size: int, size: int = 224,
                              num_threads=num_threads, device_id=dev_id, seed=seed,
                              prefetch_queue_depth=prefetch_queue_depth,
                              more_inputs=drawn.names if drawn else ())
-    pipe.mmproxy_sample_random = drawn
-    return pipe
+    from mmproxy.proxy import SampleSeeded  # the proxy draws the crop and flip per sample
+
+    return pipe if drawn is None else SampleSeeded(pipe, drawn)
 
 
 def image_eval_pipeline(*, batch_size: int, size: int = 224, resize_size: int | None = None,

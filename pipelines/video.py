@@ -409,5 +409,6 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
 
     built = pipe(batch_size=batch_size, num_threads=num_threads, device_id=dev_id,
                  prefetch_queue_depth=prefetch_queue_depth)
-    built.mmproxy_sample_random = draw
-    return built
+    from mmproxy.proxy import SampleSeeded  # the proxy draws the clip's place per sample
+
+    return SampleSeeded(built, draw, draw.arguments)

@@ -8,7 +8,6 @@ cut in half, an image whose header declares a huge size.
 
 from __future__ import annotations
 
-import functools
 import gc
 import re
 import subprocess
@@ -219,111 +218,6 @@ def test_a_users_own_pipeline_with_every_executor_keeps_going(executor, tmp_path
             labels += batch["label"].tolist()
         assert sorted(labels) == sorted(set(range(16)) - bad)
         assert time.perf_counter() - start < 60
-
-
-@pytest.mark.parametrize("executor", ["dynamic", "async", "sync"])
-def test_a_run_fed_ahead_keeps_its_place_when_a_run_before_it_fails(executor, tmp_path,
-                                                                    monkeypatch):
-    """The runner's feed_ahead (an engine variant, benchmarks/engine_ab.py): one more run's inputs
-    wait in DALI's queue while the runs in flight finish. When one of those fails, the run fed
-    ahead still runs after them with its own inputs, never taken by the search for the bad
-    sample: every row's colour is its label's."""
-    from mmproxy._runner import Runner
-
-    ahead = []
-
-    class Spy(Runner):
-        def _feed(self, run, inflight, schedule=True):
-            if not schedule:
-                ahead.append(run.id)
-            super()._feed(run, inflight, schedule)
-
-        def _outputs(self, then=None):
-            time.sleep(0.02)  # a slower pipeline: the runs arrive faster than they are run
-            return super()._outputs(then)
-
-    monkeypatch.setattr(mmproxy.server, "Runner", functools.partial(Spy, feed_ahead=True))
-    bad = {2, 9, 10, 21, 38, 39}
-    write_tar(tmp_path / "a-000.tar", [{"__key__": f"a{i:02d}", "cls": str(i),
-                                        "jpg": _undecodable(i) if i in bad else _jpeg(i)}
-                                       for i in range(48)])
-    server = mmproxy.DALIServer(lambda: _custom_decode(executor, batch_size=4), name=executor)
-    with server:
-        ds = MultiModalDataset(str(tmp_path / "a-000.tar"),
-                               {"small": ("jpg", server.proxy), "label": ("cls", int)},
-                               batch_size=4, on_error="skip", max_skipped=0.5)
-        labels = []
-        for batch in ds.loader(server, num_workers=2):
-            small, _ = batch["small"]
-            colours = small.float().mean(dim=(1, 2, 3)).round().tolist()
-            assert [abs(c - _color(i)) <= 3 for c, i in zip(colours, batch["label"].tolist())] \
-                == [True] * len(colours), (colours, batch["label"])
-            labels += batch["label"].tolist()
-    assert sorted(labels) == sorted(set(range(48)) - bad)
-    assert ahead, "no run was fed ahead: the test did not test it"
-
-
-@pytest.mark.parametrize("conversion_fails", [False, True])
-def test_a_run_fed_ahead_whose_scheduling_fails_fails_alone(conversion_fails, tmp_path,
-                                                            monkeypatch):
-    """feed_ahead schedules the run fed ahead from inside Pipe.outputs. When that _run_once
-    fails (its inputs may still wait in DALI's queue), that run fails with 'refused the inputs',
-    promptly, and no other run takes its inputs: every row of every batch delivered has its own
-    label's colour, also when the same outputs call then fails in the conversion to torch."""
-    import mmproxy._convert as convert
-    from mmproxy._runner import Runner
-
-    state = {"armed": True, "fired": False}
-    real_to_torch = convert.to_torch
-
-    class Spy(Runner):
-        def _outputs(self, then=None):
-            time.sleep(0.02)  # a slower pipeline: the runs arrive faster than they are run
-            if then is None or not state["armed"] or self._ahead is None:
-                return super()._outputs(then)
-            state["armed"], state["fired"] = False, True
-            schedule = self.pipe.schedule
-
-            def refuse():
-                raise RuntimeError("refused by _run_once")
-
-            def refused_then():
-                self.pipe.schedule = refuse
-                try:
-                    then()
-                finally:
-                    self.pipe.schedule = schedule
-
-            def fails_once(*args, **kwargs):
-                convert.to_torch = real_to_torch
-                raise RuntimeError("the conversion failed")
-
-            if conversion_fails:
-                convert.to_torch = fails_once
-            try:
-                return super()._outputs(refused_then)
-            finally:
-                convert.to_torch = real_to_torch
-
-    monkeypatch.setattr(mmproxy.server, "Runner", functools.partial(Spy, feed_ahead=True))
-    write_tar(tmp_path / "a-000.tar", [{"__key__": f"a{i:02d}", "cls": str(i), "jpg": _jpeg(i)}
-                                       for i in range(48)])
-    server = mmproxy.DALIServer(lambda: _custom_decode("dynamic", batch_size=4), name="ahead",
-                                timeout=20)
-    start = time.perf_counter()
-    with server:
-        ds = MultiModalDataset(str(tmp_path / "a-000.tar"),
-                               {"small": ("jpg", server.proxy), "label": ("cls", int)},
-                               batch_size=4, on_error="skip", max_skipped=0.5)
-        with pytest.raises(mmproxy.PipelineError, match="refused the inputs"):
-            for batch in ds.loader(server, num_workers=2):
-                small, _ = batch["small"]
-                colours = small.float().mean(dim=(1, 2, 3)).round().tolist()
-                labels = batch["label"].tolist()
-                assert [abs(c - _color(i)) <= 3 for c, i in zip(colours, labels)] \
-                    == [True] * len(colours), (colours, labels)
-    assert state["fired"], "the scheduling of a run fed ahead never failed: nothing was tested"
-    assert time.perf_counter() - start < 15
 
 
 # -- a run that reads nothing fails loudly, quickly, in words -----------------------------------

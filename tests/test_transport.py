@@ -13,7 +13,7 @@ from datasets_for_tests import grid, read_only
 from mmproxy.datasets._tar import members
 from mmproxy.datasets.shards import read_local_tar
 
-from mmproxy import _transport
+from mmproxy import _mappings, _transport
 
 
 def _tar(path, files, fmt):
@@ -97,11 +97,11 @@ def test_shard_bytes_travel_by_reference_and_arrive_intact(tmp_path):
 def test_a_worker_keeps_a_bounded_number_of_shards_registered(tmp_path):
     path = _tar(tmp_path / "s.tar", FILES[:2], tarfile.GNU_FORMAT)
     before = len(os.listdir("/proc/self/fd"))
-    views = [_registered_view(path) for _ in range(3 * _transport._MAX_FILES)]
+    views = [_registered_view(path) for _ in range(3 * _mappings.MAX_FILES)]
     first = np.frombuffer(views[0], np.uint8)[512:516]
     del views
     # A registered shard holds two descriptors (its mapping's and the one it is sent by).
-    assert len(os.listdir("/proc/self/fd")) - before <= 2 * _transport._MAX_FILES + 1
+    assert len(os.listdir("/proc/self/fd")) - before <= 2 * _mappings.MAX_FILES + 1
     # An evicted mapping's bytes are still correct: they are copied instead.
     fd, files = _transport.pack("run", None, [None], [[first]])
     try:
