@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import resource
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -19,7 +20,7 @@ import numpy as np
 
 from mmproxy import _process
 
-__all__ = ["MAX_FILES", "FileMappings", "files", "server_mapping"]
+__all__ = ["KEPT_FILES", "KEPT_MEMFDS", "MAX_FILES", "FileMappings", "files", "server_mapping"]
 
 MAX_FILES = 16  # shard mappings a worker keeps registered (and may reference in one batch)
 
@@ -84,13 +85,30 @@ _mapped_memfds: OrderedDict[tuple[int, int, int, int], mmap.mmap] = OrderedDict(
 _mapped_lock = threading.Lock()
 
 
+def _kept_files() -> int:
+    """How many local files the server keeps mapped: enough for every shard a loader's workers
+    have in flight (each worker's shuffle buffer spans several shards), so that no batch maps and
+    unmaps a shard again; each kept mapping holds a descriptor (Python's mmap keeps a copy of
+    it), so at most a quarter of the process's descriptor limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(32, min(4096, soft // 4)) if soft != resource.RLIM_INFINITY else 4096
+
+
+KEPT_FILES = _kept_files()
+KEPT_MEMFDS = 4  # streamed remote shards: a kept mapping would hold the shard's memory
+
+
 def server_mapping(fd: int) -> mmap.mmap:
-    """The server's read-only mapping of a shard, one per file version: the last 32 files kept,
-    but only the last 4 memfds (streamed remote shards, whose memory a kept mapping would hold)."""
+    """The server's read-only mapping of a shard, one per file version: the last
+    :data:`KEPT_FILES` files kept, but only the last :data:`KEPT_MEMFDS` memfds.
+
+    A shard mapped again for each batch costs a map, an unmap (which interrupts every core the
+    process runs threads on, to flush their TLBs) and page faults in DALI's threads on first
+    touch, for every shard of every batch."""
     st = os.fstat(fd)
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     memfd = os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-    cache, bound = (_mapped_memfds, 4) if memfd else (_mapped_files, 32)
+    cache, bound = (_mapped_memfds, KEPT_MEMFDS) if memfd else (_mapped_files, KEPT_FILES)
     with _mapped_lock:
         mapping = cache.get(key)
         if mapping is None:

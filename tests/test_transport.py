@@ -148,3 +148,24 @@ def test_a_tar_cut_inside_its_end_of_archive_zeros_is_read_whole(tmp_path):
     whole = list(members(memoryview(data)))
     end = whole[-1][1] + 512  # the last member's data padded, then the zero blocks
     assert list(members(memoryview(data[:end + 100]))) == whole
+
+
+def test_the_server_keeps_the_mappings_of_every_shard_in_flight(tmp_path):
+    # A loader's workers have many shards in flight (each worker's shuffle buffer spans several):
+    # a mapping dropped while its shard is still read is mapped again for the next batch, and
+    # unmapped again, batch after batch.
+    count = 200
+    assert _mappings.KEPT_FILES >= count
+    fds = []
+    for i in range(count):
+        path = tmp_path / f"shard-{i:04d}.tar"
+        path.write_bytes(bytes([i % 256]) * 4096)
+        fds.append(os.open(path, os.O_RDONLY))
+    try:
+        first = [_mappings.server_mapping(fd) for fd in fds]
+        again = [_mappings.server_mapping(fd) for fd in fds]
+        assert all(a is b for a, b in zip(first, again))
+        assert again[7][:1] == bytes([7])
+    finally:
+        for fd in fds:
+            os.close(fd)
