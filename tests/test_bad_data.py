@@ -684,6 +684,25 @@ def test_unreadable_shards_are_counted_apart_from_samples():
     assert SkipReport.from_state(state).shards == 0
 
 
+def test_the_shards_share_is_judged_mid_epoch_every_100_shards_tried():
+    """Before the epoch's end the share is judged only on 100 shards tried or more (damage is
+    often clustered: the first 2 of 5 shards missing says little about the other 995)."""
+    from mmproxy.skips import SHARD_CHECK_EVERY, SkipKind, SkippedSample, SkipReport
+
+    lost = SkippedSample("s.tar", "", "unreadable shard: gone", SkipKind.UNREADABLE_SHARD)
+    report = SkipReport()
+    report.add(100, [lost, lost], shards_tried=5)
+    report.check(0.1)  # 2 of 5, mid-epoch: not judged yet
+    with pytest.raises(mmproxy.SkipLimitError, match=r"^2 unreadable shard\(s\) of the 5 tried"):
+        report.check(0.1, final=True)
+    report = SkipReport()
+    report.add(1000, [lost] * 11, shards_tried=SHARD_CHECK_EVERY - 1)
+    report.check(0.1)
+    report.add(10, [], shards_tried=1)
+    with pytest.raises(mmproxy.SkipLimitError, match=r"^11 unreadable shard\(s\) of the 100 tried"):
+        report.check(0.1)
+
+
 def test_skip_kinds_are_enum_members_that_survive_pickling_and_old_states():
     """A record's kind is a :class:`SkipKind`, the counts come from it (not from the reason's
     words), records cross processes pickled, and a state saved before records had kinds (three
