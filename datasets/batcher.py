@@ -7,9 +7,8 @@ batch in ``"__shards_tried__"`` (the loader judges the unreadable shards' share 
 that no batch can carry travel on their own as ``{"__skipped__": records, "__shards_tried__":
 n}``: after the worker's last batch, after a batch that is not a dict, and whenever as many
 records as a batch holds samples are waiting (so a run that skips everything still reports, and
-the loader's limits can stop it). With a quota
-(``epoch_length``) the batcher stops after that many batches; the last, smaller batch is made
-only with ``partial``.
+the loader's limits can stop it). With a quota (``epoch_length``) the batcher stops after that
+many batches; the last, smaller batch is made only with ``partial``.
 
 Its state: the batches made, the quota, and the addresses of the samples of the batch being
 filled; a resumed batcher reads those samples again and processes them (their proxies run again,
