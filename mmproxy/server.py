@@ -36,6 +36,7 @@ from typing import Any
 
 from mmproxy import _process, _transport
 from mmproxy._dali import Pipe
+from mmproxy._prepare import PreparedRuns, prepare_of
 from mmproxy._resolve import resolve
 from mmproxy._runner import Runner
 from mmproxy._runs import Run, RunState, RunTable, ServerState
@@ -104,7 +105,10 @@ class DALIServer:
         self._owner_pid = os.getpid()
         # The socket's private directory exists only while the server runs.
         self._sockdir = os.path.join(tempfile.gettempdir(), f"mmproxy-{self.uid}")
-        self._proxy = DALIProxy(self.name, self.uid, self._pipe.input_names, self._pipe.num_outputs,
+        # a pipeline with a Prepare stage takes what the stage makes; the proxy sends the stage's
+        self._prepare = prepare_of(self._pipe.pipeline)
+        sent = self._prepare.inputs if self._prepare is not None else self._pipe.input_names
+        self._proxy = DALIProxy(self.name, self.uid, sent, self._pipe.num_outputs,
                                 self._pipe.max_batch_size, os.path.join(self._sockdir, "inputs.sock"),
                                 sample_random_of(self._pipe.pipeline))
         self._stop = threading.Event()
@@ -177,7 +181,9 @@ class DALIServer:
         self._listener = _transport.Listener(self._proxy.address)
         self._stop.clear()
         self.table.set_state(ServerState.RUNNING)
-        runner = Runner(self._pipe, self.table, self._pad, self.table.device, self._stop)
+        runs: Any = self.table if self._prepare is None else PreparedRuns(
+            self.table, self._prepare, self._pipe.input_names, self._pipe.num_outputs)
+        runner = Runner(self._pipe, runs, self._pad, self.table.device, self._stop)
         self._threads = [
             threading.Thread(target=self._listen, name=f"mmproxy-{self.name}-listen", daemon=True),
             threading.Thread(target=runner, name=f"mmproxy-{self.name}-run", daemon=True),
@@ -196,6 +202,8 @@ class DALIServer:
             if t is not threading.current_thread():
                 t.join(_JOIN_TIMEOUT)
         self._threads = []
+        if self._prepare is not None:
+            self._prepare.close()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
