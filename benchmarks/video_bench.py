@@ -230,7 +230,7 @@ def main() -> None:
                         "passes options to the decoder, mmproxy-mixed[SHARE] a CPU share")
     parser.add_argument("--decode-threads", type=int, default=8,
                         help="NVDEC decode threads in the server (mmproxy-nvdec, mmproxy-mixed)")
-    parser.add_argument("--cpu-share", type=float, default=0.5,
+    parser.add_argument("--cpu-share", type=float, default=0.25,
                         help="mmproxy-mixed: the share of the clips the workers decode")
     parser.add_argument("--resolution", default="320x240", help="WIDTHxHEIGHT of the clips")
     args = parser.parse_args()

@@ -21,9 +21,10 @@ disk, nothing left behind) and opened as ``/proc/self/fd/N``. The frames are cop
 decoder's surfaces (the decoder reuses them) on the thread's own CUDA stream, which is
 synchronized before the clip counts as done, so the pipeline reads finished frames.
 
-A clip the worker already decoded (``"mixed"``'s CPU share, or a codec NVDEC does not decode) arrives
-as its frames and is only copied to the GPU. A clip NVDEC cannot decode fails alone, with the
-decoder's message: a skipped sample with ``on_error="skip"``.
+A clip the worker already decoded (``"mixed"``'s CPU share, or a codec NVDEC does not decode)
+arrives as its frames and is only copied to the GPU. A clip NVDEC refuses (a size or profile its
+engines lack) is decoded by PyAV on the same thread, when PyAV is installed; one that neither
+decodes fails alone, with both decoders' messages: a skipped sample with ``on_error="skip"``.
 """
 
 from __future__ import annotations
@@ -203,14 +204,46 @@ class ClipDecoder:
         return out
 
     def _decode(self, slot: _Slot, data: np.ndarray, start: int) -> Any:
+        """The clip's frames on the GPU, by NVDEC, or by PyAV (on this thread) where NVDEC
+        refuses the clip (a size or profile its engines lack, e.g. VP9 under 128 pixels); where
+        PyAV fails too, the clip is damaged and both say why."""
+        import torch
+
+        try:
+            return self._nvdec(slot, data, start)
+        except ValueError as err:
+            try:
+                from mmproxy.pipelines.video import decode_clip
+
+                frames = decode_clip(data, start, self.frames, self.stride)
+            except ImportError:
+                raise err from None
+            except ValueError as again:
+                raise ValueError(f"{err}; PyAV cannot decode it either: {again}") from again
+            return torch.from_numpy(frames).to(f"cuda:{slot.device}")
+
+    def _nvdec(self, slot: _Slot, data: np.ndarray, start: int) -> Any:
         """The clip's frames ``[T, H, W, 3]`` (uint8 RGB, on the GPU): ``frames`` frames from
-        ``start`` at ``stride``, the last frame repeated past the video's end."""
+        ``start`` at ``stride``, the last frame repeated past the video's end. A clip the
+        thread's re-pointed decoder refuses is tried once more on a fresh decoder (a new
+        session) before it counts as damaged."""
+        fresh = slot.decoder is None
+        try:
+            return self._frames(slot, data, start)
+        except ValueError:  # a re-pointed session may refuse a clip a fresh one decodes
+            if fresh:
+                raise
+            slot.decoder = None
+        return self._frames(slot, data, start)
+
+    def _frames(self, slot: _Slot, data: np.ndarray, start: int) -> Any:
         import torch
 
         try:
             decoder = slot.open(data)
             total = len(decoder)
         except Exception as err:  # noqa: BLE001 - PyNvVideoCodec raises RuntimeError, Exception
+            slot.decoder = None
             raise ValueError(f"NVDEC cannot open the video: {_said(err)}") from err
         if total < 1:
             raise ValueError("NVDEC finds no frames in the video")

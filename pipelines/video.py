@@ -38,22 +38,31 @@ Decoders, and which codec is decoded where (DALI 2.4):
 ``"pyav"``     the worker (PyAV, FFmpeg), only the  everything FFmpeg decodes; the server
                frames of the clip; the server       resizes, crops and normalizes
                resizes, crops, normalizes
+``"nvdec"``    the server: PyNvVideoCodec (NVDEC)   H.264, HEVC, VP8, VP9, AV1 in MP4/MOV; the
+               on ``decode_threads`` threads, one   rest (WebM, AVI, MJPEG, MPEG-4, and clips
+               re-pointed decoder each; frames      NVDEC refuses) decoded by PyAV, in the
+               stay on the GPU                      worker (or the decode thread)
+``"mixed"``    ``"nvdec"``, with ``cpu_share`` of   as ``"nvdec"``
+               the clips decoded by PyAV in the
+               workers (drawn from each seed)
 =============  ===================================  ============================================
 
-``"auto"`` is ``"pyav"`` when PyAV is installed, else ``"dali"``. Measured on an H200 with 15
-workers (BENCHMARKS.md, "Video"): on 596x336 H.264 clips PyAV in the workers with the resize
-and crop on the GPU gave 124 clips/s, DALI's in-memory NVDEC decoder 11.6 (DALI's own file
-reader, which decodes with NVDEC too, 48.5; PyTorch workers doing everything on CPU 72); on
-320x240 clips NVDEC gave 62. So NVDEC is opt-in (``decoder="dali"``) until DALI's in-memory
-decoder catches up. A sample the chosen decoder cannot decode fails with a message naming its
-codec (a skip record with ``on_error="skip"``).
+``"auto"`` is ``"nvdec"`` on a GPU where PyNvVideoCodec loads (``pip install 'mmproxy[nvdec]'``
+and the driver's NVDEC library), else ``"pyav"`` when PyAV is installed, else ``"dali"``.
+BENCHMARKS.md ("Video") has the figures: on an H200, 596x336 H.264 clips, ``"nvdec"`` gives
+nearly twice PyAV in the workers with a sixth of their CPU, and DALI's in-memory decoder
+(``"dali"``) far less than either; a sample the chosen decoder cannot decode fails with a
+message naming its codec (a skip record with ``on_error="skip"``).
 
 Cost: the decode dominates. With ``"pyav"`` the workers decode only the clip's frames (seeking
 to the key frame before its start, after reading the packets' timestamps: ~1 ms for a 10 s
 596x336 clip, ~2% of its decode) and send them to the server (a 16-frame 596x336 clip is 9.6
 MB of RGB, through shared memory); the resize, crop and normalize run on the GPU, or on CPU in
-torchvision inside the pipeline (``cpu_resize``). With ``"dali"`` on a GPU the worker only reads
-the container header (~10-50 us a clip) and NVDEC decodes.
+torchvision inside the pipeline (``cpu_resize``). With ``"dali"``, ``"nvdec"`` and ``"mixed"`` on
+a GPU the worker reads only the container header (~10-50 us a clip) and sends the encoded bytes;
+with ``"nvdec"`` each clip is written once into a decode thread's memory file (PyNvVideoCodec's
+re-pointing takes a path) and its frames are copied out of the decoder on the GPU
+(:mod:`mmproxy.pipelines._nvdec`).
 """
 
 from __future__ import annotations
@@ -211,9 +220,10 @@ def _decode(data: bytes | memoryview, wanted: list[int] | None, seek: bool) -> _
                     break
         except av.FFmpegError as err:  # damaged data: the frames decoded so far are good
             error = str(err)
+        listed = stream.frames  # read while open (PyAV 19 refuses it once the file is closed)
     if count is None:
         return None
-    return _Decoded(out, count + 1, error, frame, stream.frames)
+    return _Decoded(out, count + 1, error, frame, listed)
 
 
 _FEWER = "the file holds fewer frames than its header promises"
@@ -376,7 +386,7 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
                    prefetch_queue_depth: int = 2, input_name: str = "videos",
                    cpu_resize: CpuResize = "torchvision",
                    decoder_options: Mapping[str, Any] | None = None, decode_threads: int = 8,
-                   cpu_share: float = 0.5) -> Any:
+                   cpu_share: float = 0.25) -> Any:
     """Builds the video pipeline (see the module docstring for inputs, outputs and decoders).
 
     Args:
