@@ -115,7 +115,8 @@ class DALIServer:
         sent = self._prepare.inputs if self._prepare is not None else self._pipe.input_names
         self._proxy = DALIProxy(self.name, self.uid, sent, self._pipe.num_outputs,
                                 _transport.address(self.uid), seeded.sample_random,
-                                seeded.arguments, self._pipe.encoded_inputs)
+                                seeded.arguments,
+                                {n: kind for n, kind in self._pipe.encoded_inputs.items() if n in sent})
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: _transport.Listener | None = None
