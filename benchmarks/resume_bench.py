@@ -47,8 +47,8 @@ def main() -> None:
         pipe = external_pipeline(graph, input_name="data", batch_size=batch,
                                  num_threads=args.threads, device_id=device_id,
                                  more_inputs=drawn.names if drawn else ())
-        return mmproxy.DALIServer(mmproxy.SampleSeeded(pipe, drawn) if drawn else pipe, name=("seeded" if roi else "seeded-full")
-                                  if seeded else "dali-drawn")
+        name = ("seeded" if roi else "seeded-full") if seeded else "dali-drawn"
+        return mmproxy.DALIServer(mmproxy.SampleSeeded(pipe, drawn), name=name)
 
     seeded, drawn, full = server(True), server(False), server(True, roi=False)
 

@@ -15,7 +15,7 @@ import os
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from mmproxy import _context, _encoded, _process, _transport
 from mmproxy._encoded import Encoded
 from mmproxy.errors import ProxyArgumentError
 from mmproxy.refs import DALIOutputSampleRef, _Call
+
+if TYPE_CHECKING:
+    from mmproxy._prepare import Prepare
 
 __all__ = ["DALIProxy", "SampleRandom", "SampleSeeded"]
 
@@ -63,11 +66,15 @@ class SampleSeeded:
         arguments: The proxy's arguments, when they are not simply the pipeline's other inputs
             (e.g. encoded video that ``sample_random`` decodes in the worker into the
             pipeline's ``frames`` input).
+        prepare: A stage the server runs on a run's samples before it feeds them (e.g. the
+            video pipeline's NVDEC decoding: clip bytes in, frames on the GPU out); the proxy
+            then takes the stage's inputs (:class:`mmproxy._prepare.Prepare`).
     """
 
     pipeline: Any
     sample_random: SampleRandom | None
     arguments: tuple[str, ...] | None = None
+    prepare: Prepare | None = None
 
 
 _unseeded = random.Random()  # samples named without a seed: drawn, not reproducible

@@ -36,6 +36,7 @@ from typing import Any
 
 from mmproxy import _process, _transport
 from mmproxy._dali import Pipe
+from mmproxy._prepare import PreparedRuns
 from mmproxy._resolve import resolve
 from mmproxy._runner import Runner
 from mmproxy._runs import Run, RunState, RunTable, ServerState
@@ -109,9 +110,13 @@ class DALIServer:
         self.table = RunTable(self.name, self._pipe.max_batch_size,
                               deterministic=bool(deterministic), timeout=timeout, device=device)
         self._owner_pid = os.getpid()
-        self._proxy = DALIProxy(self.name, self.uid, self._pipe.input_names, self._pipe.num_outputs,
+        # a pipeline with a Prepare stage takes what the stage makes; the proxy sends the stage's
+        self._prepare = seeded.prepare
+        sent = self._prepare.inputs if self._prepare is not None else self._pipe.input_names
+        self._proxy = DALIProxy(self.name, self.uid, sent, self._pipe.num_outputs,
                                 _transport.address(self.uid), seeded.sample_random,
-                                seeded.arguments, self._pipe.encoded_inputs)
+                                seeded.arguments,
+                                {n: kind for n, kind in self._pipe.encoded_inputs.items() if n in sent})
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: _transport.Listener | None = None
@@ -184,7 +189,9 @@ class DALIServer:
                                    ) from err
         self._stop.clear()
         self.table.set_state(ServerState.RUNNING)
-        runner = Runner(self._pipe, self.table, self._pad, self.table.device, self._stop)
+        runs: Any = self.table if self._prepare is None else PreparedRuns(
+            self.table, self._prepare, self._pipe.input_names, self._pipe.num_outputs)
+        runner = Runner(self._pipe, runs, self._pad, self.table.device, self._stop)
         self._threads = [
             threading.Thread(target=self._listen, name=f"mmproxy-{self.name}-listen", daemon=True),
             threading.Thread(target=runner, name=f"mmproxy-{self.name}-run", daemon=True),
@@ -203,6 +210,8 @@ class DALIServer:
             if t is not threading.current_thread():
                 t.join(_JOIN_TIMEOUT)
         self._threads = []
+        if self._prepare is not None:
+            self._prepare.close()
         if self._listener is not None:
             self._listener.close()
             self._listener = None

@@ -38,22 +38,31 @@ Decoders, and which codec is decoded where (DALI 2.4):
 ``"pyav"``     the worker (PyAV, FFmpeg), only the  everything FFmpeg decodes; the server
                frames of the clip; the server       resizes, crops and normalizes
                resizes, crops, normalizes
+``"nvdec"``    the server: PyNvVideoCodec (NVDEC)   H.264, HEVC, VP8, VP9, AV1 in MP4/MOV; the
+               on ``decode_threads`` threads, one   rest (WebM, AVI, MJPEG, MPEG-4, and clips
+               re-pointed decoder each; frames      NVDEC refuses) decoded by PyAV, in the
+               stay on the GPU                      worker (or the decode thread)
+``"mixed"``    ``"nvdec"``, with ``cpu_share`` of   as ``"nvdec"``
+               the clips decoded by PyAV in the
+               workers (drawn from each seed)
 =============  ===================================  ============================================
 
-``"auto"`` is ``"pyav"`` when PyAV is installed, else ``"dali"``. Measured on an H200 with 15
-workers (BENCHMARKS.md, "Video"): on 596x336 H.264 clips PyAV in the workers with the resize
-and crop on the GPU gave 124 clips/s, DALI's in-memory NVDEC decoder 11.6 (DALI's own file
-reader, which decodes with NVDEC too, 48.5; PyTorch workers doing everything on CPU 72); on
-320x240 clips NVDEC gave 62. So NVDEC is opt-in (``decoder="dali"``) until DALI's in-memory
-decoder catches up. A sample the chosen decoder cannot decode fails with a message naming its
-codec (a skip record with ``on_error="skip"``).
+``"auto"`` is ``"nvdec"`` on a GPU where PyNvVideoCodec loads (``pip install 'mmproxy[nvdec]'``
+and the driver's NVDEC library), else ``"pyav"`` when PyAV is installed, else ``"dali"``.
+BENCHMARKS.md ("Video") has the figures: on an H200, 596x336 H.264 clips, ``"nvdec"`` gives
+nearly twice PyAV in the workers with a sixth of their CPU, and DALI's in-memory decoder
+(``"dali"``) far less than either; a sample the chosen decoder cannot decode fails with a
+message naming its codec (a skip record with ``on_error="skip"``).
 
 Cost: the decode dominates. With ``"pyav"`` the workers decode only the clip's frames (seeking
 to the key frame before its start, after reading the packets' timestamps: ~1 ms for a 10 s
 596x336 clip, ~2% of its decode) and send them to the server (a 16-frame 596x336 clip is 9.6
 MB of RGB, through shared memory); the resize, crop and normalize run on the GPU, or on CPU in
-torchvision inside the pipeline (``cpu_resize``). With ``"dali"`` on a GPU the worker only reads
-the container header (~10-50 us a clip) and NVDEC decodes.
+torchvision inside the pipeline (``cpu_resize``). With ``"dali"``, ``"nvdec"`` and ``"mixed"`` on
+a GPU the worker reads only the container header (~10-50 us a clip) and sends the encoded bytes;
+with ``"nvdec"`` each clip is written once into a decode thread's memory file (PyNvVideoCodec's
+re-pointing takes a path) and its frames are copied out of the decoder on the GPU
+(:mod:`mmproxy.pipelines._nvdec`).
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 import numpy as np
 from mmproxy.pipelines._device import Device, resolve_device
+from mmproxy.pipelines._nvdec import NVDEC_CODECS, ClipDecoder, load_nvdec, nvdec_available
 from mmproxy.pipelines.image import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -80,7 +90,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CPU_CODECS", "ClipDraw", "VideoDecoder", "decode_clip", "video_graph", "video_pipeline"]
 
-VideoDecoder = Literal["auto", "dali", "pyav"]
+VideoDecoder = Literal["auto", "dali", "mixed", "nvdec", "pyav"]
 VideoLayout = Literal["CTHW", "THWC"]
 CPU_CODECS = ("vp8", "vp9", "mjpeg")  # what DALI 2.4's CPU video decoder decodes
 _NAMES = {"h264": "H.264", "hevc": "HEVC", "av1": "AV1", "mpeg4": "MPEG-4", "vp8": "VP8",
@@ -210,9 +220,10 @@ def _decode(data: bytes | memoryview, wanted: list[int] | None, seek: bool) -> _
                     break
         except av.FFmpegError as err:  # damaged data: the frames decoded so far are good
             error = str(err)
+        listed = stream.frames  # read while open (PyAV 19 refuses it once the file is closed)
     if count is None:
         return None
-    return _Decoded(out, count + 1, error, frame, stream.frames)
+    return _Decoded(out, count + 1, error, frame, listed)
 
 
 _FEWER = "the file holds fewer frames than its header promises"
@@ -258,15 +269,22 @@ def _shortfall(data: bytes | memoryview, reached: int, error: str | None) -> str
 class ClipDraw:
     """The video pipeline's per-sample draws (a :class:`~mmproxy.proxy.SampleRandom`): the clip's
     start frame (or, with ``decode_in_worker``, its decoded frames), the crop position and the
-    flip, from the sample's seed. Refuses a codec the server's decoder cannot decode, by name."""
+    flip, from the sample's seed. Refuses a codec the server's decoder cannot decode, by name.
+
+    With ``nvdec`` the start is drawn as for DALI's decoder and the encoded clip goes to the
+    server's NVDEC decoder; a clip NVDEC cannot take (:data:`NVDEC_CODECS` in MP4/MOV) and, with
+    ``cpu_share``, that share of the others (one more draw, after the clip's), are decoded here
+    with PyAV and sent as frames instead.
+    """
 
     def __init__(self, input_name: str, frames: int, stride: int, train: bool,
                  flip_probability: float, every_frame: bool, decode_in_worker: bool,
-                 cpu_decoder: bool) -> None:
+                 cpu_decoder: bool, nvdec: bool = False, cpu_share: float = 0.0) -> None:
         self.input_name, self.frames, self.stride, self.train = input_name, frames, stride, train
         self.flip_probability, self.every_frame = flip_probability, every_frame
         self.decode_in_worker, self.cpu_decoder = decode_in_worker, cpu_decoder
-        place = ("frames",) if decode_in_worker else () if every_frame else ("start",)
+        self.nvdec, self.cpu_share = nvdec, cpu_share
+        place = ("frames",) if decode_in_worker else ("start",) if nvdec or not every_frame else ()
         self.names = (*place, *(("crop_x", "crop_y") if train else ()), "flip")
         self.arguments = (input_name,)
 
@@ -283,20 +301,51 @@ class ClipDraw:
                 f"{_NAMES.get(info.codec, info.codec)} video: DALI's CPU video decoder decodes "
                 f"only {', '.join(_NAMES[c] for c in CPU_CODECS)}; use "
                 "video_pipeline(decoder='pyav') (PyAV decodes it in the workers) or a GPU")
+        here = self.decode_in_worker or (self.nvdec and not _nvdec_takes(info))
+        if here and self.nvdec:
+            _need_pyav(info)
         out: dict[str, np.ndarray] = {}
-        if not self.every_frame or self.decode_in_worker:
-            start = 0 if self.every_frame else clip_start(
-                _count_frames(data, info), self.frames, self.stride, self.train, rng)
-            if self.decode_in_worker:
-                out["frames"] = decode_clip(data, start, None if self.every_frame else self.frames,
-                                            self.stride)
-            else:
-                out["start"] = np.array(start, np.int32)
+        start = 0
+        if not self.every_frame:
+            start = clip_start(_count_frames(data, info), self.frames, self.stride, self.train, rng)
         if self.train:  # evaluation crops sit at the centre (the pipeline places them)
             out["crop_x"] = np.array(rng.random(), np.float32)
             out["crop_y"] = np.array(rng.random(), np.float32)
         out["flip"] = np.array(self.train and rng.random() < self.flip_probability, np.int32)
+        if self.nvdec and not here and self.cpu_share > 0:
+            here = self.cpu_share >= 1 or rng.random() < self.cpu_share
+        if here:
+            decoded = decode_clip(data, start, None if self.every_frame else self.frames,
+                                  self.stride)
+            out[self.input_name if self.nvdec else "frames"] = decoded
+        if "start" in self.names:
+            out["start"] = np.array(start, np.int32)
         return out
+
+
+def _nvdec_takes(info: VideoInfo | None) -> bool:
+    """Whether the server's NVDEC decoder takes this video (the codec in an MP4/MOV file)."""
+    return info is not None and info.container == "mp4" and info.codec in NVDEC_CODECS
+
+
+def _has_pyav() -> bool:
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _need_pyav(info: VideoInfo | None) -> None:
+    """Refuses, by codec and container, a video NVDEC does not take when PyAV is not here."""
+    if _has_pyav():
+        return
+    what = "an unknown kind of" if info is None else (
+        f"{_NAMES.get(info.codec or '', info.codec or 'unknown codec')} in {info.container}")
+    raise ValueError(
+        f"{what} video: NVDEC decodes only {', '.join(_NAMES[c] for c in NVDEC_CODECS)} in "
+        "MP4/MOV files, and the others are decoded in the workers by PyAV, which is not "
+        "installed: pip install av (or 'mmproxy[video]')")
 
 
 def video_graph(video: Any, *, gpu: bool, size: int = 224, resize_size: int | None = None,
@@ -336,7 +385,8 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
                    device: Device = "auto", device_id: int | None = None, num_threads: int = 4,
                    prefetch_queue_depth: int = 2, input_name: str = "videos",
                    cpu_resize: CpuResize = "torchvision",
-                   decoder_options: Mapping[str, Any] | None = None) -> Any:
+                   decoder_options: Mapping[str, Any] | None = None, decode_threads: int = 8,
+                   cpu_share: float = 0.25) -> Any:
     """Builds the video pipeline (see the module docstring for inputs, outputs and decoders).
 
     Args:
@@ -352,46 +402,56 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
         std: Per-channel standard deviation, 0-255 units.
         layout: "CTHW" (batches NCTHW) or "THWC" (batches NTHWC).
         dtype: "float32", "float16" or "uint8".
-        decoder: "auto", "dali" or "pyav" (module docstring).
+        decoder: "auto", "nvdec", "mixed", "pyav" or "dali" (module docstring).
         device: "auto" (GPU when CUDA is available), "gpu" or "cpu".
         device_id: The GPU to use; the current one when None.
         num_threads: DALI CPU threads.
         prefetch_queue_depth: Runs the server keeps in flight.
         input_name: The proxy's argument.
         cpu_resize: On CPU, resize with "torchvision" or DALI's "dali" ``fn.resize``.
-        decoder_options: With ``decoder="dali"``: more keyword arguments for DALI's
-            ``fn.decoders.video`` (``build_index``, ``affine``, ...).
+        decoder_options: More keyword arguments for the decoder: with ``decoder="dali"`` for
+            DALI's ``fn.decoders.video`` (``build_index``, ``affine``, ...); with ``"nvdec"`` and
+            ``"mixed"`` for ``PyNvVideoCodec.SimpleDecoder`` (``max_width``, ``max_height``,
+            ``decoder_cache_size``).
+        decode_threads: With ``"nvdec"`` and ``"mixed"``: the server's NVDEC decode threads.
+        cpu_share: With ``"mixed"``: the share of the clips the workers decode with PyAV (drawn
+            per clip from its seed, 0-1).
     """
     from nvidia.dali import fn, pipeline_def, types
 
     gpu, dev_id = resolve_device(device, device_id)
-    if decoder not in ("auto", "dali", "pyav"):
-        raise ValueError(f"decoder must be 'auto', 'dali' or 'pyav', got {decoder!r}")
+    if decoder not in ("auto", "dali", "mixed", "nvdec", "pyav"):
+        raise ValueError(f"decoder must be 'auto', 'nvdec', 'mixed', 'pyav' or 'dali', got "
+                         f"{decoder!r}")
     if decoder == "auto":
-        try:
-            import av  # noqa: F401
-            decoder = "pyav"
-        except ImportError:
-            decoder = "dali"
-    if decoder == "pyav":
-        try:
-            import av  # noqa: F401
-        except ImportError:
-            raise ImportError("decoder='pyav' needs PyAV: pip install av (or 'mmproxy[video]')") \
-                from None
+        decoder = "nvdec" if gpu and nvdec_available() else "pyav" if _has_pyav() else "dali"
+    if decoder in ("nvdec", "mixed"):
+        if not gpu:
+            raise ValueError(f"decoder={decoder!r} decodes on the GPU (NVDEC): use device='gpu' "
+                             "or 'auto' on a machine with CUDA, or decoder='pyav' on CPU")
+        load_nvdec()
+        if decoder == "mixed" and not 0 <= cpu_share <= 1:
+            raise ValueError(f"cpu_share must be between 0 and 1, got {cpu_share}")
+    if decoder in ("pyav", "mixed") and not _has_pyav():
+        raise ImportError(f"decoder={decoder!r} needs PyAV: pip install av (or 'mmproxy[video]')")
     _check_resize_size(size, resize_size)
     if frames < 1 or stride < 1:
         raise ValueError(f"frames and stride must be at least 1, got {frames} and {stride}")
+    nvdec = decoder in ("nvdec", "mixed")
     draw = ClipDraw(input_name, frames, stride, train, flip_probability, every_frame,
-                    decode_in_worker=decoder == "pyav", cpu_decoder=decoder == "dali" and not gpu)
+                    decode_in_worker=decoder == "pyav", cpu_decoder=decoder == "dali" and not gpu,
+                    nvdec=nvdec, cpu_share=cpu_share if decoder == "mixed" else 0.0)
 
     @pipeline_def
     def pipe() -> Any:
         drawn = {name: fn.external_source(name=name, no_copy=True) for name in draw.names
-                 if name != "frames"}
+                 if name not in ("frames", "start") or name == "start" and decoder == "dali"}
         if decoder == "pyav":
             video = fn.external_source(name="frames", no_copy=True, dtype=types.UINT8,
                                        layout="FHWC")
+        elif nvdec:  # decoded in the server before the feed (pipelines/_nvdec.py)
+            video = fn.external_source(name=input_name, device="gpu", no_copy=True,
+                                       dtype=types.UINT8, layout="FHWC")
         else:
             encoded = fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8)
             chosen = {} if every_frame else {"start_frame": drawn["start"], "stride": stride,
@@ -411,4 +471,10 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
                  prefetch_queue_depth=prefetch_queue_depth)
     from mmproxy.proxy import SampleSeeded  # the proxy draws the clip's place per sample
 
-    return SampleSeeded(built, draw, draw.arguments)
+    prepare = None
+    if nvdec:
+        assert dev_id is not None
+        prepare = ClipDecoder(input_name, None if every_frame else frames, stride, dev_id,
+                              decode_threads, decoder_options,
+                              tuple(n for n in draw.names if n != "start"))
+    return SampleSeeded(built, draw, draw.arguments, prepare)

@@ -419,3 +419,194 @@ def test_nvdec_decodes_h264_like_pyav():
     start = (len(frames) - 10) // 2
     errors = np.abs(clip.astype(int) - frames[start:start + 10:3, :, 16:80]).mean(axis=(1, 2, 3))
     assert errors.max() <= MEAN_TOLERANCE, errors
+
+
+# -- NVDEC in the server (decoder="nvdec" / "mixed", PyNvVideoCodec) --------------------------
+
+
+class _BrokenDriver:
+    """Imports PyNvVideoCodec as it fails on a machine without the driver's video libraries."""
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.util
+
+        if name != "PyNvVideoCodec":
+            return None
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise RuntimeError("libnvidia-encode.so.1: cannot open shared object file: No such file")
+
+
+def test_nvdec_without_its_package_or_driver_says_what_to_do(monkeypatch):
+    import sys
+
+    from mmproxy.pipelines._nvdec import load_nvdec
+
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", None)
+    with pytest.raises(ImportError, match=r"PyNvVideoCodec: pip install 'mmproxy\[nvdec\]'"):
+        load_nvdec()
+    monkeypatch.delitem(sys.modules, "PyNvVideoCodec")
+    monkeypatch.setattr(sys, "meta_path", [_BrokenDriver(), *sys.meta_path])
+    with pytest.raises(RuntimeError, match="cannot load the NVIDIA driver's video libraries.*"
+                                           "PyNvVideoCodec said: libnvidia-encode.so.1"):
+        load_nvdec()
+    with pytest.raises(ValueError, match="decoder='nvdec' decodes on the GPU"):
+        video_pipeline(batch_size=2, decoder="nvdec", device="cpu")
+    auto = video_pipeline(batch_size=2, decoder="auto", device="cpu")
+    assert auto.sample_random.decode_in_worker  # no NVDEC: PyAV in the workers
+
+
+def test_the_nvdec_draw_sends_what_nvdec_decodes_and_decodes_the_rest_in_the_worker():
+    """H.264 in MP4 goes to the server as bytes and a start; VP9 in WebM (a container NVDEC's
+    decoder has no frame count for) is decoded here; the start, crop and flip are those the PyAV
+    path draws for the same seed, whichever decodes; ``cpu_share=1`` decodes every clip here."""
+    import random
+
+    from mmproxy.pipelines import ClipDraw
+
+    def draw(data, seed, **kw):
+        options = dict(input_name="videos", frames=4, stride=3, train=True, flip_probability=0.5,
+                       every_frame=False, cpu_decoder=False)
+        given = {"videos": np.frombuffer(data, np.uint8)}
+        return ClipDraw(**{**options, **kw})(given, random.Random(seed))
+
+    h264, vp9 = _encode("h264", frames=60), _encode("vp9", frames=60)
+    for seed in range(6):
+        pyav = draw(h264, seed, decode_in_worker=True)
+        sent = draw(h264, seed, decode_in_worker=False, nvdec=True)
+        assert "videos" not in sent and int(sent["start"]) >= 0
+        assert all(np.array_equal(sent[k], pyav[k]) for k in ("crop_x", "crop_y", "flip"))
+        assert np.array_equal(draw(h264, seed, decode_in_worker=False, nvdec=True,
+                                   cpu_share=1.0)["videos"], pyav["frames"])
+        here = draw(vp9, seed, decode_in_worker=False, nvdec=True)
+        assert np.array_equal(here["videos"], draw(vp9, seed, decode_in_worker=True)["frames"])
+    shared = [draw(h264, seed, decode_in_worker=False, nvdec=True, cpu_share=0.5)
+              for seed in range(40)]
+    assert 5 < sum("videos" in s for s in shared) < 35  # about half decoded here
+
+
+def test_a_codec_nvdec_lacks_without_pyav_is_refused_by_name(monkeypatch):
+    import random
+
+    from mmproxy.pipelines import ClipDraw, video
+
+    monkeypatch.setattr(video, "_has_pyav", lambda: False)
+    draw = ClipDraw("videos", 4, 3, False, 0.5, False, decode_in_worker=False, cpu_decoder=False,
+                    nvdec=True)
+    with pytest.raises(ValueError, match=r"MJPEG in avi video: NVDEC decodes only H.264, HEVC, "
+                                         r"VP8, VP9, AV1 in MP4/MOV files.*pip install av"):
+        draw({"videos": np.frombuffer(_encode("mjpeg"), np.uint8)}, random.Random(0))
+
+
+def _nvdec_ready():
+    if not torch.cuda.is_available():
+        return False
+    from mmproxy.pipelines._nvdec import nvdec_available
+
+    return nvdec_available()
+
+
+needs_nvdec = pytest.mark.skipif(not _nvdec_ready(), reason="needs CUDA and PyNvVideoCodec")
+
+
+def _gpu_server(decoder, **kw):
+    return _server(decoder, device="gpu", **kw)
+
+
+def _errors(a, b):
+    return np.abs(a.astype(int) - b.astype(int)).mean(axis=(1, 2, 3))
+
+
+@pytest.mark.gpu
+@needs_nvdec
+def test_nvdec_clips_match_pyav_frame_for_frame():
+    """Training clips at twelve seeds (the same start, crop and flip drawn for both decoders):
+    NVDEC's frames within the decoders' colour tolerance of PyAV's, and clearly farther from
+    the neighbouring frame (the same frame index means the same frame)."""
+    data = _encode("h264", frames=60)  # libx264's defaults: B-frames, so decode order differs
+    seeds = list(range(12))
+    with _gpu_server("pyav", train=True, batch_size=12) as pyav:
+        expected = _run(pyav, [data] * 12, seeds).cpu().numpy()
+    with _gpu_server("nvdec", train=True, batch_size=12, decode_threads=2) as nvdec:
+        clips = _run(nvdec, [data] * 12, seeds).cpu().numpy()
+    assert clips.shape == expected.shape == (12, 4, 64, 64, 3)
+    for clip, reference in zip(clips, expected):
+        errors = _errors(clip, reference)
+        assert errors.max() <= MEAN_TOLERANCE, errors
+        assert np.abs(_luma(clip.astype(float)) - _luma(reference)).mean() <= LUMA_TOLERANCE
+    frames = _reference(data)
+    start = (60 - 10) // 2
+    with _gpu_server("nvdec", batch_size=1) as nvdec:
+        centred = _run(nvdec, [data])[0].cpu().numpy()
+    errors = _errors(centred, frames[start:start + 10:3, :, 16:80])
+    shifted = _errors(centred, frames[start + 1:start + 11:3, :, 16:80])
+    assert errors.max() <= MEAN_TOLERANCE and shifted.min() > 2 * errors.max() + 1, (errors, shifted)
+
+
+@pytest.mark.gpu
+@needs_nvdec
+def test_many_clips_of_different_sizes_through_one_decoder():
+    """One decode thread, so one decoder re-pointed at every clip: sizes up and down (larger
+    than its first clip too), short clips past their end (the last frame repeated), VP9 in MP4,
+    and a VP9 clip smaller than NVDEC's VP9 minimum (128 pixels), which PyAV decodes instead."""
+    sizes = [(64, 96), (240, 320), (48, 64), (120, 160), (64, 96), (360, 640), (96, 128)]
+    videos = [video_bytes(synth_video(i, 40 if i % 3 else 9, h, w), "libx264", "mp4")
+              for i, (h, w) in enumerate(sizes)]
+    videos += [video_bytes(synth_video(9, 40, 144, 192), "libvpx-vp9", "mp4"),
+               video_bytes(synth_video(10, 40, 64, 96), "libvpx-vp9", "mp4")]
+    with _gpu_server("nvdec", batch_size=4, decode_threads=1, resize_size=64) as nvdec:
+        clips = [c for part in (videos[:4], videos[4:8], videos[8:])
+                 for c in _run(nvdec, part).cpu().numpy()]
+    with _gpu_server("pyav", batch_size=4, resize_size=64) as pyav:
+        expected = [c for part in (videos[:4], videos[4:8], videos[8:])
+                    for c in _run(pyav, part).cpu().numpy()]
+    assert len(clips) == len(expected) == 9
+    for i, (clip, reference) in enumerate(zip(clips, expected)):
+        assert _errors(clip, reference).max() <= MEAN_TOLERANCE, i
+
+
+def _bad_config(data):
+    """An MP4 whose H.264 configuration (the SPS and PPS in its avcC box) is garbage: the header
+    checks pass, and only the decoder can tell."""
+    at = data.find(b"avcC") + 4
+    return data[:at + 6] + bytes([0xFF] * 24) + data[at + 30:]
+
+
+@pytest.mark.gpu
+@needs_nvdec
+def test_nvdec_damaged_clips_are_skipped_and_named_rows_aligned(tmp_path):
+    good = [_encode("h264", seed=i, frames=30 + i) for i in range(6)]
+    samples = [{"__key__": f"clip{i}", "mp4": v, "cls": str(i)} for i, v in enumerate(good)]
+    samples.insert(2, {"__key__": "bad-config", "mp4": _bad_config(good[0]), "cls": "99"})
+    samples.insert(5, {"__key__": "bad-cut", "mp4": good[1][: len(good[1]) // 2], "cls": "99"})
+    write_tar(tmp_path / "v-0.tar", samples)
+    with _gpu_server("nvdec", train=True, batch_size=4) as server:
+        ds = video_label_dataset(str(tmp_path / "v-0.tar"), server, batch_size=4,
+                                 on_error="skip", max_skipped=None)
+        loader = ds.loader(server, num_workers=1)
+        keys, labels = [], []
+        for batch in loader:
+            assert batch["video"].shape[1:] == (4, 64, 64, 3) and batch["video"].is_cuda
+            keys += batch["__key__"]
+            labels += batch["label"].tolist()
+    assert keys == [f"clip{i}" for i in range(6)]
+    assert labels == list(range(6))  # every row still its own sample's
+    skipped = {r.key: r.reason for r in loader.skipped.records}
+    assert sorted(skipped) == ["bad-config", "bad-cut"]
+    assert "truncated" in skipped["bad-cut"] and "NVDEC" in skipped["bad-config"], skipped
+
+
+@pytest.mark.gpu
+@needs_nvdec
+def test_mixed_decoding_shares_the_clips_and_gives_pyav_clips():
+    data = [_encode("h264", seed=i, frames=50) for i in range(8)]
+    with _gpu_server("pyav", train=True, batch_size=8) as pyav:
+        expected = _run(pyav, data).cpu().numpy()
+    with _gpu_server("mixed", train=True, batch_size=8, cpu_share=0.5) as mixed:
+        clips = _run(mixed, data).cpu().numpy()
+    for clip, reference in zip(clips, expected):
+        assert _errors(clip, reference).max() <= MEAN_TOLERANCE
