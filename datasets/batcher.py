@@ -2,12 +2,13 @@
 
 Every ``batch_size`` samples become one batch: the collate (the composite :class:`~mmproxy.Collate`
 by default: one run per server field) and the batch transform run here, in the worker, and a dict
-batch gets the records so far in ``"__skipped__"``. Records that no batch can carry travel on
-their own as ``{"__skipped__": records}``: after the worker's last batch, after a batch that is
-not a dict, and whenever as many records as a batch holds samples are waiting (so a run that
-skips everything still reports, and the loader's limits can stop it). With a quota
-(``epoch_length``) the batcher stops after that many batches; the last, smaller batch is made
-only with ``partial``.
+batch gets the records so far in ``"__skipped__"`` and the number of shards begun since the last
+batch in ``"__shards_tried__"`` (the loader judges the unreadable shards' share by it). Records
+that no batch can carry travel on their own as ``{"__skipped__": records, "__shards_tried__":
+n}``: after the worker's last batch, after a batch that is not a dict, and whenever as many
+records as a batch holds samples are waiting (so a run that skips everything still reports, and
+the loader's limits can stop it). With a quota (``epoch_length``) the batcher stops after that
+many batches; the last, smaller batch is made only with ``partial``.
 
 Its state: the batches made, the quota, and the addresses of the samples of the batch being
 filled; a resumed batcher reads those samples again and processes them (their proxies run again,
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mmproxy.skips import SKIPPED, SkippedSample
+from mmproxy.skips import SHARDS_TRIED, SKIPPED, SkippedSample
 
 from ._stage import Stage, pack_addresses, unpack_addresses
 from .fields import FieldStage, Processed
@@ -81,14 +82,15 @@ class Batcher(Stage):
         if len(self.batch) == self.batch_size:
             self._emit()
         elif len(self.pending) >= self.batch_size:
-            self._out.append({SKIPPED: self._records()})  # nothing to batch yet: records alone
+            self._out.append(self._records())  # nothing to batch yet: records alone
 
     def _finish(self) -> None:
         self._over = True
         if self.batch and self.partial and (self.quota is None or self.made < self.quota):
             self._emit()
-        if self.pending:
-            self._out.append({SKIPPED: self._records()})
+        sent = self._records()
+        if sent[SKIPPED] or sent[SHARDS_TRIED]:
+            self._out.append(sent)
 
     def _emit(self) -> None:
         samples = [p.sample for p in self.batch]
@@ -98,17 +100,19 @@ class Batcher(Stage):
         if self.transform is not None:
             batch = self.transform(batch)
         if isinstance(batch, dict):
-            batch[SKIPPED] = self._records()
+            batch.update(self._records())
             self._out.append(batch)
         else:
             self._out.append(batch)
-            if self.pending:
-                self._out.append({SKIPPED: self._records()})
+            sent = self._records()
+            if sent[SKIPPED] or sent[SHARDS_TRIED]:
+                self._out.append(sent)
 
-    def _records(self) -> list[SkippedSample]:
-        """The records so far, emptying the list that collects them."""
+    def _records(self) -> dict[str, Any]:
+        """The records so far and the shards begun since the last ones went (emptying both),
+        as a batch carries them (:mod:`mmproxy.skips`)."""
         records, self.pending = self.pending, []
-        return records
+        return {SKIPPED: records, SHARDS_TRIED: self.read.take_tried()}
 
     def state_dict(self) -> dict[str, Any]:
         urls, batch = pack_addresses([(p.source, p.url, p.index) for p in self.batch])

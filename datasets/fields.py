@@ -22,7 +22,7 @@ import numpy as np
 from mmproxy import worker
 from mmproxy.errors import SampleError
 from mmproxy.protocols import Proxy
-from mmproxy.skips import SkippedSample
+from mmproxy.skips import SkipKind, SkippedSample
 
 from ._stage import Stage
 from .checks import check_header
@@ -54,11 +54,11 @@ FieldSpec = Field | Callable[[bytes], Any] | tuple[str, Callable[[bytes], Any]]
 
 
 class Skip(Exception):
-    """A sample that cannot be used: its record (shard, key, reason)."""
+    """A sample that cannot be used: its record (shard, key, reason, kind)."""
 
-    def __init__(self, url: str, key: str, reason: str) -> None:
+    def __init__(self, url: str, key: str, reason: str, kind: SkipKind) -> None:
         super().__init__(reason)
-        self.record = SkippedSample(url, key, reason)
+        self.record = SkippedSample(url, key, reason, kind)
 
 
 class Parsed(NamedTuple):
@@ -94,7 +94,8 @@ def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: 
             ext = next((e for e in exts if e in sample), None)
             if ext is None:
                 present = sorted(k for k in sample if not k.startswith("__"))
-                raise Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has {present})")
+                raise Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has {present})",
+                           SkipKind.MISSING_FIELD)
             data = sample[ext]
             try:
                 problem = check_header(ext, data, max_pixels) if server else (
@@ -102,12 +103,12 @@ def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: 
             except Exception as err:  # a header no check foresaw: the sample is bad, not the run
                 problem = f"cannot be read ({type(err).__name__}: {err})"
             if problem:
-                raise Skip(url, key, f"bad header: field {ext!r} {problem}")
+                raise Skip(url, key, f"bad header: field {ext!r} {problem}", SkipKind.BAD_HEADER)
             try:
                 out[name] = fn(np.frombuffer(data, np.uint8)) if server else fn(bytes(data))
             except Exception as err:  # a user function failed on this sample
                 raise Skip(url, key, f"field function failed: field {ext!r}: "
-                                     f"{type(err).__name__}: {err}") from err
+                                     f"{type(err).__name__}: {err}", SkipKind.FIELD_FUNCTION) from err
     return out
 
 
@@ -169,7 +170,7 @@ class FieldStage(Stage):
                           skip=self.skip, seed=sample_seed(self.seed, self.epoch, name, key))
         except Skip as skip:
             if not self.skip:
-                url, key, reason = skip.record
+                url, key, reason, _ = skip.record
                 raise SampleError(f"shard {url}, sample {key!r}: {reason}") from skip.__cause__
             return skip.record
         if self.mixed:

@@ -18,7 +18,7 @@ cannot process (damage inside the compressed data) is found by the server (see
 key (:class:`~mmproxy.errors.SampleError`, :class:`~mmproxy.errors.PipelineError`); a shard that
 cannot be opened raises :class:`~mmproxy.errors.ShardError`. With ``on_error="skip"`` the sample
 (or shard) is left out and reported as a :class:`~mmproxy.skips.SkippedSample` ``(shard, key,
-reason)`` in the next batch's ``"__skipped__"`` list, and in the loader's
+reason, kind)`` in the next batch's ``"__skipped__"`` list, and in the loader's
 :attr:`~mmproxy.DataLoader.skipped` report. A batch that lost samples in a server is smaller:
 the loader removes those samples' rows from every field (every server's outputs, tokens, labels,
 keys), so the fields stay aligned. Records that no batch can carry (after a worker's last batch,
@@ -51,7 +51,7 @@ from .position import PositionStamp
 from .reader import ShardReader, TarReader
 from .remote import RemoteOptions
 from .remote import prepare as prepare_remote
-from .shards import current_epoch, expand, worker_info
+from .shards import current_epoch, expand, require_files, worker_info
 
 __all__ = ["Field", "MultiModalDataset", "OnError", "Source"]
 
@@ -61,9 +61,10 @@ OnError = Literal["raise", "skip"]
 class _Source:
     """A source as the dataset uses it: name, expanded shards, parsed fields, weight."""
 
-    def __init__(self, index: int, source: Source) -> None:
+    def __init__(self, index: int, source: Source, mixed: bool) -> None:
         self.name = source.name or f"source{index}"
         self.urls = expand(source.urls)
+        require_files(self.urls, f"the urls of source {self.name!r}" if mixed else "urls")
         self.fields = {name: parse_field(name, spec) for name, spec in source.fields.items()}
         if not self.fields:
             raise ValueError(f"source {self.name!r}: fields is empty: say which fields to read")
@@ -76,8 +77,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
     Args:
         urls: Shards: a brace pattern (``"data-{000..099}.tar"``), a list, local paths or
             globs of them (``"/data/*.tar"``, sorted), ``http(s)://`` or ``s3://`` URLs
-            (streamed, retried, optionally cached: ``remote``), or ``pipe:`` commands, as
-            webdataset reads them. None when ``sources`` are given.
+            (streamed, retried, optionally cached: ``remote``; an ``s3://`` prefix ending in
+            ``/`` or a glob is listed), or ``pipe:`` commands, as webdataset reads them. Local
+            shards that do not exist are refused here (``FileNotFoundError``, naming the first
+            few and how many). None when ``sources`` are given.
         fields: Output name -> what to do: a :class:`Field` (explicit), or ``(extensions,
             callable)``, or a callable applied to the extension of the same name. In the two
             short forms a field goes through a server when its callable is a server's proxy
@@ -99,13 +102,15 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         epoch_length: Batches per rank per epoch. With it every rank yields the same number of
             batches (ranks that run out of their own shards start them again).
         on_error: "raise" or "skip" (see the module docstring).
-        max_skipped: In skip mode, the largest fraction of samples an epoch may skip before the
-            loader raises :class:`~mmproxy.errors.SkipLimitError` (default 0.1: web corpora lose
-            0.01-1% to damage; more means a wrong path, extension or field function). An
-            unreadable or empty shard counts as one sample (its samples were never read, so
-            nobody counted them; ``loader.skipped.shards`` says how many, ``.empty_shards`` how
-            many of them were empty). ``None`` never raises for the fraction; an epoch that
-            delivers nothing always raises.
+        max_skipped: In skip mode, the largest fraction of the samples read that an epoch may
+            skip, and separately the largest fraction of the shards it tried (on each rank) that
+            may be unreadable or empty, before the loader raises
+            :class:`~mmproxy.errors.SkipLimitError` (default 0.1: web corpora lose 0.01-1% to
+            damage; more means a wrong path, extension or field function, or missing shards).
+            A shard counts as a shard, never as one sample (its samples were never read;
+            ``loader.skipped.shards`` says how many, ``.empty_shards`` how many of them were
+            empty, ``.shards_tried`` of how many). ``None`` never raises for a fraction; an epoch
+            that delivers nothing always raises.
         partial: Yield the last, smaller batch of each worker.
         collate: The collate for a list of sample dicts; :class:`~mmproxy.Collate` by default.
         batch_transform: Applied to each collated batch in the worker (e.g. tokenization).
@@ -160,7 +165,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                             "fields), not both")
         else:
             self.mixed = True
-        self.sources = [_Source(i, source) for i, source in enumerate(sources)]
+        self.sources = [_Source(i, source, self.mixed) for i, source in enumerate(sources)]
         if not self.sources:
             raise ValueError("sources is empty")
         check_weights([s.weight for s in self.sources])

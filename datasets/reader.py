@@ -20,7 +20,7 @@ from typing import Any, Literal
 import webdataset as wds
 
 from mmproxy.errors import ShardError
-from mmproxy.skips import SkippedSample
+from mmproxy.skips import SkipKind, SkippedSample
 
 from ._stage import Stage
 from .plan import ShardPlan, Work
@@ -53,6 +53,14 @@ class TarReader:
 
     def __init__(self, on_error: Literal["raise", "skip"], remote: RemoteOptions) -> None:
         self.skip, self.remote = on_error == "skip", remote
+        self._tried = 0  # shards begun since take_tried() last said
+
+    def take_tried(self) -> int:
+        """The shards begun since the last call: each work item read from its start, not one
+        opened again where a resumed position stands nor one read for a shuffle buffer's or a
+        batch's addresses (the loader judges the unreadable ones' share against it)."""
+        tried, self._tried = self._tried, 0
+        return tried
 
     def __call__(self, work: Work) -> Read:
         """``(index, sample)`` of the samples ``work`` asks for (those before ``work.start``
@@ -62,6 +70,8 @@ class TarReader:
         last = max(work.only) if work.only else -1
         if wanted is not None and not wanted:
             return
+        if work.start == 0 and work.only is None:
+            self._tried += 1
         failures: list[SkippedSample] = []
 
         def handler(exn: Exception) -> bool:  # webdataset's: record it and go on
@@ -86,13 +96,15 @@ class TarReader:
             return
         yield from failures
         if count == 0 and self.skip and not failures:
-            yield SkippedSample(redact(url), "", "empty shard: it holds no files")
+            yield SkippedSample(redact(url), "", "empty shard: it holds no files",
+                                SkipKind.EMPTY_SHARD)
 
     def _failed(self, url: str, exn: BaseException) -> SkippedSample:
         reason = _describe(exn)
         if not self.skip:
             raise ShardError(f"shard {redact(url)}: cannot be read: {reason}") from exn
-        return SkippedSample(redact(url), "", f"unreadable shard: {reason}")
+        return SkippedSample(redact(url), "", f"unreadable shard: {reason}",
+                             SkipKind.UNREADABLE_SHARD)
 
     def fetch(self, addresses: Sequence[tuple[str, int]]
               ) -> tuple[dict[tuple[str, int], dict[str, Any]], list[SkippedSample]]:

@@ -20,28 +20,34 @@ import os
 import tarfile
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import webdataset as wds
 
 from mmproxy import worker
 from mmproxy.errors import ShardError
 
+from ._sources import Permanent, list_s3
 from ._tar import members
-from .remote import RemoteOptions, RemoteShard, is_remote, open_remote
+from .remote import RemoteOptions, RemoteShard, is_remote, open_remote, redact
 
 __all__ = ["current_epoch", "expand", "is_local", "is_remote", "local_glob", "read_local_tar",
-           "read_remote_tar", "worker_info"]
+           "read_remote_tar", "require_files", "worker_info"]
 
 
 def expand(urls: str | Sequence[str]) -> list[str]:
-    """Expands brace patterns (``data-{000..009}.tar``), ``::``-separated lists, and globs of
-    local paths (``/data/*.tar``: the regular files matching, sorted; one that matches none is a
-    :class:`ShardError`). A local path that exists is taken as written, ``[`` in its name or not;
-    see :func:`local_glob` for a glob under a folder whose name holds ``[``."""
+    """Expands brace patterns (``data-{000..009}.tar``), ``::``-separated lists, globs of local
+    paths (``/data/*.tar``: the regular files matching, sorted; one that matches none is a
+    :class:`ShardError`), and ``s3://`` prefixes and globs (listed with boto3). A
+    local path that exists is taken as written, ``[`` in its name or not; see
+    :func:`local_glob` for a glob under a folder whose name holds ``[``."""
     items = [urls] if isinstance(urls, str) else list(urls)
     out: list[str] = []
     for item in items:
         for url in wds.shardlists.expand_urls(item):
+            if is_remote(url):
+                out.extend(_expand_remote(url))
+                continue
             if not (is_local(url) and any(c in url for c in "*?[") and not os.path.exists(url)):
                 out.append(url)
                 continue
@@ -52,6 +58,48 @@ def expand(urls: str | Sequence[str]) -> list[str]:
     if not out:
         raise ShardError(f"the shard list {urls!r} is empty")
     return out
+
+
+def require_files(shards: Sequence[str], named_by: str) -> None:
+    """Raises ``FileNotFoundError`` when local shards among ``shards`` are not files, naming the
+    first three, how many of how many, and what named them (``named_by``: ``"--data"``,
+    ``"urls"``), so that no run goes on with part of the data. Remote and ``pipe:`` shards are
+    not checked here (they are read, retried and counted when the epoch comes to them)."""
+    missing = [s for s in shards if is_local(s) and not os.path.isfile(s)]
+    if not missing:
+        return
+    folders = [s for s in missing if os.path.isdir(s)]
+    hint = (f"; {folders[0]} is a folder: name its shards, e.g. {os.path.join(folders[0], '*.tar')}"
+            if folders else "")
+    more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+    raise FileNotFoundError(f"no shard at {', '.join(missing[:3])}{more} ({len(missing)} of the "
+                            f"{len(shards)} that {named_by} names){hint}")
+
+
+def _expand_remote(url: str) -> list[str]:
+    """The shards a remote URL names: itself, or for an ``s3://`` prefix ending in ``/`` (or a
+    bucket) its ``.tar`` objects and for an ``s3://`` glob the objects it matches, listed with
+    boto3 (``_sources.list_s3``). HTTP cannot list a folder: an ``http(s)://`` URL ending in
+    ``/`` or holding ``*`` or ``[`` is refused. Raises :class:`~mmproxy.errors.ShardError`."""
+    path = urlsplit(url).path
+    if url[:5].lower() != "s3://":
+        if path.endswith("/") or any(c in path for c in "*["):
+            raise ShardError(f"{redact(url)} names a folder or a glob, which HTTP cannot list: "
+                             "folders and globs work for local paths and s3:// only; name the "
+                             "shards, e.g. with a brace pattern like .../shard-{000000..000099}.tar")
+        return [url]
+    key = url[5:].partition("/")[2]
+    if key and not key.endswith("/") and not any(c in key for c in "*?["):
+        return [url]
+    try:
+        found, listed = list_s3(url, RemoteOptions(cache_dir=None).connect_timeout)
+    except Permanent as err:
+        raise ShardError(f"cannot list {url}: {err}") from None
+    if not found:
+        seen = f"{listed} object(s) listed, none matching" if listed else "nothing listed"
+        rule = "; a prefix ending in / names its .tar objects" if not key or key.endswith("/") else ""
+        raise ShardError(f"no shard matches {url} ({seen}{rule})")
+    return found
 
 
 def local_glob(pattern: str) -> list[str]:

@@ -32,6 +32,7 @@ __all__ = [
     "ServerState",
     "ServerStateError",
     "ShardError",
+    "SkipKind",
     "SkipLimitError",
     "SkipReport",
     "SkippedSample",
@@ -63,6 +64,7 @@ _WHERE = {
     "ServerState": "mmproxy.server",
     "ServerStateError": "mmproxy.errors",
     "ShardError": "mmproxy.errors",
+    "SkipKind": "mmproxy.skips",
     "SkipLimitError": "mmproxy.errors",
     "SkipReport": "mmproxy.skips",
     "SkippedSample": "mmproxy.skips",
@@ -98,7 +100,7 @@ if TYPE_CHECKING:
     from mmproxy.proxy import DALIProxy, SampleSeeded
     from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, PaddedBatch
     from mmproxy.server import DALIServer, ServerState
-    from mmproxy.skips import SkippedSample, SkipReport
+    from mmproxy.skips import SkipKind, SkippedSample, SkipReport
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,7 @@ from mmproxy import _convert, _walk
 from mmproxy._runs import Run, RunTable
 from mmproxy.errors import PipelineError
 from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, check_servers, uncollated_error
-from mmproxy.skips import SKIPPED, SkippedSample
+from mmproxy.skips import SKIPPED, SkipKind, SkippedSample
 
 
 class Resolved(NamedTuple):
@@ -147,7 +147,7 @@ def _dropped_rows(refs: list[DALIOutputBatchRef], runs: dict[tuple[str, str], Ru
                 noted.add(position)
                 key = run.keys[sample]
                 shard, name = (key.shard or "", key.key) if key is not None else ("", f"#{sample}")
-                dropped.append(SkippedSample(shard, name, reason))
+                dropped.append(SkippedSample(shard, name, reason, SkipKind.PIPELINE))
     size = max(sizes)
     if drop and len(sizes) > 1:
         raise PipelineError(f"a server dropped samples it could not process, but the batch's fields "

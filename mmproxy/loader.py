@@ -6,11 +6,12 @@ one, and in deterministic mode claims the next batch's runs one batch ahead so t
 work while the training step runs.
 
 It also keeps the epoch's :class:`~mmproxy.skips.SkipReport` (:attr:`DataLoader.skipped`): the
-``"__skipped__"`` records of every batch, the samples servers dropped, and the records that
-workers send on their own (a dict holding only ``"__skipped__"``: samples skipped after a worker's
-last batch, or while no batch could be made). With a dataset that declares ``max_skipped`` (like
-:class:`~mmproxy.datasets.MultiModalDataset`), an epoch that reads nothing or skips too much
-raises (see :mod:`mmproxy.skips`).
+``"__skipped__"`` records of every batch, the samples servers dropped, the records that workers
+send on their own (a dict holding only ``"__skipped__"`` and ``"__shards_tried__"``: samples
+skipped after a worker's last batch, or while no batch could be made), and the shards the
+workers tried (``"__shards_tried__"``, taken out of each batch). With a dataset that declares
+``max_skipped`` (like :class:`~mmproxy.datasets.MultiModalDataset`), an epoch that reads nothing,
+skips too many samples or finds too many shards unreadable raises (see :mod:`mmproxy.skips`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from mmproxy.errors import StateError, WorkerDiedError
 from mmproxy.protocols import ChecksLoader, LimitsSkips
 from mmproxy.refs import DALIOutputBatchRef
 from mmproxy.server import DALIServer
-from mmproxy.skips import SKIPPED, SkipReport
+from mmproxy.skips import SHARDS_TRIED, SKIPPED, SkipReport
 from mmproxy.state import LoaderState, ResumePoint
 
 __all__ = ["DataLoader"]
@@ -267,9 +268,9 @@ class _LoaderIter:
             stamp = None
             if isinstance(batch, Stamped):
                 stamp, batch = (self._seq, batch), batch.item
-            if isinstance(batch, dict) and batch.keys() == {SKIPPED}:
+            if isinstance(batch, dict) and SKIPPED in batch and batch.keys() <= _RECORDS_ONLY:
                 self._took(stamp)
-                self._report.add(0, batch[SKIPPED])
+                self._report.add(0, batch[SKIPPED], batch.get(SHARDS_TRIED, 0))
                 self._check()
                 continue
             return batch, stamp
@@ -305,7 +306,8 @@ class _LoaderIter:
         """The batch with data, or None when every sample in it was dropped."""
         batch, size, dropped = resolve_batch(batch, self._tables, strict=True)
         records = batch.get(SKIPPED, dropped) if isinstance(batch, dict) else dropped
-        self._report.add(_count(batch) if size is None else size, records)
+        tried = batch.pop(SHARDS_TRIED, 0) if isinstance(batch, dict) else 0
+        self._report.add(_count(batch) if size is None else size, records, tried)
         self._check()
         return None if size == 0 else batch
 
@@ -356,6 +358,7 @@ class _LoaderIter:
 
 
 _END = object()
+_RECORDS_ONLY = frozenset({SKIPPED, SHARDS_TRIED})  # what a worker sends besides its batches
 
 
 def _count(batch: Any) -> int:

@@ -64,8 +64,8 @@ def test_fuzzed_media_are_skipped_or_named_never_crash(tmp_path, ext):
         skipped = loader.skipped.records  # with the batches' records and those that came alone
         # everything either came back or was skipped with its key, exactly once; a corruption the
         # header check cannot see is found by the server, which runs the rest of the batch
-        assert sorted(labels + [int(k[1:]) for _, k, _ in skipped]) == list(range(len(payloads)))
-        assert {"k002", "k004", "k005"} <= {k for _, k, _ in skipped}  # header, empty, wrong
+        assert sorted(labels + [int(r.key[1:]) for r in skipped]) == list(range(len(payloads)))
+        assert {"k002", "k004", "k005"} <= {r.key for r in skipped}  # header, empty, wrong
         assert server.state is mmproxy.ServerState.RUNNING
         assert time.perf_counter() - start < 60
 
@@ -78,7 +78,7 @@ def test_huge_declared_dimensions_never_reach_the_decoder(tmp_path):
                                max_skipped=0.5)
         batches = list(ds.loader(server, num_workers=0))
         assert sum(len(b["__key__"]) for b in batches) == 1
-        (reason,) = [r for b in batches for _, _, r in b["__skipped__"]]
+        (reason,) = [r.reason for b in batches for r in b["__skipped__"]]
         assert "100000x100000" in reason
 
 
