@@ -213,7 +213,7 @@ class ClipDecoder:
             return self._nvdec(slot, data, start)
         except ValueError as err:
             try:
-                from mmproxy.pipelines.video import decode_clip
+                from mmproxy.pipelines._pyav import decode_clip
 
                 frames = decode_clip(data, start, self.frames, self.stride)
             except ImportError:
