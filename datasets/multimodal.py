@@ -186,7 +186,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         prepare_remote(self.urls)
         self._read = TarReader(on_error, self.remote)
         self._epoch: int | None = None
-        # the next epoch's first item, made ahead (prefetch_next_epoch), and the rest of it
+        # the next epoch's first item, made before it starts (prefetch_next_epoch), and the rest
         self._next_epoch: tuple[int, Any, Iterator[Any]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -276,10 +276,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         epoch = current_epoch(self._epoch)
         point = worker.resume_state(epoch)
-        ahead, self._next_epoch = self._next_epoch, None
-        if point is None and ahead is not None and ahead[0] == epoch:
-            yield ahead[1]
-            items = ahead[2]
+        prefetched, self._next_epoch = self._next_epoch, None
+        if point is None and prefetched is not None and prefetched[0] == epoch:
+            yield prefetched[1]
+            items = prefetched[2]
         else:
             items = self._resumed(epoch, point)
         yield from items
