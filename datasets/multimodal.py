@@ -100,13 +100,12 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             batches (ranks that run out of their own shards start them again).
         on_error: "raise" or "skip" (see the module docstring).
         max_skipped: In skip mode, the largest fraction of samples an epoch may skip before the
-            loader raises :class:`~mmproxy.errors.SkipLimitError` (default 0.1: far more than
-            web corpora lose to damage, so more means a wrong path, extension or field
-            function). An
-            unreadable or empty shard counts as one sample (its samples were never read, so
-            nobody counted them; ``loader.skipped.shards`` says how many, ``.empty_shards`` how
-            many of them were empty). ``None`` never raises for the fraction; an epoch that
-            delivers nothing always raises.
+            loader raises :class:`~mmproxy.errors.SkipLimitError` (default 0.1: far more than web
+            corpora lose to damage, so more means a wrong path, extension or field function). An
+            unreadable or empty shard counts as one sample (its samples were never read, so nobody
+            counted them; ``loader.skipped.shards`` says how many, ``.empty_shards`` how many of
+            them were empty). ``None`` never raises for the fraction; an epoch that delivers
+            nothing always raises.
         partial: Yield the last, smaller batch of each worker.
         collate: The collate for a list of sample dicts; :class:`~mmproxy.Collate` by default.
         batch_transform: Applied to each collated batch in the worker (e.g. tokenization).
