@@ -105,9 +105,9 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         max_skipped: In skip mode, the largest fraction of the samples read that an epoch may
             skip, and separately the largest fraction of the shards it tried (on each rank) that
             may be unreadable or empty, before the loader raises
-            :class:`~mmproxy.errors.SkipLimitError` (default 0.1: web corpora lose 0.01-1% to
-            damage; more means a wrong path, extension or field function, or missing shards).
-            A shard counts as a shard, never as one sample (its samples were never read;
+            :class:`~mmproxy.errors.SkipLimitError` (default 0.1: far more than web corpora lose
+            to damage, so more means a wrong path, extension or field function, or missing
+            shards). A shard counts as a shard, never as one sample (its samples were never read;
             ``loader.skipped.shards`` says how many, ``.empty_shards`` how many of them were
             empty, ``.shards_tried`` of how many). ``None`` never raises for a fraction; an epoch
             that delivers nothing always raises.
@@ -190,7 +190,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         prepare_remote(self.urls)
         self._read = TarReader(on_error, self.remote)
         self._epoch: int | None = None
-        # the next epoch's first item, made ahead (prefetch_next_epoch), and the rest of it
+        # the next epoch's first item, made before it starts (prefetch_next_epoch), and the rest
         self._next_epoch: tuple[int, Any, Iterator[Any]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -280,10 +280,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         epoch = current_epoch(self._epoch)
         point = worker.resume_state(epoch)
-        ahead, self._next_epoch = self._next_epoch, None
-        if point is None and ahead is not None and ahead[0] == epoch:
-            yield ahead[1]
-            items = ahead[2]
+        prefetched, self._next_epoch = self._next_epoch, None
+        if point is None and prefetched is not None and prefetched[0] == epoch:
+            yield prefetched[1]
+            items = prefetched[2]
         else:
             items = self._resumed(epoch, point)
         yield from items

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # (loader id, shared epoch value). Runs submitted under it are tagged (loader id, epoch).
 _loader_tag: tuple[str, Any] | None = None
 _persistent = False  # the worker outlives the epoch (persistent_workers=True)
-_ahead = 0  # 1 while a worker prepares the next epoch's first batch
+_epoch_offset = 0  # added to the loader's epoch: 1 while a worker prepares the next epoch's first batch
 _sample_key = threading.local()
 _resume: dict[str, ResumePoint] = {}  # per loader id: where its epoch starts here (a resume)
 
@@ -35,7 +35,7 @@ def current_tag() -> tuple[str, int] | None:
     tag = _loader_tag
     if tag is None:
         return None
-    return tag[0], int(tag[1].value) + _ahead
+    return tag[0], int(tag[1].value) + _epoch_offset
 
 
 def in_persistent_worker() -> bool:
@@ -46,12 +46,12 @@ def in_persistent_worker() -> bool:
 @contextlib.contextmanager
 def next_epoch() -> Iterator[None]:
     """Runs submitted inside are tagged with the loader's next epoch."""
-    global _ahead
-    _ahead = 1
+    global _epoch_offset
+    _epoch_offset = 1
     try:
         yield
     finally:
-        _ahead = 0
+        _epoch_offset = 0
 
 
 class SampleId(NamedTuple):

@@ -1,12 +1,10 @@
-"""Prepared runs: a pipeline's inputs made in the server process, on threads of their own,
-before the runner feeds them.
+"""Prepared runs: a pipeline's inputs made in the server process before the runner feeds them.
 
-A pipeline may come with a :class:`Prepare` stage (``SampleSeeded(pipeline, ...,
-prepare=stage)``; the video pipeline's NVDEC decoder is one). The proxy then sends the stage's
-inputs (``Prepare.inputs``) instead of the pipeline's, and the runner takes its runs through
+A pipeline may come with a :class:`Prepare` stage (``SampleSeeded(pipeline, ..., prepare=stage)``;
+the video pipeline's NVDEC decoder is one). The proxy then sends the stage's inputs
+(``Prepare.inputs``) instead of the pipeline's, and the runner takes its runs through
 :class:`PreparedRuns`, which hands each sample to the stage as soon as the run is taken from the
-run table and gives the run
-to the runner once every sample of it is prepared::
+run table and gives the run to the runner once every sample of it is prepared::
 
     RunTable ──next()──> PreparedRuns: up to `ahead` runs taken early (SCHEDULED), each sample
                            Prepare.submit(sample) -> Future   [the stage's own threads]

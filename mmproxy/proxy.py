@@ -50,7 +50,7 @@ class SampleRandom(Protocol):
     def __call__(self, given: dict[str, np.ndarray], rng: random.Random
                  ) -> dict[str, np.ndarray]:
         """The drawn inputs of one sample, from the inputs given to the proxy (``rng`` is
-        seeded by the sample's seed; Python's generator: seeding it costs ~4 us, numpy's ~9)."""
+        seeded by the sample's seed: Python's generator, cheaper to seed than numpy's)."""
         ...
 
 

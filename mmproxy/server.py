@@ -9,8 +9,12 @@
        proxy.submit(calls) ── memfd (+ shard fds) ──>  [listener thread] unpack -> Request(run id)
        returns BatchRef(server uid, run id)                  │   (a server in this process gets
     batch ── DataLoader result queue ──────────┐             │    the Request directly)
-                                               │             v  RunTable.accept
-                                               │   [runner thread] (_runner.Runner) feeds runs,
+                                               │             v  RunTable.accept (PENDING)
+                                               │   [runner thread] (_runner.Runner)
+                                               │     RunTable.next (SCHEDULED); with a Prepare
+                                               │     stage (_prepare.PreparedRuns) each sample
+                                               │     goes to [prepare threads] (NVDEC decoders)
+                                               │     first and the run is fed once all are done;
                                                │     keeps up to prefetch_queue_depth in flight;
                                                │     outputs -> torch -> RunTable.finish (READY)
                                                v             │
@@ -19,11 +23,14 @@
 
 A server is a thin composition: its :class:`~mmproxy._runs.RunTable` (lifecycle and runs, the
 interface proxies, loaders and resolvers use), a :class:`~mmproxy._dali.Pipe` (the only code that
-touches DALI's internals), the listener thread (:mod:`mmproxy._transport`) and the runner thread
-(:mod:`mmproxy._runner`, which searches a failed run for its bad samples with
-:mod:`mmproxy._isolation`). Run ids are unique per process and never
-reused, so an output can only be paired with the batch that asked for it. Each run is tagged with
-(loader id, epoch); when a loader starts a new epoch, its older runs are dropped.
+touches DALI's internals), the listener thread (:mod:`mmproxy._transport`), the threads of the
+pipeline's :class:`~mmproxy._prepare.Prepare` stage where it has one (given with
+:class:`~mmproxy.proxy.SampleSeeded`; the runner then takes its runs through
+:class:`~mmproxy._prepare.PreparedRuns`) and the runner thread (:mod:`mmproxy._runner`, which
+searches a failed run for its bad samples with :mod:`mmproxy._isolation`). Run ids are unique per
+process and never reused, so an output can only be paired with the batch that asked for it. Each
+run is tagged with (loader id, epoch); when a loader starts a new epoch, its older runs are
+dropped.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the run is fed; DALI's GPU ``external_source`` takes them for the resize, crop, 
 normalize::
 
     worker: header, draws, bytes ─> server: PreparedRuns ─> ClipDecoder.submit (per clip)
-                                        [nvdec-0 .. nvdec-N threads: one decoder each]
+                                        [mmproxy-nvdec_0 .. _N threads: one decoder each]
                                         bytes -> memory file -> SimpleDecoder.reconfigure_decoder
                                         -> get_batch_frames_by_index -> torch [T, H, W, 3] uint8
                                   <─ all clips of the run decoded: the run is fed (GPU frames)
@@ -213,7 +213,7 @@ class ClipDecoder:
             return self._nvdec(slot, data, start)
         except ValueError as err:
             try:
-                from mmproxy.pipelines.video import decode_clip
+                from mmproxy.pipelines._pyav import decode_clip
 
                 frames = decode_clip(data, start, self.frames, self.stride)
             except ImportError:

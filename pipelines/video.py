@@ -49,32 +49,31 @@ Decoders, and which codec is decoded where (DALI 2.4):
 
 ``"auto"`` is ``"nvdec"`` on a GPU where PyNvVideoCodec loads (``pip install 'mmproxy[nvdec]'``
 and the driver's NVDEC library), else ``"pyav"`` when PyAV is installed, else ``"dali"``.
-BENCHMARKS.md ("Video") has the figures: on an H200, 596x336 H.264 clips, ``"nvdec"`` gives
-nearly twice PyAV in the workers with a sixth of their CPU, and DALI's in-memory decoder
-(``"dali"``) far less than either; a sample the chosen decoder cannot decode fails with a
-message naming its codec (a skip record with ``on_error="skip"``).
+On a GPU, ``"nvdec"`` gives more clips a second than PyAV in the workers for far less CPU, and
+DALI's in-memory decoder (``"dali"``) far fewer than either (BENCHMARKS.md, "Video", has the
+figures); a sample the chosen decoder cannot decode fails with a message naming its codec (a
+skip record with ``on_error="skip"``).
 
 Cost: the decode dominates. With ``"pyav"`` the workers decode only the clip's frames (seeking
-to the key frame before its start, after reading the packets' timestamps: ~1 ms for a 10 s
-596x336 clip, ~2% of its decode) and send them to the server (a 16-frame 596x336 clip is 9.6
-MB of RGB, through shared memory); the resize, crop and normalize run on the GPU, or on CPU in
-torchvision inside the pipeline (``cpu_resize``). With ``"dali"``, ``"nvdec"`` and ``"mixed"`` on
-a GPU the worker reads only the container header (~10-50 us a clip) and sends the encoded bytes;
-with ``"nvdec"`` each clip is written once into a decode thread's memory file (PyNvVideoCodec's
-re-pointing takes a path) and its frames are copied out of the decoder on the GPU
-(:mod:`mmproxy.pipelines._nvdec`).
+to the key frame before its start, after reading the packets' timestamps: a small part of the
+decode) and send them to the server as RGB frames, through shared memory (``frames`` times the
+size of one decoded frame, far more than the encoded clip); the resize, crop and normalize run
+on the GPU, or on CPU in torchvision inside the pipeline (``cpu_resize``). With ``"dali"``,
+``"nvdec"`` and ``"mixed"`` on a GPU the worker reads only the container header (a few boxes or
+elements) and sends the encoded bytes; with ``"nvdec"`` each clip is written once into a decode
+thread's memory file (PyNvVideoCodec's re-pointing takes a path) and its frames are copied out
+of the decoder on the GPU (:mod:`mmproxy.pipelines._nvdec`).
 """
 
 from __future__ import annotations
 
-import io
-import random
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
+from typing import Any, Literal
 
-import numpy as np
+from mmproxy.pipelines._clip_draw import CPU_CODECS, ClipDraw, clip_start
 from mmproxy.pipelines._device import Device, resolve_device
-from mmproxy.pipelines._nvdec import NVDEC_CODECS, ClipDecoder, load_nvdec, nvdec_available
+from mmproxy.pipelines._nvdec import ClipDecoder, load_nvdec, nvdec_available
+from mmproxy.pipelines._pyav import decode_clip, pyav_installed
 from mmproxy.pipelines.image import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -85,267 +84,11 @@ from mmproxy.pipelines.image import (
     resize,
 )
 
-if TYPE_CHECKING:
-    from mmproxy.datasets.checks import VideoInfo
-
-__all__ = ["CPU_CODECS", "ClipDraw", "VideoDecoder", "decode_clip", "video_graph", "video_pipeline"]
+__all__ = ["CPU_CODECS", "ClipDraw", "VideoDecoder", "clip_start", "decode_clip", "video_graph",
+           "video_pipeline"]
 
 VideoDecoder = Literal["auto", "dali", "mixed", "nvdec", "pyav"]
 VideoLayout = Literal["CTHW", "THWC"]
-CPU_CODECS = ("vp8", "vp9", "mjpeg")  # what DALI 2.4's CPU video decoder decodes
-_NAMES = {"h264": "H.264", "hevc": "HEVC", "av1": "AV1", "mpeg4": "MPEG-4", "vp8": "VP8",
-          "vp9": "VP9", "mjpeg": "MJPEG"}
-
-
-def _count_frames(data: memoryview, info: VideoInfo | None) -> int | None:
-    """Frames of a video: from its header (``info``: MP4, AVI), else counted by PyAV (WebM),
-    else None."""
-    if info is not None and info.frames:
-        return info.frames
-    try:
-        import av
-    except ImportError:
-        return None
-    with cast(Any, av.open(io.BytesIO(data))) as container:
-        stream = container.streams.video[0]
-        return stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
-
-
-def clip_start(total: int | None, frames: int, stride: int, train: bool, rng: random.Random) -> int:
-    """The first frame of a clip of ``frames`` frames at ``stride`` in a video of ``total``
-    frames: uniform over the starts that fit (training), centred (evaluation), 0 if unknown."""
-    if not total:
-        return 0
-    room = max(0, total - ((frames - 1) * stride + 1))
-    return rng.randint(0, room) if train else room // 2
-
-
-def _presentation_order(container: Any, stream: Any) -> list[int] | None:
-    """The pts of a video's frames in presentation order, from its packets (demuxed, not
-    decoded); None where some packet has no pts (some AVI files) or two share one."""
-    pts = [p.pts for p in container.demux(stream) if p.size and not p.is_discard]
-    if None in pts or len(set(pts)) < len(pts):
-        return None
-    return sorted(pts)
-
-
-def decode_clip(data: bytes | memoryview, start: int | None, frames: int | None,
-                stride: int) -> np.ndarray:
-    """Frames ``start, start + stride, ...`` (``frames`` of them; every frame with
-    ``frames=None``) decoded with PyAV, as uint8 ``[T, H, W, 3]`` RGB.
-
-    Frame ``i`` is the ``i``-th frame in presentation order (what the header's frame count
-    counts), also in variable-frame-rate videos: the packets' timestamps are read first (no
-    decoding), then the decode seeks to the key frame before ``start``'s timestamp instead of
-    starting from the beginning. A video whose packets lack timestamps, or where the seek lands
-    past ``start``, is decoded from the beginning, counting frames.
-
-    A clip that runs past the last frame of a video that ends there (its header promises no
-    more) repeats that last frame. Frames are never made up for a damaged file: where the
-    decode ends before a frame the clip needs (or, with ``frames=None``, before the last one)
-    while the header promises more frames or a longer duration, or where frames the file holds
-    do not decode, it raises ValueError saying which. Telling the two apart reads the packets'
-    timestamps again (no decoding), only where the decode ends before the clip does, or, with
-    ``frames=None``, short of the header's frame count (always for Matroska: it has none).
-    """
-    wanted = None if frames is None else [(start or 0) + i * stride for i in range(frames)]
-    decoded = _decode(data, wanted, seek=bool(wanted and wanted[0] > 0))
-    if decoded is None:  # from the beginning, counting: never None
-        decoded = cast(_Decoded, _decode(data, wanted, seek=False))
-    out, reached, error, last, listed = decoded
-    # the decode ended before the clip did, or short of every frame the header lists
-    early = reached <= wanted[-1] if wanted else not 0 < listed <= reached
-    if early:
-        problem = _shortfall(data, reached, error)
-        if problem:
-            needs = "" if wanted is None else f"; the clip needs frames {wanted[0]}-{wanted[-1]}"
-            raise ValueError(f"{problem}{needs}")
-    if not out:
-        raise ValueError("the video holds no decodable frame at the clip's position")
-    if frames is not None and len(out) < frames:  # past the end: repeat the video's last frame
-        out += [last.to_ndarray(format="rgb24")] * (frames - len(out))
-    return np.stack(out)
-
-
-class _Decoded(NamedTuple):
-    """What a decode gave: the ``frames`` wanted, how many frames it ``reached`` (the index of
-    the last one decoded, plus one), the decoder's ``error`` where one stopped it, and the
-    ``last`` frame it decoded (PyAV's, not converted); ``listed``: the frames the header lists
-    (0: not said)."""
-
-    frames: list[np.ndarray]
-    reached: int
-    error: str | None
-    last: Any
-    listed: int
-
-
-def _decode(data: bytes | memoryview, wanted: list[int] | None, seek: bool) -> _Decoded | None:
-    """The frames ``wanted`` (every frame with None), counted from the beginning; with ``seek``
-    from the key frame before the first: the first frame decoded takes its index from its pts,
-    the next ones are counted. None when seeking fails: packets without pts, the seek went
-    past the first frame wanted (H.264 with B-frames in AVI, whose pts are guesses), or no
-    frame decoded after it."""
-    import av
-
-    out: list[np.ndarray] = []
-    error = frame = None
-    with cast(Any, av.open(io.BytesIO(data))) as container:
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        count: int | None = -1  # the last decoded frame's index (None: not known yet)
-        index_of: dict[int, int] = {}
-        if seek and wanted:
-            order = _presentation_order(container, stream)
-            if not order:
-                return None
-            index_of = {pts: i for i, pts in enumerate(order)}
-            container.seek(order[min(wanted[0], len(order) - 1)], stream=stream, backward=True)
-            count = None
-        needed = set(wanted) if wanted else None
-        last = max(wanted) if wanted else None
-        try:
-            for frame in container.decode(stream):
-                if count is not None:
-                    count += 1
-                elif frame.pts in index_of:  # the first frame after the seek
-                    count = index_of[frame.pts]
-                    if wanted and count > wanted[0]:
-                        return None
-                else:
-                    continue
-                if needed is None or count in needed:
-                    out.append(frame.to_ndarray(format="rgb24"))
-                if last is not None and count >= last:
-                    break
-        except av.FFmpegError as err:  # damaged data: the frames decoded so far are good
-            error = str(err)
-        listed = stream.frames  # read while open (PyAV 19 refuses it once the file is closed)
-    if count is None:
-        return None
-    return _Decoded(out, count + 1, error, frame, listed)
-
-
-_FEWER = "the file holds fewer frames than its header promises"
-_WHY = "(it ends early, or its data is damaged)"
-
-
-def _shortfall(data: bytes | memoryview, reached: int, error: str | None) -> str | None:
-    """Why a decode that ended after ``reached`` frames (stopped by the decoder's ``error``,
-    if any) ended early on a damaged file; None where the video simply ends there. Damaged: the
-    file holds fewer frames than its header lists (MP4, AVI), frames it holds did not decode,
-    or (no frame count in the header: Matroska/WebM) its frames end before the duration its
-    header declares."""
-    import av
-
-    present = shown = 0  # the video's packets in the file; those an edit list does not cut
-    end = 0.0  # where the last of them ends, in seconds
-    with cast(Any, av.open(io.BytesIO(data))) as container:
-        stream = container.streams.video[0]
-        listed = stream.frames
-        declared = None  # the duration the header declares, where it has no frame count
-        if not listed and container.duration and len(container.streams) == 1:
-            declared = ((container.start_time or 0) + container.duration) / av.time_base
-        try:
-            for packet in container.demux(stream):
-                if packet.size == 0 and packet.dts is None:  # the demuxer's final flush
-                    continue
-                present += 1
-                if packet.size and not packet.is_discard:
-                    shown += 1
-                    end = float(((packet.pts or 0) + (packet.duration or 0)) * stream.time_base)
-        except av.FFmpegError:  # the packets end where the data is damaged
-            pass
-    if listed and present < listed:
-        return f"{_FEWER}: only {present:,} of the {listed:,} it lists can be read {_WHY}"
-    if reached < shown:
-        return f"frame {reached} of the {shown:,} in the file does not decode" + (
-            f" ({error})" if error else "")
-    if declared is not None and shown and end < declared - 1.5 * end / shown:
-        return f"{_FEWER}: they end at {end:.2f} s, its header declares {declared:.2f} s {_WHY}"
-    return None
-
-
-class ClipDraw:
-    """The video pipeline's per-sample draws (a :class:`~mmproxy.proxy.SampleRandom`): the clip's
-    start frame (or, with ``decode_in_worker``, its decoded frames), the crop position and the
-    flip, from the sample's seed. Refuses a codec the server's decoder cannot decode, by name.
-
-    With ``nvdec`` the start is drawn as for DALI's decoder and the encoded clip goes to the
-    server's NVDEC decoder; a clip NVDEC cannot take (:data:`NVDEC_CODECS` in MP4/MOV) and, with
-    ``cpu_share``, that share of the others (one more draw, after the clip's), are decoded here
-    with PyAV and sent as frames instead.
-    """
-
-    def __init__(self, input_name: str, frames: int, stride: int, train: bool,
-                 flip_probability: float, every_frame: bool, decode_in_worker: bool,
-                 cpu_decoder: bool, nvdec: bool = False, cpu_share: float = 0.0) -> None:
-        self.input_name, self.frames, self.stride, self.train = input_name, frames, stride, train
-        self.flip_probability, self.every_frame = flip_probability, every_frame
-        self.decode_in_worker, self.cpu_decoder = decode_in_worker, cpu_decoder
-        self.nvdec, self.cpu_share = nvdec, cpu_share
-        place = ("frames",) if decode_in_worker else ("start",) if nvdec or not every_frame else ()
-        self.names = (*place, *(("crop_x", "crop_y") if train else ()), "flip")
-        self.arguments = (input_name,)
-
-    def __call__(self, given: dict[str, np.ndarray], rng: random.Random) -> dict[str, np.ndarray]:
-        from mmproxy.datasets.checks import video_cut, video_info
-
-        data = given[self.input_name].data.cast("B")
-        info = video_info(data)
-        cut = video_cut(data)  # a decoder would stop early, or repeat its last frame
-        if cut:
-            raise ValueError(f"the video {cut}")
-        if info is not None and self.cpu_decoder and info.codec not in (None, *CPU_CODECS):
-            raise ValueError(
-                f"{_NAMES.get(info.codec, info.codec)} video: DALI's CPU video decoder decodes "
-                f"only {', '.join(_NAMES[c] for c in CPU_CODECS)}; use "
-                "video_pipeline(decoder='pyav') (PyAV decodes it in the workers) or a GPU")
-        here = self.decode_in_worker or (self.nvdec and not _nvdec_takes(info))
-        if here and self.nvdec:
-            _need_pyav(info)
-        out: dict[str, np.ndarray] = {}
-        start = 0
-        if not self.every_frame:
-            start = clip_start(_count_frames(data, info), self.frames, self.stride, self.train, rng)
-        if self.train:  # evaluation crops sit at the centre (the pipeline places them)
-            out["crop_x"] = np.array(rng.random(), np.float32)
-            out["crop_y"] = np.array(rng.random(), np.float32)
-        out["flip"] = np.array(self.train and rng.random() < self.flip_probability, np.int32)
-        if self.nvdec and not here and self.cpu_share > 0:
-            here = self.cpu_share >= 1 or rng.random() < self.cpu_share
-        if here:
-            decoded = decode_clip(data, start, None if self.every_frame else self.frames,
-                                  self.stride)
-            out[self.input_name if self.nvdec else "frames"] = decoded
-        if "start" in self.names:
-            out["start"] = np.array(start, np.int32)
-        return out
-
-
-def _nvdec_takes(info: VideoInfo | None) -> bool:
-    """Whether the server's NVDEC decoder takes this video (the codec in an MP4/MOV file)."""
-    return info is not None and info.container == "mp4" and info.codec in NVDEC_CODECS
-
-
-def _has_pyav() -> bool:
-    try:
-        import av  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _need_pyav(info: VideoInfo | None) -> None:
-    """Refuses, by codec and container, a video NVDEC does not take when PyAV is not here."""
-    if _has_pyav():
-        return
-    what = "an unknown kind of" if info is None else (
-        f"{_NAMES.get(info.codec or '', info.codec or 'unknown codec')} in {info.container}")
-    raise ValueError(
-        f"{what} video: NVDEC decodes only {', '.join(_NAMES[c] for c in NVDEC_CODECS)} in "
-        "MP4/MOV files, and the others are decoded in the workers by PyAV, which is not "
-        "installed: pip install av (or 'mmproxy[video]')")
 
 
 def video_graph(video: Any, *, gpu: bool, size: int = 224, resize_size: int | None = None,
@@ -424,7 +167,7 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
         raise ValueError(f"decoder must be 'auto', 'nvdec', 'mixed', 'pyav' or 'dali', got "
                          f"{decoder!r}")
     if decoder == "auto":
-        decoder = "nvdec" if gpu and nvdec_available() else "pyav" if _has_pyav() else "dali"
+        decoder = "nvdec" if gpu and nvdec_available() else "pyav" if pyav_installed() else "dali"
     if decoder in ("nvdec", "mixed"):
         if not gpu:
             raise ValueError(f"decoder={decoder!r} decodes on the GPU (NVDEC): use device='gpu' "
@@ -432,7 +175,7 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
         load_nvdec()
         if decoder == "mixed" and not 0 <= cpu_share <= 1:
             raise ValueError(f"cpu_share must be between 0 and 1, got {cpu_share}")
-    if decoder in ("pyav", "mixed") and not _has_pyav():
+    if decoder in ("pyav", "mixed") and not pyav_installed():
         raise ImportError(f"decoder={decoder!r} needs PyAV: pip install av (or 'mmproxy[video]')")
     _check_resize_size(size, resize_size)
     if frames < 1 or stride < 1:

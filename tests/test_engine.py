@@ -31,14 +31,40 @@ from mmproxy.testing import damage_jpeg, image_bytes, synth_image
 pytestmark = pytest.mark.timeout(120)
 
 
+def _public_modules() -> list[str]:
+    """Every module of the library (mmproxy, its datasets and pipelines) without an underscore in
+    its dotted name; not mmproxy.apps (the command line's applications, not an import API)."""
+    import pkgutil
+
+    names = []
+    for package in ("mmproxy", "mmproxy.datasets", "mmproxy.pipelines"):  # three folders
+        names.append(package)
+        for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+            private = any(part.startswith("_") for part in info.name.split("."))
+            if not private and not info.name.startswith("mmproxy.apps"):
+                names.append(info.name)
+    return sorted(set(names))
+
+
 def test_public_names_are_sorted_and_resolve():
-    for module in ("mmproxy", "mmproxy.errors", "mmproxy.refs", "mmproxy.server",
-                   "mmproxy.loader", "mmproxy.collate", "mmproxy.proxy", "mmproxy.pipelines",
-                   "mmproxy.datasets"):
+    modules = _public_modules()
+    assert {"mmproxy.protocols", "mmproxy.state", "mmproxy.datasets.checks",
+            "mmproxy.pipelines.video"} <= set(modules)
+    for module in modules:
         mod = importlib.import_module(module)
+        assert isinstance(getattr(mod, "__all__", None), list), f"{module} has no __all__"
         assert mod.__all__ == sorted(mod.__all__), module
+        assert len(set(mod.__all__)) == len(mod.__all__), module
         for name in mod.__all__:
-            assert getattr(mod, name) is not None
+            assert getattr(mod, name) is not None, f"{module}.{name}"
+    for name, module in mmproxy._WHERE.items():  # the lazy top level gives each module's object
+        assert getattr(mmproxy, name) is getattr(importlib.import_module(module), name), name
+    assert sorted(mmproxy._WHERE) == mmproxy.__all__
+    from mmproxy.errors import MmproxyError, StateError
+    from mmproxy.proxy import SampleSeeded
+
+    assert mmproxy.SampleSeeded is SampleSeeded and issubclass(mmproxy.StateError, MmproxyError)
+    assert StateError is mmproxy.StateError
 
 
 def test_manual_collate_positional_and_keyword(add_server):

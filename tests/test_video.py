@@ -491,15 +491,17 @@ def test_the_nvdec_draw_sends_what_nvdec_decodes_and_decodes_the_rest_in_the_wor
 
 def test_a_codec_nvdec_lacks_without_pyav_is_refused_by_name(monkeypatch):
     import random
+    import sys
 
-    from mmproxy.pipelines import ClipDraw, video
+    from mmproxy.pipelines import ClipDraw
 
-    monkeypatch.setattr(video, "_has_pyav", lambda: False)
+    mjpeg = np.frombuffer(_encode("mjpeg"), np.uint8)
+    monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed
     draw = ClipDraw("videos", 4, 3, False, 0.5, False, decode_in_worker=False, cpu_decoder=False,
                     nvdec=True)
     with pytest.raises(ValueError, match=r"MJPEG in avi video: NVDEC decodes only H.264, HEVC, "
                                          r"VP8, VP9, AV1 in MP4/MOV files.*pip install av"):
-        draw({"videos": np.frombuffer(_encode("mjpeg"), np.uint8)}, random.Random(0))
+        draw({"videos": mjpeg}, random.Random(0))
 
 
 def _nvdec_ready():
