@@ -144,7 +144,7 @@ class DataLoader(torch.utils.data.DataLoader):
                                max(1, self.num_workers)).to_dict()
         progress = self._progress
         if not progress.done and progress.batches and not progress.positions:
-            name = type(self.dataset).__name__
+            name = type(_indexed.unwrapped(self.dataset)).__name__
             raise TypeError(
                 f"{name} does not say where its workers stand (its batches carry no "
                 "mmproxy.worker.stamp), so this loader cannot resume it mid-epoch; "
