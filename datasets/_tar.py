@@ -21,8 +21,8 @@ _SPACES = 8 * 0x20
 
 def _byte_sum(header: bytes) -> int:
     """The sum of a 512-byte header's bytes, in C: zlib's Adler-32 keeps ``1 + sum`` modulo
-    65521, which is exact for each 256-byte half (at most 65280); ``sum(header)`` in Python was
-    ~40% of the time a member's header takes."""
+    65521, which is exact for each 256-byte half (at most 65280); ``sum(header)`` in Python
+    would be a large part of the time a member's header takes."""
     return ((zlib.adler32(header[:256]) & 0xFFFF) + (zlib.adler32(header[256:]) & 0xFFFF) - 2)
 
 
