@@ -18,6 +18,10 @@ one file and a lock dies with the process that held it.
   not fit is streamed without the cache. Evicting a shard that a process is still reading is safe:
   its mapping outlives the name.
 
+:func:`reserve` gives a download its part file (or says why the shard goes past the cache, in a
+warning), :class:`Finish` commits or abandons it at the download's end, and :func:`unusable` says
+once per process and folder that a folder cannot be used.
+
 A shard is cached under its URL: the cache assumes that a shard never changes on the server (as
 WebDataset shards do not); after rewriting shards, empty the cache folder.
 """
@@ -27,13 +31,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["NodeCache"]
+__all__ = ["Finish", "NodeCache", "reserve", "unusable"]
+
+log = logging.getLogger("mmproxy.datasets.remote")  # the remote shards' logger
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
 _SPACE = 0  # the lock byte of the space accounting
@@ -173,3 +180,55 @@ def _lock(fd: int, byte: int, *, wait: bool) -> None:
 def _unlink(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
+
+
+def reserve(cache: NodeCache, name: str, size: int | None, shown: str) -> int | None:
+    """The part file of shard ``name`` (``shown``: its redacted URL) in the cache, or None when
+    it does not go there (no size known; too big, or the disk full: a warning; the folder not
+    writable: a warning, once). Hold the shard's lock."""
+    if size is None:
+        return None
+    try:
+        fd = cache.reserve(name, size)
+    except OSError as err:
+        unusable(str(cache.folder), err)
+        return None
+    if fd is None:
+        log.warning("shard %s (%s bytes) does not fit in the cache %s (cache_bytes=%s, or the "
+                    "disk is full): read without it", shown, size, cache.folder, cache.bound)
+    return fd
+
+
+_warned: set[str] = set()  # cache folders this process said it cannot use
+
+
+def unusable(folder: str, err: OSError) -> None:
+    """Says once per process and folder that the cache cannot be used, and why."""
+    if folder not in _warned:
+        _warned.add(folder)
+        why = f"{err.strerror} ({err.filename})" if err.strerror and err.filename else str(err)
+        log.warning("the shard cache %s cannot be used (%s): shards are streamed without it "
+                    "(set RemoteOptions(cache_dir=...) or MMPROXY_CACHE_DIR to a folder this "
+                    "process can write, or none)", folder, why)
+
+
+class Finish:
+    """What a cached download does at its end: commit (or abandon) the part, release the lock.
+
+    Args:
+        cache: The cache.
+        name: The shard's name in it.
+        lock: The shard's lock (:meth:`NodeCache.lock`), released at the end.
+    """
+
+    def __init__(self, cache: NodeCache, name: str, lock: int) -> None:
+        self.cache, self.name, self.lock = cache, name, lock
+
+    def __call__(self, ok: bool) -> None:
+        try:
+            if ok:
+                self.cache.commit(self.name)
+            else:
+                self.cache.abandon(self.name)
+        finally:
+            self.cache.unlock(self.lock)

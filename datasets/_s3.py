@@ -7,11 +7,13 @@ caller's (:mod:`mmproxy.datasets.remote`), covers the request and the body alike
 
 A GET is signed by boto3 in the process (a presigned URL, SigV4, no request) and sent over a
 kept-alive ``http.client`` connection (verified with boto3's CA bundle): boto3's
-``get_object`` and its body cost ~1.6 ms of CPU per 700 KB GET against ~0.8 ms for this
-(BENCHMARKS.md, "S3 on the H200"), which DataLoader workers pay per shard. Any answer but the bytes
-or a retryable failure (a missing key, refused credentials, a redirect to another region, a
-changed shard) is asked again through ``get_object``, so that errors, redirects and messages are
-boto3's; so is every GET of a bucket that needed it once, and every GET when a proxy is set.
+``get_object`` and its body spend much more CPU per GET (botocore's header parsing, signing and
+event hooks), which DataLoader workers pay per shard (the workers' CPU per batch over S3:
+BENCHMARKS.md, "Remote shards, one H200"; with ``get_object``: benchmarks/HISTORY.md, "Remote
+shards"). Any answer but the bytes or a retryable failure (a missing key, refused credentials, a
+redirect to another region, a changed shard) is asked again through ``get_object``, so that
+errors, redirects and messages are boto3's; so is every GET of a bucket that needed it once, and
+every GET when a proxy is set.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from mmproxy.state import LoaderState
 
 from . import elastic
 from ._legacy import is_first_version, upgrade
+from ._next_epoch import NextEpoch
 from .batcher import Batcher
 from .buffer import ShuffleBuffer
 from .checks import MAX_PIXELS
@@ -190,8 +191,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         prepare_remote(self.urls)
         self._read = TarReader(on_error, self.remote)
         self._epoch: int | None = None
-        # the next epoch's first item, made before it starts (prefetch_next_epoch), and the rest
-        self._next_epoch: tuple[int, Any, Iterator[Any]] | None = None
+        self._next_epoch = NextEpoch()  # prefetch_next_epoch's
 
     def set_epoch(self, epoch: int) -> None:
         """Fixes the epoch used for seeding (otherwise mmproxy's DataLoader supplies it)."""
@@ -280,22 +280,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         epoch = current_epoch(self._epoch)
         point = worker.resume_state(epoch)
-        prefetched, self._next_epoch = self._next_epoch, None
-        if point is None and prefetched is not None and prefetched[0] == epoch:
-            yield prefetched[1]
-            items = prefetched[2]
-        else:
-            items = self._resumed(epoch, point)
-        yield from items
-        # The loader has asked past this worker's last batch. A persistent worker of an mmproxy
-        # DataLoader will be asked for the next epoch (numbered one more), so it prepares that
-        # epoch's first batch now: its inputs reach the server, which runs them once this epoch's
-        # runs are done, and the next epoch starts with outputs ready instead of a cold pipeline.
+        prefetched = self._next_epoch.take(epoch)
+        yield from (prefetched if point is None and prefetched is not None
+                    else self._resumed(epoch, point))
+        # the loader has asked past this worker's last batch: a persistent worker will be asked
+        # for the next epoch, numbered one more (see _next_epoch)
         if self.prefetch_next_epoch and self._epoch is None and worker.in_persistent_worker():
-            upcoming = self._resumed(epoch + 1, None)
-            try:
-                with worker.next_epoch():
-                    first = next(upcoming)
-            except Exception:  # noqa: BLE001 - raised again, in its own epoch
-                return
-            self._next_epoch = (epoch + 1, first, upcoming)
+            self._next_epoch.prepare(epoch + 1, self._resumed(epoch + 1, None))

@@ -37,12 +37,11 @@ set a ``cache_dir`` so that shards live in the page cache, which the kernel can 
 
 Modules: this one (options, opening a shard from the cache or the network), ``_download`` (the
 thread and the retry policy), ``_sources`` (one GET per scheme, failures sorted), ``_cache``
-(the node cache).
+(the node cache, and what a download does with it).
 """
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import re
@@ -53,7 +52,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from mmproxy import worker
 
-from ._cache import NodeCache
+from ._cache import Finish, NodeCache, reserve, unusable
 from ._download import MAX_BACKOFF, Attempts, Download, RemoteError, Waiting
 from ._sources import Response, prepare_s3
 
@@ -62,7 +61,6 @@ __all__ = ["RemoteError", "RemoteOptions", "RemoteShard", "is_remote", "open_rem
 
 SCHEMES = ("http", "https", "s3")
 _SECRET_PARAM = re.compile(r"sig|token|credential|secret|password|key", re.I)
-log = logging.getLogger(__name__)
 
 
 def _env_bytes() -> int | None:
@@ -191,7 +189,7 @@ def _open(url: str, options: RemoteOptions) -> RemoteShard:
         fd = cache.lookup(name)
         lock = cache.lock(name) if fd is None else None  # waits while another downloads it
     except OSError as err:  # a read-only or full folder, one not ours: the shard goes past it
-        _cache_unusable(options.cache_dir, err)
+        unusable(options.cache_dir, err)
         return _stream(url, options, None, "")
     if fd is None:
         assert lock is not None
@@ -231,7 +229,7 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
         if size == 0:
             raise RemoteError("the shard is 0 bytes long (not a tar)")
         if cache is not None and lock is not None:
-            fd = _reserve(cache, name, size, url)
+            fd = reserve(cache, name, size, redact(url))
             if fd is None:  # it does not go in the cache: stream it past
                 cache.unlock(lock)
                 lock = None
@@ -255,53 +253,8 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
     finally:
         if fd is not None:
             os.close(fd)
-    done = _Finish(cache, name, lock) if cache is not None and lock is not None else None
+    done = Finish(cache, name, lock) if cache is not None and lock is not None else None
     download = Download(url, attempts, response, memoryview(mapping), None, done)
     download.start()
     return RemoteShard(memoryview(mapping).toreadonly(), download,
                        streamed=mapping if done is None else None)
-
-
-def _reserve(cache: NodeCache, name: str, size: int | None, url: str) -> int | None:
-    """The shard's part file in the cache, or None when it does not go there (no size known;
-    too big, or the disk full: a warning; the folder not writable: a warning, once)."""
-    if size is None:
-        return None
-    try:
-        fd = cache.reserve(name, size)
-    except OSError as err:
-        _cache_unusable(str(cache.folder), err)
-        return None
-    if fd is None:
-        log.warning("shard %s (%s bytes) does not fit in the cache %s (cache_bytes=%s, or the "
-                    "disk is full): read without it", redact(url), size, cache.folder, cache.bound)
-    return fd
-
-
-_warned: set[str] = set()  # cache folders this process said it cannot use
-
-
-def _cache_unusable(folder: str, err: OSError) -> None:
-    """Says once per process and folder that the cache cannot be used, and why."""
-    if folder not in _warned:
-        _warned.add(folder)
-        why = f"{err.strerror} ({err.filename})" if err.strerror and err.filename else str(err)
-        log.warning("the shard cache %s cannot be used (%s): shards are streamed without it "
-                    "(set RemoteOptions(cache_dir=...) or MMPROXY_CACHE_DIR to a folder this "
-                    "process can write, or none)", folder, why)
-
-
-class _Finish:
-    """What a cached download does at its end: commit (or abandon) the part, release the lock."""
-
-    def __init__(self, cache: NodeCache, name: str, lock: int) -> None:
-        self.cache, self.name, self.lock = cache, name, lock
-
-    def __call__(self, ok: bool) -> None:
-        try:
-            if ok:
-                self.cache.commit(self.name)
-            else:
-                self.cache.abandon(self.name)
-        finally:
-            self.cache.unlock(self.lock)

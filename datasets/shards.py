@@ -5,9 +5,11 @@ Built on ``webdataset``: brace expansion (``expand_urls``), tar reading with ``p
 globs of local paths, an epoch that every worker of every rank agrees on (so a shard shuffle is
 the same everywhere and splits stay disjoint: :mod:`mmproxy.datasets.plan` makes them), and a
 zero-copy reader for local shards:
-webdataset's streaming tar reader copies each member through 10 KB reads (about 600 MB/s per
-worker here); mapping a local tar and slicing its members is about 15x faster, and the members
-then travel to the server by reference (the shard's descriptor and offsets), not copied.
+webdataset's streaming tar reader copies each member through small reads, which costs a worker
+CPU for every byte; a mapped local tar is sliced into its members without a copy, so a worker
+pays only for parsing the headers, and the members then travel to the server by reference (the
+shard's descriptor and offsets), not copied (what a worker spends per sample:
+``benchmarks/worker_cost.py``; what mapping gave: benchmarks/HISTORY.md, "What moved the figures").
 ``http(s)://`` and ``s3://`` shards are read the same way from memory or the node cache as they
 stream in (:mod:`mmproxy.datasets.remote`).
 """

@@ -20,7 +20,7 @@ import torch.utils.data
 
 from mmproxy import _context
 
-__all__ = ["IndexedSamples", "indexed"]
+__all__ = ["IndexedSamples", "indexed", "unwrapped"]
 
 
 def _file_of(dataset: Any, index: Any) -> str | None:
@@ -36,7 +36,8 @@ def _file_of(dataset: Any, index: Any) -> str | None:
 class IndexedSamples(torch.utils.data.Dataset):
     """``dataset`` (map-style), each sample fetched under its name (see the module docstring).
 
-    Its other attributes are the dataset's own (``loader.dataset.classes`` still works).
+    Its other attributes are the dataset's own, to read, set and delete (``loader.dataset.classes``
+    still works; ``loader.dataset.transform = t`` changes the dataset's transform).
 
     Args:
         dataset: The dataset; also the attribute ``dataset``.
@@ -49,6 +50,18 @@ class IndexedSamples(torch.utils.data.Dataset):
         if name == "dataset":  # not set yet (while unpickling)
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "dataset":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name == "dataset":
+            object.__delattr__(self, name)
+        else:
+            delattr(self.dataset, name)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -64,6 +77,11 @@ class IndexedSamples(torch.utils.data.Dataset):
 
     def __repr__(self) -> str:
         return f"IndexedSamples({self.dataset!r})"
+
+
+def unwrapped(dataset: Any) -> Any:
+    """The user's dataset: ``dataset`` itself, or the one an :class:`IndexedSamples` wraps."""
+    return dataset.dataset if isinstance(dataset, IndexedSamples) else dataset
 
 
 def indexed(dataset: Any) -> Any:

@@ -10,7 +10,7 @@
   it must never free a pipeline or a CUDA tensor (a CUDA call in a forked child aborts it), must
   not hold a server's socket open, must not reuse a lock another thread of the parent held. Each
   module registers what its objects need (``server``: keep every server and forget its socket;
-  ``loader``: keep inherited DataLoader iterators; ``_transport``: a fresh lock), and objects
+  ``_workers``: keep inherited DataLoader iterators; ``_transport``: a fresh lock), and objects
   handed to :func:`keep` live as long as the child does.
 """
 

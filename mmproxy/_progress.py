@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mmproxy._context import Stamped
+from mmproxy._indexed import unwrapped
 from mmproxy.protocols import Reshardable
 from mmproxy.skips import SkipReport
 from mmproxy.state import LoaderState, ResumePoint
@@ -82,7 +83,7 @@ def hand_out(saved: Sequence[LoaderState], dataset: Any, workers: int
     if not isinstance(dataset, Reshardable):
         raise ValueError(f"the state was saved with {saved[0].workers} workers on "
                          f"{saved[0].world} ranks, this loader has {workers} workers on "
-                         f"{world} ranks, and {type(dataset).__name__} cannot redistribute "
+                         f"{world} ranks, and {type(unwrapped(dataset)).__name__} cannot redistribute "
                          "its samples (it has no reshard method)")
     old_world = saved[0].world
     if sorted(s.rank for s in saved) != list(range(old_world)):

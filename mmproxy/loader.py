@@ -20,22 +20,19 @@ import gc
 import inspect
 import multiprocessing
 import os
-import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.utils.data
 
-from mmproxy import _context, _indexed, _process, _walk
-from mmproxy._context import Stamped
+from mmproxy import _context, _indexed, _workers
+from mmproxy._iterator import LoaderIter
 from mmproxy._progress import Progress, hand_out, rank_and_world
-from mmproxy._resolve import claim, resolve_batch
-from mmproxy.errors import StateError, WorkerDiedError
-from mmproxy.protocols import ChecksLoader, LimitsSkips
-from mmproxy.refs import DALIOutputBatchRef
+from mmproxy.errors import StateError
+from mmproxy.protocols import ChecksLoader
 from mmproxy.server import DALIServer
-from mmproxy.skips import SHARDS_TRIED, SKIPPED, SkipReport
-from mmproxy.state import LoaderState, ResumePoint
+from mmproxy.skips import SkipReport
+from mmproxy.state import LoaderState
 
 __all__ = ["DataLoader"]
 
@@ -56,23 +53,6 @@ def _as_servers(servers: Servers) -> dict[str, DALIServer]:
     if not items:
         raise ValueError("DataLoader needs at least one server")
     return {s.uid: s for s in items}
-
-
-class _WorkerInit:
-    """Runs in each worker: tags the worker's runs with this loader's id and live epoch, and
-    hands it its starting position when the loader resumes."""
-
-    def __init__(self, loader_id: str, epoch: Any, user: Callable[[int], None] | None,
-                 persistent: bool) -> None:
-        self.loader_id, self.epoch, self.user, self.persistent = loader_id, epoch, user, persistent
-        self.resume: dict[int, ResumePoint] | None = None
-
-    def __call__(self, worker_id: int) -> None:
-        _context.set_loader_tag((self.loader_id, self.epoch), self.persistent)
-        _context.set_resume(self.loader_id,
-                            None if self.resume is None else self.resume.get(worker_id))
-        if self.user is not None:
-            self.user(worker_id)
 
 
 _gc_frozen = False  # set once the process's heap was frozen (by any loader)
@@ -100,13 +80,13 @@ class DataLoader(torch.utils.data.DataLoader):
             what is alive: the modules, the model, the pipelines. The main loop's allocations
             (the servers' threads, the batches in flight) make Python run full collections, and
             a full collection walks every object not frozen while every Python thread waits:
-            with torch and DALI loaded, 118-137 ms on the H200 (BENCHMARKS.md), in which the
-            servers cannot feed DALI. Frozen objects are still freed when their last reference
-            goes; only reference cycles among them that become garbage later stay until
-            ``gc.unfreeze()``. The one ``gc.collect()`` runs every pending finalizer then (in a
-            process holding much cyclic garbage, a long pause once). Nothing happens while the
-            collector is disabled (``gc.disable()``); a loader's later first iteration tries
-            again. ``False`` leaves the collector as it is.
+            with torch and DALI loaded, a pause long enough to leave DALI unfed and lower the
+            epoch's rate (BENCHMARKS.md, "The garbage collector"). Frozen objects are still
+            freed when their last reference goes; only reference cycles among them that become
+            garbage later stay until ``gc.unfreeze()``. The one ``gc.collect()`` runs every
+            pending finalizer then (in a process holding much cyclic garbage, a long pause
+            once). Nothing happens while the collector is disabled (``gc.disable()``); a
+            loader's later first iteration tries again. ``False`` leaves the collector as it is.
         **kwargs: Passed to ``torch.utils.data.DataLoader``.
     """
 
@@ -124,7 +104,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._freeze_gc = freeze_gc
         self._loader_id = os.urandom(6).hex()
         self._epoch = multiprocessing.RawValue("q", 0)
-        self._init = _WorkerInit(self._loader_id, self._epoch, arguments.get("worker_init_fn"),
+        self._init = _workers.WorkerInit(self._loader_id, self._epoch, arguments.get("worker_init_fn"),
                                  bool(arguments.get("persistent_workers")))
         arguments["worker_init_fn"] = self._init
         arguments["dataset"] = _indexed.indexed(arguments["dataset"])  # names samples in messages
@@ -164,9 +144,10 @@ class DataLoader(torch.utils.data.DataLoader):
                                max(1, self.num_workers)).to_dict()
         progress = self._progress
         if not progress.done and progress.batches and not progress.positions:
+            name = type(_indexed.unwrapped(self.dataset)).__name__
             raise TypeError(
-                f"{type(self.dataset).__name__} does not say where its workers stand (its batches "
-                "carry no mmproxy.worker.stamp), so this loader cannot resume it mid-epoch; "
+                f"{name} does not say where its workers stand (its batches carry no "
+                "mmproxy.worker.stamp), so this loader cannot resume it mid-epoch; "
                 "MultiModalDataset does, or save the state at an epoch's end")
         return progress.state().to_dict()
 
@@ -188,7 +169,7 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError(f"the ranks' states are from different epochs: {sorted(epochs)}")
         epoch = epochs.pop()
         if self._iterator is not None:  # persistent workers start over from the state
-            _LoaderIter.shutdown(self._iterator)
+            _workers.shutdown(self._iterator)
             self._iterator = None
         self._progress = None
         if all(s.done for s in states):
@@ -196,7 +177,7 @@ class DataLoader(torch.utils.data.DataLoader):
         else:
             self._epoch.value, self._resume = epoch - 1, states
 
-    def __iter__(self) -> _LoaderIter:  # type: ignore[override]
+    def __iter__(self) -> LoaderIter:  # type: ignore[override]
         if self._freeze_gc:
             _freeze_gc_once()
         self.ensure_server_listening()
@@ -214,176 +195,13 @@ class DataLoader(torch.utils.data.DataLoader):
         self._report = self._progress.report
         for server in self._servers.values():
             server.table.begin_epoch(self._loader_id, self._epoch.value)
-        return _LoaderIter(self, super().__iter__())
+        return LoaderIter(super().__iter__(), {uid: s.table for uid, s in self._servers.items()},
+                          (self._loader_id, self._epoch), in_main=self.num_workers == 0,
+                          dataset=self.dataset, progress=self._progress,
+                          length=self.__len__, forget=self._forget)
 
-
-class _LoaderIter:
-    def __init__(self, loader: DataLoader, it: Iterator[Any]) -> None:
-        self._loader = loader
-        self._it = it
-        self._tables = {uid: server.table for uid, server in loader._servers.items()}
-        self._in_main = loader.num_workers == 0
-        self._ahead = any(t.deterministic for t in self._tables.values())
-        self._next: list[tuple[Any, Any]] = []  # (batch, stamp) fetched one step ahead
-        self._report = loader._report
-        self._progress = loader._progress
-        self._seq = 0  # items taken from torch's iterator
-        dataset = loader.dataset
-        self._checked = isinstance(dataset, LimitsSkips)
-        self._max_skipped = dataset.max_skipped if isinstance(dataset, LimitsSkips) else None
-        _live_iterators.add(self)
-
-    def __iter__(self) -> _LoaderIter:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def close(self) -> None:
-        """Shuts this iterator's workers down now, instead of when it is garbage-collected."""
-        if self._loader._iterator is self._it:
-            self._loader._iterator = None  # persistent workers: the next epoch starts new ones
-        self.shutdown(self._it)
-
-    @staticmethod
-    def shutdown(it: Any) -> None:
-        """Shuts down the workers of torch's iterator ``it``."""
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is None:
-            return
-        try:
-            shutdown()
-        except RuntimeError as err:
-            # After a worker died, torch's SIGCHLD handler reports it again when the other workers
-            # exit during the shutdown; the shutdown itself has finished (in torch's `finally`).
-            if "DataLoader worker" not in str(err):
-                raise
-
-    def _fetch(self) -> tuple[Any, tuple[int, Stamped] | None]:
-        """The next batch from torch's iterator with its worker's stamp (if any); records sent on
-        their own are taken on the way."""
-        while True:
-            batch = self._fetch_any()
-            self._seq += 1
-            stamp = None
-            if isinstance(batch, Stamped):
-                stamp, batch = (self._seq, batch), batch.item
-            if isinstance(batch, dict) and SKIPPED in batch and batch.keys() <= _RECORDS_ONLY:
-                self._took(stamp)
-                self._report.add(0, batch[SKIPPED], batch.get(SHARDS_TRIED, 0))
-                self._check()
-                continue
-            return batch, stamp
-
-    def _took(self, stamp: tuple[int, Stamped] | None) -> None:
-        if stamp is not None and self._progress is not None:
-            self._progress.took(*stamp)
-
-    def _fetch_any(self) -> Any:
-        if self._in_main:
-            _context.set_loader_tag((self._loader._loader_id, self._loader._epoch))
-        try:
-            return next(self._it)
-        except (ConnectionError, EOFError) as err:
-            # torch hands tensors over through the worker; a worker killed mid-handover shows up
-            # as a broken connection here rather than as torch's "exited unexpectedly"
-            codes = [w.exitcode for w in getattr(self._it, "_workers", [])]
-            raise WorkerDiedError(f"a DataLoader worker died while handing over a batch "
-                                  f"(worker exit codes {codes}): {err!r}") from err
-        finally:
-            if self._in_main:
-                _context.set_loader_tag(None)
-
-    def _check(self) -> None:
-        if self._checked:
-            self._report.check(self._max_skipped)
-
-    def _claim(self, batch: Any) -> None:
-        claim(_walk.collect(batch, DALIOutputBatchRef), self._tables,
-              (self._loader._loader_id, int(self._loader._epoch.value)))
-
-    def _resolve(self, batch: Any) -> Any | None:
-        """The batch with data, or None when every sample in it was dropped."""
-        batch, size, dropped = resolve_batch(batch, self._tables, strict=True)
-        records = batch.get(SKIPPED, dropped) if isinstance(batch, dict) else dropped
-        tried = batch.pop(SHARDS_TRIED, 0) if isinstance(batch, dict) else 0
-        self._report.add(_count(batch) if size is None else size, records, tried)
-        self._check()
-        return None if size == 0 else batch
-
-    def __next__(self) -> Any:
-        try:
-            while True:
-                try:
-                    raw: Any = self._step()
-                except StopIteration:
-                    raw = _END
-                if raw is _END:  # outside the except: an error here is not "during StopIteration"
-                    if self._checked:
-                        self._report.check(self._max_skipped, final=True)
-                    if self._progress is not None:
-                        self._progress.done = True
-                    raise StopIteration
-                raw, stamp = raw
-                batch = self._resolve(raw)
-                self._took(stamp)
-                if batch is not None:
-                    if self._progress is not None:
-                        self._progress.batches += 1
-                    return batch
-        except StopIteration:
-            raise
-        except BaseException:
-            # An error ends the epoch: the workers go now, not when the iterator is collected
-            # (the traceback keeps it alive, and torch's shutdown joins with 5 s timeouts).
-            self.close()
-            raise
-
-    def _step(self) -> tuple[Any, tuple[int, Stamped] | None]:
-        if not self._ahead:
-            return self._fetch()
-        if not self._next:
-            batch = self._fetch()
-            self._claim(batch[0])
-        else:
-            batch = self._next.pop()
-        try:
-            upcoming = self._fetch()
-        except StopIteration:
-            pass
-        else:
-            self._claim(upcoming[0])
-            self._next.append(upcoming)
-        return batch
-
-
-_END = object()
-_RECORDS_ONLY = frozenset({SKIPPED, SHARDS_TRIED})  # what a worker sends besides its batches
-
-
-def _count(batch: Any) -> int:
-    """Samples in a batch without server references: the rows of its first tensor or list."""
-    if isinstance(batch, dict):
-        values = [v for k, v in batch.items() if k != SKIPPED]
-    else:
-        values = list(batch) if isinstance(batch, (list, tuple)) else [batch]
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.dim():
-            return int(value.shape[0])
-        if isinstance(value, list):
-            return len(value)
-    return 0
-
-
-# A forked worker of a later loader inherits the iterators of earlier ones; if it garbage-collected
-# them, torch's iterator would try to shut down workers that are not its children. The child keeps
-# them alive (inert) instead.
-_live_iterators: weakref.WeakSet[_LoaderIter] = weakref.WeakSet()
-
-
-def _keep_inherited_iterators() -> None:
-    for it in list(_live_iterators):
-        _process.keep(it._it)
-
-
-_process.on_fork_in_child(_keep_inherited_iterators)
+    def _forget(self, it: Any) -> None:
+        """Drops torch's iterator ``it`` if it is this loader's (persistent workers: the next
+        epoch starts new ones)."""
+        if self._iterator is it:
+            self._iterator = None

@@ -370,11 +370,34 @@ def test_a_dataset_without_positions_is_not_resumed_silently(add_server):
     loader = mmproxy.DataLoader(add_server, AddDataset(add_server.proxy), batch_size=4)
     it = iter(loader)
     next(it)
-    with pytest.raises(TypeError, match="cannot resume it mid-epoch"):
+    with pytest.raises(TypeError, match="cannot resume it mid-epoch") as caught:
         loader.state_dict()
+    assert str(caught.value).startswith("AddDataset does not say where its workers stand")
     for _ in it:
         pass
     assert loader.state_dict()["done"]
+
+
+def test_a_map_style_dataset_is_named_as_the_user_made_it(add_server):
+    """The loader's view of a map-style dataset (which names samples in messages) keeps the
+    dataset's attributes, for reading and for setting, and messages name the dataset's type."""
+    from datasets_for_tests import AddDataset
+
+    from mmproxy.state import LoaderState
+
+    dataset = AddDataset(add_server.proxy, n=8)
+    loader = mmproxy.DataLoader(add_server, dataset, batch_size=4)
+    assert loader.dataset.n == 8 and loader.dataset.proxy is dataset.proxy
+    loader.dataset.n = 4  # set on the user's dataset, which its own methods read
+    assert dataset.n == 4 and len(loader) == 1
+    assert [b[2].tolist() for b in loader] == [[0, 1, 2, 3]]
+    del loader.dataset.n
+    assert not hasattr(dataset, "n")
+    dataset.n = 8
+    elsewhere = LoaderState(1, False, workers=2, batches=1, positions={0: {}, 1: {}}).to_dict()
+    loader.load_state_dict(elsewhere)
+    with pytest.raises(ValueError, match="and AddDataset cannot redistribute its samples"):
+        iter(loader)
 
 
 def test_mixing_sources_of_different_formats_through_one_server(tmp_path, server):
