@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import torchaudio
 from conftest import cpu_image_server
 from mmproxy.datasets import Tokenize, image_text_dataset, load_tokenizer, make_shards
 
@@ -591,3 +593,24 @@ def test_training_the_demo_tokenizer_prints_nothing(tmp_path, capfd):
 
     make_tokenizer(tmp_path / "tok")
     assert capfd.readouterr().out == ""
+
+
+def test_the_bench_pytorch_reference_decodes_every_audio_format_make_shards_writes(tmp_path):
+    """It decoded with ``wave``: FLAC and OGG failed as "file does not start with RIFF id", as if
+    the data were damaged. Stereo is downmixed, every rate resampled to 16 kHz."""
+    from mmproxy.datasets.recipes import AUDIO_EXTS
+
+    from mmproxy.apps.bench.workers import WdsSamples, torch_audio
+
+    shard = str(tmp_path / "a.tar")
+    clips = [("wav", 8000, 1), ("flac", 22050, 2), ("ogg", 48000, 1), ("flac", 44100, 1)]
+    write_tar(shard, [{"__key__": f"k{i}", ext: audio_bytes(synth_speech(i, 0.5, rate, channels),
+                                                            rate, ext.upper()), "cls": 1}
+                      for i, (ext, rate, channels) in enumerate(clips)])
+    decoded = list(WdsSamples([shard], AUDIO_EXTS, torch_audio))
+    assert [x.shape for x in decoded] == [(8000,)] * 4
+    for i, (x, (_, rate, channels)) in enumerate(zip(decoded, clips)):
+        reference = torch.from_numpy(synth_speech(i, 0.5, rate, channels).reshape(-1, channels)
+                                     .mean(axis=1))
+        resampled = torchaudio.functional.resample(reference, rate, 16000)
+        assert torch.corrcoef(torch.stack([x, resampled]))[0, 1] > 0.9

@@ -91,14 +91,13 @@ class TorchImage:
 
 
 def torch_audio(data: bytes) -> torch.Tensor:
-    """The audio pipeline's ops in PyTorch: 16-bit WAV decode, resample to 16 kHz (torchaudio)."""
-    import wave
-
+    """The audio pipeline's ops in PyTorch: decode (soundfile: WAV, FLAC and OGG, every format
+    ``make-shards`` writes), downmix to mono, resample to 16 kHz (torchaudio)."""
+    import soundfile as sf
     import torchaudio
 
-    with wave.open(io.BytesIO(data)) as w:
-        rate, frames = w.getframerate(), w.readframes(w.getnframes())
-    x = torch.from_numpy(np.frombuffer(frames, np.int16).astype(np.float32) / 32768)
+    signal, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    x = torch.from_numpy(signal.mean(axis=1))
     return torchaudio.functional.resample(x, rate, 16000)
 
 
