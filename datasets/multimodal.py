@@ -245,13 +245,13 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                 raise ShardError(
                     f"rank {rank} of {world} has {len(mine)} shards{where} for {workers} workers; "
                     "with several sources every worker needs shards of each source (or its share "
-                    f"of the weights would go to the others): use at most {len(mine)} workers, or "
+                    f"of the weights would go to the others): use at most {_workers(len(mine))}, or "
                     "more (smaller) shards")
             if self.epoch_length is not None and len(mine) < workers:
                 raise ShardError(
                     f"rank {rank} of {world} has {len(mine)} shards{where} for {workers} workers, "
                     "and with epoch_length every worker needs shards of its own; use at most "
-                    f"{len(mine)} workers, more (smaller) shards, or resampled=True")
+                    f"{_workers(len(mine))}, more (smaller) shards, or resampled=True")
 
     # -- the sample order -----------------------------------------------------------------------
 
@@ -481,3 +481,7 @@ def _describe(exn: BaseException) -> str:
     return f"{type(exn).__name__}: {exn}" if str(exn) else type(exn).__name__
 
 
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker" + ("" if n == 1 else "s")

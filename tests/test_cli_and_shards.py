@@ -18,10 +18,18 @@ import torch
 import torchaudio
 from conftest import cpu_image_server
 from mmproxy.datasets import Tokenize, image_text_dataset, load_tokenizer, make_shards
+from mmproxy.datasets.writer import OutputExistsError, Reason
 
 import mmproxy
 from mmproxy import cli
-from mmproxy.testing import audio_bytes, image_bytes, make_tokenizer, synth_speech, write_tar
+from mmproxy.testing import (
+    audio_bytes,
+    image_bytes,
+    make_tokenizer,
+    synth_image,
+    synth_speech,
+    write_tar,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 HINT = "(run with --debug for the traceback)"
@@ -63,17 +71,70 @@ def test_a_folder_with_shards_is_refused_and_overwrite_replaces_exactly_them(tmp
     src, out = image_folder(tmp_path / "src", per_class=2), tmp_path / "out"
     first = make_shards(src, out, max_count=1)
     assert [Path(p).name for p in first] == [f"shard-00000{i}.tar" for i in range(4)]
-    (out / "other-000000.tar").write_bytes(b"another set")  # another prefix: not ours to touch
-    with pytest.raises(FileExistsError, match=r"already holds 6 files.*--overwrite"):
+    (out / "notes.txt").write_text("not a shard")  # not ours to touch
+    with pytest.raises(OutputExistsError,
+                       match=r"already holds a shard set \(6 files: .*\); pass overwrite=True"):
         make_shards(src, out, max_count=4)
     assert len(list(out.glob("shard-*.tar"))) == 4  # refused before touching anything
 
     again = make_shards(src, out, max_count=4, overwrite=True)
     assert list(again) == [str(out / "shard-000000.tar")]  # exactly what was written
     assert sorted(p.name for p in out.iterdir()) == ["classes.json", "manifest.jsonl",
-                                                     "other-000000.tar", "shard-000000.tar"]
+                                                     "notes.txt", "shard-000000.tar"]
     assert len(members(again[0])) == again.samples == 4
     assert len((out / "manifest.jsonl").read_text().splitlines()) == 4
+
+
+def test_overwrite_with_another_prefix_replaces_the_old_set(tmp_path):
+    """The old set's shards stayed beside the new ones while classes.json and manifest.jsonl
+    described only the new set: a run on the folder read both, the old with the wrong labels."""
+    src, out = image_folder(tmp_path / "src", per_class=2), tmp_path / "out"
+    make_shards(src, out, max_count=1, prefix="old")
+    (src / "bird").mkdir()  # another class: the old set's labels no longer hold
+    (src / "bird" / "0.png").write_bytes(solid(5))
+    new = make_shards(src, out, max_count=10, prefix="new", overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["classes.json", "manifest.jsonl",
+                                                     "new-000000.tar"]
+    assert list(new) == [str(out / "new-000000.tar")] and new.samples == 5
+
+    # .tar files no set written there names are refused, overwrite or not, and named
+    (out / "mine.tar").write_bytes(b"someone's shard")
+    for overwrite in (False, True):
+        with pytest.raises(FileExistsError, match=r"holds 1 \.tar file\(s\) of no shard set "
+                           r"written there \(mine\.tar: .*move them away"):
+            make_shards(src, out, prefix="new", overwrite=overwrite)
+    assert sorted(p.name for p in out.iterdir()) == ["classes.json", "manifest.jsonl",
+                                                     "mine.tar", "new-000000.tar"]
+
+
+def test_an_interrupted_or_failed_make_shards_leaves_the_old_set_and_no_parts(tmp_path,
+                                                                             monkeypatch):
+    import mmproxy.datasets.writer as writer
+
+    src, out = image_folder(tmp_path / "src", per_class=3), tmp_path / "out"
+    make_shards(src, out, max_count=2)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls = []
+
+    def interrupted(ext, data):
+        calls.append(ext)
+        if len(calls) == 4:  # inside the second new shard
+            raise KeyboardInterrupt
+        return None
+
+    monkeypatch.setattr(writer, "check_header", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        make_shards(src, out, max_count=3, prefix="new", overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # a part file of a process that has ended is removed by the next run; another's stays
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    host = os.uname().nodename
+    stale, alive = out / f"x-000000.tar.part-{host}-{dead}", out / f"x-000000.tar.part-{host}-1"
+    stale.write_bytes(b"half"), alive.write_bytes(b"half")
+    monkeypatch.undo()
+    make_shards(src, out, overwrite=True)
+    assert not stale.exists() and alive.exists()
 
 
 def test_cli_refuses_then_overwrites_and_reports_the_count_written(tmp_path, capsys):
@@ -82,7 +143,9 @@ def test_cli_refuses_then_overwrites_and_reports_the_count_written(tmp_path, cap
     assert f"wrote 6 samples in 3 shards to {out}" in capsys.readouterr().out
     assert cli.main(["make-shards", str(src), str(out), "--max-count", "100"]) == 1
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("mmproxy make-shards: error: ") and "--overwrite" in err[0]
+    assert err[0] == (f"mmproxy make-shards: error: {out} already holds a shard set (5 files: "
+                      "classes.json, manifest.jsonl, shard-000000.tar, ...); add --overwrite to "
+                      "replace it, or write to an empty folder")
     assert err[1:] == [HINT]
     assert cli.main(["make-shards", str(src), str(out), "--max-count", "100", "--overwrite"]) == 0
     assert f"wrote 6 samples in 1 shard to {out}" in capsys.readouterr().out
@@ -119,7 +182,7 @@ def test_left_out_and_guessed_files_are_reported(tmp_path):
     (src / "cat" / "0.txt").write_text("a cat")
     (src / "loose.png").write_bytes(solid(30))                       # no .txt, no class folder
     (src / "captioned.jpg").write_bytes(solid(50, "JPEG"))
-    (src / "captioned.txt").write_text("a loose image with a caption")
+    (src / "captioned.txt").write_text("\ufeffa loose image with a caption")  # a UTF-8 BOM
     (src / "cat" / "anim.gif").write_bytes(solid(60, "GIF"))         # a format not read
     (src / "notes.txt").write_text("no image beside me")
     (src / "dog_house" / "broken.jpg").write_bytes(b"not a jpeg at all")
@@ -132,16 +195,78 @@ def test_left_out_and_guessed_files_are_reported(tmp_path):
     assert set(reasons) == {"loose.png", "cat/anim.gif", "notes.txt", "dog_house/broken.jpg",
                             "dog_house/empty.png"}
     assert "no caption" in reasons["loose.png"]
-    assert ".gif" in reasons["cat/anim.gif"] and ".bmp" in reasons["cat/anim.gif"]
+    assert reasons["cat/anim.gif"] == "not an image file this writer reads (.gif)"
     assert "no image" in reasons["notes.txt"]
-    assert "JPG signature" in reasons["dog_house/broken.jpg"]
+    assert reasons["dog_house/broken.jpg"] == ("holds none of the image formats this writer reads "
+                                               "(it starts with b'not a jp')")
     assert "empty" in reasons["dog_house/empty.png"]
     summary = written.summary()
     assert "3 guessed from the class folder's name" in summary and "left out: 5 files" in summary
-    assert "cat/anim.gif: not an image file" in summary
+    assert "1 x not a format this writer reads (.gif 1; it reads .bmp .jpeg .jpg .png" in summary
     sources = {json.loads(r)["source"] for r in Path(written.manifest).read_text().splitlines()}
     assert sources == {"captioned.jpg", "cat/0.png", "cat/1.png", "dog_house/0.png",
                        "dog_house/1.png"}
+    captions = {s["src"]: s["txt"] for s in members(written[0]).values()}
+    assert captions[b"captioned.jpg"] == b"a loose image with a caption"  # the BOM dropped
+
+
+def test_the_report_groups_left_out_files_by_reason_with_examples_of_each(tmp_path):
+    """603 left-out files were listed as their first 10, all .svg, hiding the empty, truncated
+    and text-as-.jpg ones; and "... and 1 more" stood where the one file would fit."""
+    src = tmp_path / "src"
+    (src / "art").mkdir(parents=True)
+    for i in range(600):
+        (src / "art" / f"{i:03d}.svg").write_text("<svg/>")
+    for name in ("a.xcf", "b.xcf", "c.xcf"):
+        (src / "art" / name).write_bytes(b"gimp")
+    (src / "art" / "good.png").write_bytes(solid(9))
+    for name in ("e1.jpg", "e2.jpg", "e3.jpg", "e4.jpg"):  # four: all listed, no "and 1 more"
+        (src / "art" / name).write_bytes(b"")
+    jpeg = image_bytes(synth_image(1))
+    (src / "art" / "cut.jpg").write_bytes(jpeg[:len(jpeg) // 2])
+    (src / "art" / "readme.jpg").write_text("this is text")
+    written = make_shards(src, tmp_path / "out")
+    lines = written.summary().splitlines()
+    at = lines.index("  left out: 609 files, by reason:")
+    assert lines[at + 1:] == [
+        "    603 x not a format this writer reads (.svg 600, .xcf 3; it reads .bmp .jpeg .jpg "
+        ".png .tif .tiff .webp)",
+        "      art/000.svg", "      art/001.svg", "      art/002.svg", "      ... and 600 more",
+        "    4 x is empty",
+        "      art/e1.jpg", "      art/e2.jpg", "      art/e3.jpg", "      art/e4.jpg",
+        "    1 x is truncated (no end-of-image marker after its image data)",
+        "      art/cut.jpg",
+        "    1 x holds none of the image formats this writer reads (it starts with b'this is ')",
+        "      art/readme.jpg",
+        f"  manifest (key -> shard, source file): {tmp_path / 'out' / 'manifest.jsonl'}"]
+    assert lines[:2] == [f"wrote 1 sample in 1 shard to {tmp_path / 'out'}",
+                         f"  read them as: {tmp_path / 'out' / 'shard-000000.tar'}"]
+    assert {item.reason for item in written.files_left_out} == {
+        Reason.FORMAT, Reason.EMPTY, Reason.CONTENT, Reason.DAMAGED}
+
+
+def test_a_file_is_stored_under_the_extension_of_its_content(tmp_path):
+    """A PNG named .jpg was kept as "jpg" while a WAV named .flac was refused: one rule, the
+    content decides, for images, audio and video alike."""
+    src = tmp_path / "src"
+    (src / "speech").mkdir(parents=True)
+    wav = audio_bytes(synth_speech(1, 0.2), 16000)
+    (src / "speech" / "a.flac").write_bytes(wav)
+    (src / "speech" / "b.flac").write_bytes(audio_bytes(synth_speech(2, 0.2), 16000, "FLAC"))
+    audio = make_shards(src, tmp_path / "audio", kind="audio-label")
+    assert audio.samples == 2 and not audio.left_out
+    assert audio.renamed == [("speech/a.flac", "wav")]
+    by_src = {s["src"]: s for s in members(audio[0]).values()}
+    assert by_src[b"speech/a.flac"]["wav"] == wav and "flac" in by_src[b"speech/b.flac"]
+    assert "    speech/a.flac: WAV data, stored as .wav" in audio.summary().splitlines()
+
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "p.jpg").write_bytes(solid(7, "PNG"))
+    (images / "p.txt").write_text("a png in disguise")
+    shards = make_shards(images, tmp_path / "img")
+    assert shards.renamed == [("p.jpg", "png")]
+    assert set(next(iter(members(shards[0]).values()))) == {"png", "txt", "src"}
 
 
 def test_audio_needs_a_class_folder_and_other_files_are_left_out(tmp_path):
@@ -284,9 +409,22 @@ def test_mmproxy_errors_interrupts_and_bugs(tmp_path, capsys, monkeypatch):
     assert cli.main(args) == 130
     assert capsys.readouterr().err.splitlines() == ["mmproxy make-shards: interrupted"]
 
-    fail(TypeError("a bug in mmproxy"))  # not the user's doing: the whole traceback
-    with pytest.raises(TypeError, match="a bug"):
-        cli.main(args)
+    # a package an option needs, missing: what to install, in one line
+    fail(ModuleNotFoundError("No module named 'av'", name="av"))
+    assert cli.main(args) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "mmproxy make-shards: error: needs av, which is not installed: pip install "
+        "'mmproxy[video]'", HINT]
+
+    # not the user's doing: one line saying so too, the traceback with --debug
+    fail(TypeError("a bug in mmproxy"))
+    assert cli.main(args) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "mmproxy make-shards: error: TypeError: a bug in mmproxy (unexpected: please report it, "
+        "with the traceback --debug prints)", HINT]
+    assert cli.main([*args, "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "TypeError: a bug" in err
 
 
 def test_argparse_errors_still_exit_2(capsys):
@@ -306,16 +444,20 @@ def test_argparse_errors_still_exit_2(capsys):
 
 
 def test_demo_on_image_only_shards_uses_the_image_server_and_says_audio_is_missing(tmp_path):
+    """The fields line names every extension read (it said "image (png)", the first sample's,
+    while the JPEGs were read too)."""
     src = image_folder(tmp_path / "src", per_class=5)
-    written = make_shards(src, tmp_path / "out", max_count=5)
+    (src / "cat" / "9.jpg").write_bytes(solid(90, "JPEG"))
+    written = make_shards(src, tmp_path / "out", max_count=6)
     proc = run_cli(["demo", "--data", str(tmp_path / "out" / "shard-{000000..000001}.tar"),
                     "--batch-size", "4", "--workers", "2", "--device", "cpu"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout
-    assert "batches:" not in proc.stderr  # no progress bar in a pipe
-    assert "fields image (png), text (txt), label (cls); missing: audio (no flac/wav/ogg)" in out
+    assert "epoch 1/1" not in proc.stderr  # no progress bar in a pipe
+    assert ("fields image (jpg/jpeg/png/webp/bmp/tif/tiff), text (txt/caption), label (cls); "
+            "missing: audio (no flac/wav/ogg)") in out
     counts = dict(re.findall(r"^  (\w+) +(\d+) samples +[\d.]+ samples/s", out, re.M))
-    assert counts == {"image": "10", "text": "10", "label": "10"} and written.samples == 10
+    assert counts == {"image": "11", "text": "11", "label": "11"} and written.samples == 11
     assert "server 'audio'" not in out and "skipped 0 samples" in out
 
 

@@ -23,28 +23,31 @@ def run(args: argparse.Namespace) -> int:
     """Runs the demo; returns the exit code."""
     from mmproxy.datasets.recipes import AUDIO_EXTS, IMAGE_EXTS, VIDEO_EXTS
     from mmproxy.pipelines import resolve_device
-    from mmproxy.testing import cache_dir, demo_shards
+    from mmproxy.testing import demo_shards
+
+    def writing(where: Any) -> None:
+        print(f"mmproxy demo: writing {args.samples} synthetic samples (image, caption, audio, "
+              f"label{', video' if args.video else ''}) to {where}; later runs reuse them",
+              flush=True)
 
     if args.data:
         urls = expand_data(args.data)
     else:
-        print(f"mmproxy demo: writing {args.samples} synthetic samples (image, caption, audio, "
-              f"label{', video' if args.video else ''}) to {cache_dir() / 'demo'} (once)")
         urls = expand_data(demo_shards(args.samples,
                                         max(1, min(64, args.samples // (2 * max(1, args.workers)))),
-                                        video=args.video))
+                                        video=args.video, on_write=writing))
     first, exts = first_sample_fields(urls)
     wanted = {"image": IMAGE_EXTS, "audio": AUDIO_EXTS, "video": VIDEO_EXTS, "text": "txt;caption",
               "label": "cls"}
-    found = {name: [e for e in spec.split(";") if e in exts] for name, spec in wanted.items()}
-    used = [name for name in wanted if found[name]]
+    used = [name for name, spec in wanted.items() if set(spec.split(";")) & set(exts)]
     if not {"image", "audio", "video"} & set(used):
         raise ValueError(f"the first sample of {first} has no image ({IMAGE_EXTS}), audio "
                          f"({AUDIO_EXTS}) or video ({VIDEO_EXTS}) field, only {', '.join(exts)}; "
                          "the demo needs one")
-    print(f"mmproxy demo: fields {', '.join(f'{n} ({found[n][0]})' for n in used)}; missing: "
-          + (", ".join(f"{n} (no {wanted[n].replace(';', '/')})" for n in wanted if n not in used)
-             or "none") + f" (from the first sample of {first})")
+    read = {name: spec.replace(";", "/") for name, spec in wanted.items()}  # every one is read
+    print(f"mmproxy demo: fields {', '.join(f'{n} ({read[n]})' for n in used)}; missing: "
+          + (", ".join(f"{n} (no {read[n]})" for n in wanted if n not in used) or "none")
+          + f" (from the first sample of {first})")
     gpu, _ = resolve_device(args.device)
     workers = min(args.workers, len(urls))  # every worker needs a shard of its own
     print(f"mmproxy demo: {'GPU' if gpu else 'CPU'} pipelines, {workers} worker{'' if workers == 1 else 's'}"
@@ -102,7 +105,7 @@ def _dataset(args: argparse.Namespace, urls: list[str], exts: dict[str, str],
 
 
 def _text(data: bytes) -> str:
-    return data.decode().strip()
+    return data.decode("utf-8-sig").strip()  # a byte-order mark is no part of a caption
 
 
 def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dict[str, Any],
@@ -119,11 +122,19 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
     counts = dict.fromkeys(used, 0)
     reports = []  # each epoch's skip report: samples and whole shards, with the reasons
     bar = not args.quiet and sys.stderr.isatty()  # no bar fragments in a log file
+    total = None if args.data else args.samples  # else known after the first epoch
     start = time.perf_counter()
-    for _ in range(args.epochs):
-        for batch in tqdm(loader, desc="batches", unit="batch", disable=not bar):
-            for name in counts:
-                counts[name] += sizes[name](batch)
+    for epoch in range(args.epochs):
+        delivered = 0
+        with tqdm(desc=f"epoch {epoch + 1}/{args.epochs}", total=total, unit="sample",
+                  disable=not bar) as progress:
+            for batch in loader:
+                for name in counts:
+                    counts[name] += sizes[name](batch)
+                n = sizes[used[0]](batch)
+                delivered += n
+                progress.update(n)
+        total = total or delivered
         reports.append(loader.skipped)
     if gpu:
         torch.cuda.synchronize()

@@ -30,15 +30,19 @@ def write_shards(folder: str | os.PathLike[str], kind: str, count: int, workers:
     folder of its own."""
     from concurrent.futures import ProcessPoolExecutor
 
+    from mmproxy._parts import remove_stale_parts
+    from mmproxy.testing import writing_cache
+
     per_shard = min(64, max(1, count // max(1, workers)))
     name = f"{kind}-{count}" if per_shard == 64 else f"{kind}-{count}-by{per_shard}"
     where = Path(folder) / (name + (f"-{damage_kind}{damage:g}" if damage else ""))
-    where.mkdir(parents=True, exist_ok=True)
     jobs = [(str(where / f"{kind}-{s:04d}.tar"), kind, s * per_shard, min(count, (s + 1) * per_shard),
              damage, damage_kind) for s in range(math.ceil(count / per_shard))]
     if all(os.path.exists(job[0]) for job in jobs):
         return [job[0] for job in jobs]
-    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+    with writing_cache(where), ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        where.mkdir(parents=True, exist_ok=True)
+        remove_stale_parts(where)
         return list(pool.map(_write_shard, jobs))
 
 
