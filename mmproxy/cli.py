@@ -267,6 +267,12 @@ class _Interrupts:
     def restore(self) -> None:
         signal.signal(signal.SIGINT, self.previous)
 
+    def interrupted(self) -> None:
+        """The command ended by an interrupt (a signal, or ``KeyboardInterrupt`` raised for
+        one): says so; the next one exits at once."""
+        self.count = max(self.count, 1)
+        self.say()
+
     def say(self) -> None:
         if not self.said:
             self.said = True
@@ -307,13 +313,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.debug:
             traceback.print_exc()
-        interrupts.say()
+        interrupts.interrupted()
         return 130
     except Exception as err:
         from mmproxy.errors import MmproxyError
 
         if args.debug:
             traceback.print_exc()
+        if interrupts.count:  # what an interrupt that was swallowed left behind
+            interrupts.say()
+            return 130
         if isinstance(err, ModuleNotFoundError) and err.name:
             message = f"needs {err.name}, which is not installed: {_missing(err.name)}"
         elif isinstance(err, (MmproxyError, ValueError, OSError)):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -18,7 +20,7 @@ import torch
 import torchaudio
 from conftest import cpu_image_server
 from mmproxy.datasets import Tokenize, image_text_dataset, load_tokenizer, make_shards
-from mmproxy.datasets.writer import OutputExistsError, Reason
+from mmproxy.datasets.writer import OutputExistsError, Reason, WrittenShards
 
 import mmproxy
 from mmproxy import cli
@@ -581,6 +583,26 @@ def test_a_folder_without_a_tokenizer_and_a_missing_folder(tmp_path):
         assert Tokenize(given, 8, "longest")({"text": ["a red circle"]})["input_ids"].shape[0] == 1
 
 
+def test_a_tokenizer_file_is_loaded_not_called_a_missing_folder(tmp_path):
+    """``--tokenizer tok/tokenizer.json`` was "tokenizer folder ... does not exist"."""
+    import shutil
+
+    folder = Path(make_tokenizer(tmp_path / "tok"))
+    for given in (str(folder / "tokenizer.json"), folder / "tokenizer.json"):
+        tokenizer = load_tokenizer(given)  # its folder: the pad token of its config too
+        assert tokenizer.pad_token == "[PAD]" and tokenizer("a red circle")["input_ids"]
+    shutil.copy(folder / "tokenizer.json", tmp_path / "mine.json")  # a lone tokenizers file
+    assert load_tokenizer(str(tmp_path / "mine.json"))("a red circle")["input_ids"]
+    (tmp_path / "notes.md").write_text("hello")
+    with pytest.raises(ValueError, match=r"notes\.md' is a file, but not a tokenizer's"):
+        load_tokenizer(str(tmp_path / "notes.md"))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"tokenizer file .*bad\.json' cannot be loaded"):
+        load_tokenizer(str(tmp_path / "bad.json"))
+    with pytest.raises(FileNotFoundError, match=r"tokenizer file .*tokenizer\.json' does not exist"):
+        load_tokenizer(str(tmp_path / "gone" / "tokenizer.json"))
+
+
 NAME = "mmproxy-tests/no-such-tokenizer-7f3c"
 
 
@@ -756,3 +778,242 @@ def test_the_bench_pytorch_reference_decodes_every_audio_format_make_shards_writ
                                      .mean(axis=1))
         resampled = torchaudio.functional.resample(reference, rate, 16000)
         assert torch.corrcoef(torch.stack([x, resampled]))[0, 1] > 0.9
+
+
+# interrupts ----------------------------------------------------------------------------------
+
+
+def _interrupted_demo(tmp_path, cache, wait_for, delays, args=()):
+    """Runs the demo in a session of its own, waits for a line of its output, then sends SIGINT
+    to its whole process group (as a terminal's Ctrl-C does) after each of ``delays``."""
+    import selectors
+
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache), CUDA_VISIBLE_DEVICES="",
+               PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "mmproxy.cli", "demo", "--quiet",
+                             "--samples", "256", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    out, deadline = "", time.monotonic() + 120
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while wait_for not in out and time.monotonic() < deadline and proc.poll() is None:
+            if sel.select(timeout=1):
+                out += proc.stdout.readline()
+    assert wait_for in out, out
+    for delay in delays:
+        time.sleep(delay)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+    try:
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    # a Ctrl-C in the last moments of the interpreter's exit, once its handlers are gone, ends
+    # the process by the signal: a shell shows 130 for both
+    return 130 if proc.returncode == -signal.SIGINT else proc.returncode, out + rest, err
+
+
+@pytest.mark.parametrize("delays", [[0.0], [0.4], [1.5], [0.5, 0.05], [1.0, 0.4]])
+def test_an_interrupt_while_the_demo_writes_its_set_ends_it_in_one_line(tmp_path, delays):
+    """Ctrl-C while the demo writes its synthetic set (once, twice): exit code 130, one line, no
+    traceback, no half-written shard left; a later run reuses the whole shards and writes the
+    rest. A Ctrl-C was swallowed by a soundfile callback (the demo ran on, rc 0) and left
+    demo-0000.tar.part-PID files."""
+    cache = tmp_path / "cache"
+    code, out, err = _interrupted_demo(tmp_path, cache, "writing 256 synthetic samples", delays)
+    assert code == 130, (out, err)
+    assert err.strip().splitlines() == ["mmproxy demo: interrupted"], err
+    folder = cache / "mmproxy" / "demo"
+    assert not [p for p in folder.rglob("*") if ".part-" in p.name]
+    for shard in folder.rglob("*.tar"):  # every shard there is whole
+        with tarfile.open(shard) as tar:
+            assert len(tar.getnames()) == 4 * 64  # 64 samples of 4 fields
+
+
+@pytest.mark.parametrize("delays", [[0.0], [1.0], [0.3, 0.3]])
+def test_an_interrupt_while_the_demo_streams_ends_it_in_one_line(tmp_path, delays):
+    cache = tmp_path / "cache"
+    assert run_cli(["demo", "--samples", "256", "--quiet", "--epochs", "1"],
+                   tmp_path).returncode == 0  # the set and the tokenizer, made once
+    code, out, err = _interrupted_demo(tmp_path, cache, "pipelines", delays, ["--epochs", "50"])
+    assert code == 130, (out, err)
+    assert err.strip().splitlines() == ["mmproxy demo: interrupted"], err
+    assert "Traceback" not in out
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # cffi's print
+def test_an_interrupt_that_library_code_swallows_still_ends_with_130(capsys, monkeypatch):
+    """A Ctrl-C raised inside a callback from C (here libsndfile writing to a Python file
+    object) is printed by cffi and lost: the command ran on and the CLI exited 0."""
+    import mmproxy.datasets as datasets
+    import soundfile as sf
+
+    class Interrupting:  # a file whose first write receives the Ctrl-C
+        def __init__(self):
+            self.data, self.interrupted = bytearray(), False
+
+        def write(self, data):
+            if not self.interrupted:
+                self.interrupted = True
+                signal.raise_signal(signal.SIGINT)
+            self.data += data
+            return len(data)
+
+        def seek(self, offset, whence=0):
+            return len(self.data)
+
+        def tell(self):
+            return len(self.data)
+
+    def make_shards(*args, **kwargs):
+        sf.write(Interrupting(), np.zeros(800, np.float32), 8000, format="WAV")
+        return WrittenShards("image-text", [])  # it ran on to the end
+
+    monkeypatch.setattr(datasets, "make_shards", make_shards)
+    assert cli.main(["make-shards", "a", "b"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "mmproxy make-shards: interrupted"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+
+
+def test_a_second_interrupt_while_the_program_exits_prints_no_traceback(tmp_path):
+    """The first Ctrl-C ends the command; a second one while the interpreter exits (its atexit
+    work: stopping workers, joining threads) printed a long traceback."""
+    script = tmp_path / "prog.py"
+    script.write_text(
+        "import atexit, sys, time\n"
+        "import mmproxy.datasets as datasets\n"
+        "from mmproxy import cli\n"
+        "atexit.register(time.sleep, 20)  # slow work at exit\n"
+        "def make_shards(*args, **kwargs):\n"
+        "    raise KeyboardInterrupt  # the first Ctrl-C\n"
+        "datasets.make_shards = make_shards\n"
+        "sys.argv = ['mmproxy', 'make-shards', 'a', 'b']\n"
+        "sys.exit(cli.main())\n")
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stderr.readline() == "mmproxy make-shards: interrupted\n"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        err = proc.stderr.read()
+        assert proc.wait(timeout=10) == 130
+    finally:
+        proc.kill()
+    assert err == ""
+
+
+# CLI texts -----------------------------------------------------------------------------------
+
+
+def test_the_kind_suggested_fits_the_tree_and_is_worded_for_the_cli(tmp_path, capsys):
+    """Videos in class folders (no captions): --kind video-label fits, not video-text; the CLI
+    says --kind and --overwrite, the function kind= and overwrite=True."""
+    from mmproxy.datasets.writer import NoMediaError
+
+    src = tmp_path / "src"
+    for label in ("cats", "dogs"):
+        (src / label).mkdir(parents=True)
+        (src / label / "0.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    with pytest.raises(NoMediaError, match=r"no image files to write .*; it holds video files: "
+                       r"use kind='video-label'$"):
+        make_shards(src, tmp_path / "out")
+    assert cli.main(["make-shards", str(src), str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.splitlines()[0].endswith(
+        "; it holds video files: use --kind video-label")
+    (src / "cats" / "0.txt").write_text("a cat")  # captions: the text kind
+    assert cli.main(["make-shards", str(src), str(tmp_path / "out"), "--kind", "audio-label"]) == 1
+    assert capsys.readouterr().err.splitlines()[0].endswith("use --kind video-text")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["demo", "--epochs", "0"], "argument --epochs: must be at least 1, got 0"),
+    (["demo", "--samples", "0"], "argument --samples: must be at least 1, got 0"),
+    (["demo", "--workers", "-1"], "argument --workers: must be at least 0, got -1"),
+    (["demo", "--max-skipped", "1.5"], "argument --max-skipped: must be from 0 to 1, got 1.5"),
+    (["bench", "--runs", "two"], "argument --runs: expected a whole number, got 'two'"),
+    (["make-shards", "a", "b", "--max-count", "0"], "argument --max-count: must be at least 1, "
+     "got 0"),
+    (["make-shards", "a", "b", "--max-size", "0"], "argument --max-size: must be more than 0, "
+     "got 0"),
+])
+def test_values_out_of_range_are_refused_by_the_parser(args, message, capsys):
+    """``--epochs 0`` ran nothing and passed; ``--samples 0`` named missing shards of a --data
+    never given; make-shards said "max_count and max_size must be positive"."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"mmproxy {args[0]}: error: {message}"
+
+
+def test_version_and_an_option_whose_package_is_missing(tmp_path, capsys, monkeypatch):
+    """``--plot`` without matplotlib ran the whole bench, then a ModuleNotFoundError traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"mmproxy {mmproxy.__version__}\n"
+
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    ran = []
+    monkeypatch.setattr("mmproxy.apps.bench.run", lambda args: ran.append(args) or 0)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--plot", str(tmp_path / "p.png")])
+    assert exit_info.value.code == 2 and not ran
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "mmproxy bench: error: --plot needs matplotlib, which is not installed: pip install "
+        "'mmproxy[plot]'")
+
+
+def test_the_demo_says_it_writes_its_set_only_when_it_does_and_shows_a_bar_with_a_total(tmp_path):
+    """"writing 256 synthetic samples ... (once)" was printed on every run; the progress bar
+    had no total and no epoch. Under a terminal it shows "epoch 1/2" and "64/64"."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    args = ["demo", "--samples", "64", "--batch-size", "16", "--device", "cpu"]
+    first = run_cli([*args, "--quiet"], tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "mmproxy demo: writing 64 synthetic samples" in first.stdout
+    primary, secondary = pty.openpty()  # stderr a terminal: the bar is shown
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # its width
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen([sys.executable, "-m", "mmproxy.cli", *args, "--epochs", "2"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=secondary, text=True)
+    os.close(secondary)
+    bar = b""
+    with contextlib.suppress(OSError):  # EIO once the child has closed its end
+        while chunk := os.read(primary, 4096):
+            bar += chunk
+    os.close(primary)
+    out = proc.communicate(timeout=200)[0]
+    assert proc.returncode == 0, bar.decode(errors="replace")[-2000:]
+    assert "writing" not in out  # the set is there: nothing is written
+    text = bar.decode(errors="replace")
+    assert re.search(r"epoch 1/2: 100%.*64/64", text) and re.search(r"epoch 2/2: 100%.*64/64",
+                                                                      text), text[-2000:]
+
+
+def test_a_cache_that_cannot_be_written_is_named_with_xdg_cache_home(tmp_path):
+    """A read-only cache gave "[Errno 30] Read-only file system: ..." and nothing more."""
+    (tmp_path / "file").write_text("not a folder")
+    proc = subprocess.run([sys.executable, "-m", "mmproxy.cli", "demo", "--quiet"], cwd=ROOT,
+                          env=dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "file" / "cache")),
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 1
+    assert re.match(rf"mmproxy demo: error: cannot write to mmproxy's cache folder "
+                    rf"{re.escape(str(tmp_path / 'file' / 'cache' / 'mmproxy'))}: .*Not a directory; "
+                    r"that folder is \$XDG_CACHE_HOME/mmproxy \(XDG_CACHE_HOME=.*\): set "
+                    "XDG_CACHE_HOME to a writable folder$", proc.stderr.splitlines()[0]), proc.stderr
+
+
+def test_demo_captions_lose_a_byte_order_mark():
+    from mmproxy.apps.demo import _text
+
+    assert _text("\ufeffa caption \n".encode()) == "a caption"
