@@ -156,14 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Runs the same data side by side through every system and "
                            "prints throughput ratios; writes JSON (and a PNG with --plot).")
     bench.add_argument("--workload", default="image",
-                       help="image, audio, image-text, machinery, a comma-separated list, or all")
+                       help="image, audio, image-text, video, machinery, a comma-separated "
+                       "list, or all (default image)")
     bench.add_argument("--no-next-epoch-prefetch", dest="next_epoch", action="store_false",
                        help="mmproxy: do not prepare the next epoch's first batch early")
     bench.add_argument("--prefetch", type=_POSITIVE, default=2,
                        help="prefetch_queue_depth of the proxied pipelines (mmproxy, dali-proxy)")
     bench.add_argument("--systems", default="mmproxy,torch,torch-tensor,dali-proxy,dali-reader",
                        help="comma-separated subset of mmproxy, torch (PIL decode + torchvision "
-                       "v2 in workers), torch-tensor (torchvision.io.decode_jpeg + v2), dali-proxy "
+                       "v2 in workers; audio: soundfile + torchaudio; video: PyAV + torchvision), "
+                       "torch-tensor (torchvision.io.decode_jpeg + v2), dali-proxy "
                        "(DALI's own proxy), dali-proxy-seed (the same with its documentation's "
                        "prefetch_queue_depth=2*workers), dali-reader (fn.readers.webdataset, no Python), "
                        "mmproxy-http, mmproxy-s3, mmproxy-cached (the image shards served by a local "
@@ -175,9 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the DataLoader workers of every system on these cores (like 8-15), "
                        "the rest of the process (DALI's threads, the servers, the main loop) on "
                        "the others it may use, so that neither takes the other's cores")
-    bench.add_argument("--samples", type=_POSITIVE, default=1024, help="images (audio: clips / 4)")
-    bench.add_argument("--batch-size", type=_POSITIVE, default=None, help="default: 256 images, 64 clips "
-                       "on a GPU; 64 and 32 on CPU")
+    bench.add_argument("--samples", type=_POSITIVE, default=1024,
+                       help="images (audio: clips / 4; video: clips / 16; default 1024)")
+    bench.add_argument("--batch-size", type=_POSITIVE, default=None, help="default: 256 images, 64 audio "
+                       "clips, 32 video clips on a GPU; 64, 32 and 8 on CPU")
     bench.add_argument("--workers", type=_COUNT, default=2, help="DataLoader workers (default 2)")
     bench.add_argument("--threads", type=_POSITIVE, default=2, help="DALI threads per pipeline")
     bench.add_argument("--epochs", type=_POSITIVE, default=3,
@@ -191,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "synthetic ones: every system on them, mmproxy first; when it skips "
                        "damaged files, DALI's proxy and reader are not run (they may crash on them)")
     bench.add_argument("--field", help="with --data: the extension of the field to load, or several "
-                       "joined by ; (image or audio ones; default: every image extension, or every "
-                       "audio one, as the first sample has an image or audio field)")
+                       "joined by ; (image, audio or video ones; default: every extension of the "
+                       "family of the first sample's image, audio or video field)")
     bench.add_argument("--max-skipped", type=_FRACTION, default=0.1,
                        help="mmproxy's run fails when more than this fraction of an epoch's samples "
                        "is skipped as damaged (default 0.1)")

@@ -705,7 +705,25 @@ def test_bench_summary_says_when_an_epoch_is_too_short_to_time_and_when_mmproxy_
     out = capsys.readouterr().out
     assert "352295.1 samples/s   mmproxy / this = n/a" in out
     notes = [line.split()[0] for line in out.splitlines() if "too few to time" in line]
-    assert notes == ["image"] and "4 batch(es) an epoch are too few" in out
+    assert notes == ["image"] and "4 batches an epoch are too few" in out
+
+    # the batches each system counted: 2 workers made 2 partial batches of 64 samples
+    # where "64 / 64" gave "1 batch(es)"
+    measured = {"samples": 64, "batch_size": 64, "systems": {
+        "mmproxy": {"samples_per_s": 10.0, "samples": 64, "batches": 2}}}
+    print_summary({"machine": {"gpu": None}, "results": {"image": measured}}, 2)
+    assert "image      note: 2 batches an epoch are too few" in capsys.readouterr().out
+
+
+def test_the_bench_says_each_systems_result_in_words():
+    """It printed each system's raw result dict."""
+    from mmproxy.apps.bench.report import system_line
+
+    result = {"samples_per_s": 73.27, "epochs": [31.4, 73.3, 70.1], "samples": 16, "batches": 1,
+              "skipped": {"samples": 2, "shards": 0}, "cpu_ms_per_batch": {"workers": 55.0}}
+    assert system_line(result) == ("      73.3 samples/s (best epoch; epochs 31.4 (warm-up), "
+                                   "73.3, 70.1); 16 samples in 1 batch an epoch; skipped 2 samples")
+    assert system_line({"error": "not run: no GPU"}) == "not run: no GPU"
 
 
 def test_the_bench_names_the_commit_from_the_checkouts_git_folder(tmp_path):
@@ -1017,3 +1035,57 @@ def test_demo_captions_lose_a_byte_order_mark():
     from mmproxy.apps.demo import _text
 
     assert _text("\ufeffa caption \n".encode()) == "a caption"
+
+
+# bench workloads -----------------------------------------------------------------------------
+
+
+def _bench(tmp_path, *args):
+    out = tmp_path / "bench.json"
+    proc = run_cli(["bench", "--epochs", "2", "--workers", "1", "--device", "cpu", "--json",
+                    str(out), "--data-dir", str(tmp_path / "data"), *args], tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())["results"]
+
+
+def test_the_bench_has_a_video_workload(tmp_path):
+    """mmproxy's video pipeline (PyAV in the workers on CPU) beside PyTorch workers decoding with
+    PyAV; DALI's reader says why it does not run on CPU."""
+    proc, results = _bench(tmp_path, "--workload", "video", "--samples", "128", "--batch-size",
+                           "4", "--systems", "mmproxy,torch,dali-reader")
+    systems = results["video"]["systems"]
+    for name in ("mmproxy", "torch"):
+        assert systems[name]["samples"] == 8 and systems[name]["samples_per_s"] > 0, systems[name]
+    assert systems["dali-reader"]["error"].startswith("not run: DALI decodes H.264 on a GPU only")
+    assert re.search(r"^\[video\] mmproxy +[\d.]+ samples/s \(best epoch; epochs ", proc.stdout,
+                     re.M), proc.stdout
+
+
+def test_the_bench_on_your_video_and_flac_shards(tmp_path):
+    """``--data`` of videos said "name one with --field", then refused ``--field mp4``; the
+    PyTorch reference failed on FLAC and OGG shards as if they were damaged."""
+    from mmproxy.testing import synth_video, video_bytes
+
+    clips = tmp_path / "clips" / "waves"
+    clips.mkdir(parents=True)
+    for i in range(4):
+        (clips / f"{i}.mp4").write_bytes(video_bytes(synth_video(i, 40, 64, 96)))
+    make_shards(tmp_path / "clips", tmp_path / "videos", kind="video-label", max_count=2)
+    for field in ([], ["--field", "mp4"]):
+        proc, results = _bench(tmp_path, "--data", str(tmp_path / "videos"), "--batch-size", "2",
+                               "--systems", "mmproxy,torch", *field)
+        video = results["video"]
+        assert video["field"] == ("mp4" if field else "mp4;mov;webm;mkv;avi")
+        assert {name: s["samples"] for name, s in video["systems"].items()} == {"mmproxy": 4,
+                                                                               "torch": 4}
+    speech = tmp_path / "speech"
+    for label, fmt in (("yes", "FLAC"), ("no", "OGG")):
+        (speech / label).mkdir(parents=True)
+        for i in range(3):
+            (speech / label / f"{i}.{fmt.lower()}").write_bytes(
+                audio_bytes(synth_speech(i, 0.5, 22050), 22050, fmt))
+    make_shards(speech, tmp_path / "audio", kind="audio-label")
+    _, results = _bench(tmp_path, "--data", str(tmp_path / "audio"), "--batch-size", "2",
+                        "--systems", "mmproxy,torch")
+    assert {name: s.get("samples") for name, s in results["audio"]["systems"].items()} == {
+        "mmproxy": 6, "torch": 6}

@@ -1,7 +1,9 @@
-"""Bench shards: the synthetic image and audio shards every system reads, some JPEGs damaged.
+"""Bench shards: the synthetic image, audio and video shards every system reads, some JPEGs
+damaged.
 
 Images are ~45 KB JPEGs of 500x375 with a caption and a label, like the reference workload; audio
-clips are 44.1 kHz WAV of 2-10 s with a label. Shards are written once per folder, in parallel
+clips are 44.1 kHz WAV of 2-10 s with a label; videos are H.264 MP4 clips of 2 s (50 frames,
+160x120, a key frame every 12) with a label. Shards are written once per folder, in parallel
 processes, and reused by later runs.
 """
 
@@ -23,7 +25,7 @@ def is_damaged(i: int, damage: float) -> bool:
 
 def write_shards(folder: str | os.PathLike[str], kind: str, count: int, workers: int = 1,
                  damage: float = 0.0, damage_kind: str = "truncate") -> list[str]:
-    """Writes (once) ``count`` synthetic samples of ``kind`` ("image" or "audio") as shards of 64
+    """Writes (once) ``count`` synthetic samples of ``kind`` ("image", "audio" or "video") as shards of 64
     under ``folder/KIND-COUNT/``, smaller shards when 64 would leave one of ``workers`` without
     one; returns their paths. With ``damage``, that fraction of the images is damaged
     (:func:`mmproxy.testing.damage_jpeg` of ``damage_kind``), spread evenly over the shards, in a
@@ -63,8 +65,20 @@ def _write_shard(job: tuple[str, str, int, int, float, str]) -> str:
 
 
 def _sample(kind: str, i: int, damage: float, damage_kind: str) -> dict[str, Any]:
-    from mmproxy.testing import audio_bytes, caption, damage_jpeg, image_bytes, synth_image, synth_speech
+    from mmproxy.testing import (
+        audio_bytes,
+        caption,
+        damage_jpeg,
+        image_bytes,
+        synth_image,
+        synth_speech,
+        synth_video,
+        video_bytes,
+    )
 
+    if kind == "video":
+        return {"__key__": f"{i:07d}", "mp4": video_bytes(synth_video(i, 50, 120, 160), crf=23),
+                "cls": str(i % 10)}
     if kind == "image":
         jpeg = image_bytes(synth_image(i, 375, 500))
         if is_damaged(i, damage):
