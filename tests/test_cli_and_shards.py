@@ -809,16 +809,19 @@ def _interrupted_demo(tmp_path, cache, wait_for, delays, args=()):
     env = dict(os.environ, XDG_CACHE_HOME=str(cache), CUDA_VISIBLE_DEVICES="",
                PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "mmproxy.cli", "demo", "--quiet",
-                             "--samples", "256", *args], cwd=ROOT, env=env, text=True,
+                             "--samples", "256", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
-    out, deadline = "", time.monotonic() + 120
-    with selectors.DefaultSelector() as sel:
+    out, deadline = b"", time.monotonic() + 120
+    with selectors.DefaultSelector() as sel:  # unbuffered reads: select sees every byte
         sel.register(proc.stdout, selectors.EVENT_READ)
-        while wait_for not in out and time.monotonic() < deadline and proc.poll() is None:
+        while wait_for.encode() not in out and time.monotonic() < deadline:
             if sel.select(timeout=1):
-                out += proc.stdout.readline()
-    assert wait_for in out, out
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                out += chunk
+    assert wait_for.encode() in out, out
     for delay in delays:
         time.sleep(delay)
         with contextlib.suppress(ProcessLookupError):
@@ -830,7 +833,8 @@ def _interrupted_demo(tmp_path, cache, wait_for, delays, args=()):
             os.killpg(proc.pid, signal.SIGKILL)
     # a Ctrl-C in the last moments of the interpreter's exit, once its handlers are gone, ends
     # the process by the signal: a shell shows 130 for both
-    return 130 if proc.returncode == -signal.SIGINT else proc.returncode, out + rest, err
+    return (130 if proc.returncode == -signal.SIGINT else proc.returncode,
+            (out + rest).decode(), err.decode())
 
 
 @pytest.mark.parametrize("delays", [[0.0], [0.4], [1.5], [0.5, 0.05], [1.0, 0.4]])
@@ -1089,3 +1093,47 @@ def test_the_bench_on_your_video_and_flac_shards(tmp_path):
                         "--systems", "mmproxy,torch")
     assert {name: s.get("samples") for name, s in results["audio"]["systems"].items()} == {
         "mmproxy": 6, "torch": 6}
+
+
+# decoder noise -------------------------------------------------------------------------------
+
+
+def test_decoder_warnings_are_counted_and_every_other_line_goes_through(capfd):
+    from mmproxy.apps.noise import DecoderWarnings
+
+    with DecoderWarnings() as noise:
+        os.write(2, b"Corrupt JPEG data: 2 extraneous bytes before marker 0xd9\n")
+        print("a line of Python's own", file=sys.stderr)
+        subprocess.run([sys.executable, "-c", "import os; os.write(2, b'Premature end of JPEG "
+                        "file\\nSegmentation fault in a child\\n')"], check=True)
+        os.write(2, b"Corrupt JPEG data: 2 extraneous bytes before marker 0xd9\n")
+    err = capfd.readouterr().err
+    assert err.splitlines() == ["a line of Python's own", "Segmentation fault in a child"]
+    assert noise.counts == {"Corrupt JPEG data: 2 extraneous bytes before marker 0xd9": 2,
+                            "Premature end of JPEG file": 1}
+    assert noise.summary() == [
+        "decoder warnings kept off stderr (the files decoded): 3",
+        "  2 x Corrupt JPEG data: 2 extraneous bytes before marker 0xd9",
+        "  1 x Premature end of JPEG file"]
+
+
+def test_the_demo_summarises_decoder_noise_instead_of_printing_it(tmp_path):
+    """"Corrupt JPEG data: ..." lines from DALI's decoder threads filled stderr."""
+    jpeg = image_bytes(synth_image(3, 96, 128))
+    noisy = jpeg[:-2] + b"\x00\x00\x00\xff\xd9"  # decodes, with a warning from libjpeg
+    # (the random-crop decoder stops where its crop ends: about one file in four gets as far as
+    # the warning)
+    write_tar(tmp_path / "a.tar", [{"__key__": f"k{i}", "jpg": noisy, "cls": 1}
+                                   for i in range(48)])
+    proc = run_cli(["demo", "--data", str(tmp_path / "a.tar"), "--batch-size", "8",
+                    "--workers", "1", "--device", "cpu", "--quiet"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Corrupt JPEG" not in proc.stderr, proc.stderr
+    found = re.search(r"^  decoder warnings kept off stderr \(the files decoded\): (\d+)\n"
+                      r"    (\d+) x Corrupt JPEG data: \d+ extraneous bytes before marker 0xd9$",
+                      proc.stdout, re.M)
+    assert found and found[1] == found[2], proc.stdout
+    debug = run_cli(["demo", "--data", str(tmp_path / "a.tar"), "--batch-size", "8",
+                     "--workers", "1", "--device", "cpu", "--quiet", "--debug"], tmp_path)
+    assert "Corrupt JPEG data: " in debug.stderr  # --debug: every line, as it comes
+    assert "decoder warnings" not in debug.stdout

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 import time
 from typing import Any
 
 from mmproxy.apps.data import expand_data, first_sample_fields
+from mmproxy.apps.noise import DecoderWarnings
 
 __all__ = ["run"]
 
@@ -56,11 +56,16 @@ def run(args: argparse.Namespace) -> int:
           + (", ".join(urls) if len(urls) <= 3 else f"{urls[0]}, ..., {urls[-1]}"))
     servers = _servers(args, used)
     dataset = _dataset(args, urls, {name: wanted[name] for name in used}, servers)
+    noise = DecoderWarnings()  # --debug: every line the decoders print, as it comes
     with contextlib.ExitStack() as stack:
+        if not args.debug:
+            stack.enter_context(noise)
         for server in servers.values():
             stack.enter_context(server)
         _stream(args, dataset.loader(list(servers.values()), num_workers=workers), used, servers,
-                gpu)
+                gpu, noise.terminal)
+    for line in noise.summary():
+        print("  " + line)
     return 0
 
 
@@ -109,7 +114,7 @@ def _text(data: bytes) -> str:
 
 
 def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dict[str, Any],
-            gpu: bool) -> None:
+            gpu: bool, terminal: Any) -> None:
     """Runs the epochs, counting samples per field, then prints the summary."""
     import torch
     from tqdm import tqdm
@@ -121,13 +126,13 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
              "text": lambda b: b["input_ids"].shape[0], "label": lambda b: len(b["label"])}
     counts = dict.fromkeys(used, 0)
     reports = []  # each epoch's skip report: samples and whole shards, with the reasons
-    bar = not args.quiet and sys.stderr.isatty()  # no bar fragments in a log file
+    bar = not args.quiet and terminal.isatty()  # no bar fragments in a log file
     total = None if args.data else args.samples  # else known after the first epoch
     start = time.perf_counter()
     for epoch in range(args.epochs):
         delivered = 0
         with tqdm(desc=f"epoch {epoch + 1}/{args.epochs}", total=total, unit="sample",
-                  disable=not bar) as progress:
+                  disable=not bar, file=terminal) as progress:
             for batch in loader:
                 for name in counts:
                     counts[name] += sizes[name](batch)
