@@ -711,8 +711,10 @@ def test_bench_summary_says_when_an_epoch_is_too_short_to_time_and_when_mmproxy_
     # where "64 / 64" gave "1 batch(es)"
     measured = {"samples": 64, "batch_size": 64, "systems": {
         "mmproxy": {"samples_per_s": 10.0, "samples": 64, "batches": 2}}}
-    print_summary({"machine": {"gpu": None}, "results": {"image": measured}}, 2)
-    assert "image      note: 2 batches an epoch are too few" in capsys.readouterr().out
+    print_summary({"machine": {"gpu": None}, "results": {"image": measured}}, 1)
+    out = capsys.readouterr().out
+    assert "image      note: 2 batches an epoch are too few" in out
+    assert "mmproxy bench (CPU, 1 worker): " in out  # not "1 workers"
 
 
 def test_the_bench_says_each_systems_result_in_words():

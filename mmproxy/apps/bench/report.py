@@ -137,7 +137,7 @@ _FEW_BATCHES = 20  # fewer batches an epoch than this: the rates say little
 def print_summary(out: dict[str, Any], workers: int) -> None:
     """Throughput per workload and system, and mmproxy's ratio to each."""
     gpu = out["machine"]["gpu"]
-    print(f"\nmmproxy bench ({'GPU ' + str(gpu) if gpu else 'CPU'}, {workers} workers): "
+    print(f"\nmmproxy bench ({'GPU ' + str(gpu) if gpu else 'CPU'}, {_count(workers, 'worker')}): "
           "throughput, and mmproxy's ratio to each system")
     width = max((len(n) for r in out["results"].values() for n in r["systems"]), default=15)
     for kind, r in out["results"].items():
