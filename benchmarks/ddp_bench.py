@@ -5,7 +5,7 @@ Run:  torchrun --nproc_per_node=2 benchmarks/ddp_bench.py [train_ddp.py's option
 
 Rank 0 prints (and with --json writes) a summary: per rank the best epoch's rate, the sustained
 rate over the epochs after the first (start-up) and the main loop's wait per batch.
-benchmarks/gpu_ddp.sh runs it on two GPUs; benchmarks/ddp_profile.py sums up its --profile traces.
+benchmarks/multi_gpu.sh runs it on two GPUs; benchmarks/ddp_profile.py sums up its --profile traces.
 """
 
 import argparse

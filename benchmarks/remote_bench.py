@@ -8,20 +8,20 @@ ratio to local is taken within the round; the median over rounds is reported wit
 Before the rounds each system's first batch is timed from a fresh loader (workers starting, first
 shard fetched; the cache cold); the first of these rounds also fills the cache.
 
-    python benchmarks/remote_bench.py --samples 4096 --rounds 8 \
-        --json benchmarks/results/remote-cpu-2core.json
+    python benchmarks/remote_bench.py --samples 4096 --rounds 8 \\
+        --json benchmarks/results/cpu-2core/remote-interleaved.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
+
+import _harness  # this script's folder is on the path
 
 from mmproxy.apps.bench.pipes import proxied_pipeline
 from mmproxy.apps.bench.remote import SpreadEndpoints, cpu_list, s3_processes, serving
@@ -46,20 +46,12 @@ def epoch(loader: Any) -> tuple[float, float, int]:
 def main() -> None:
     from mmproxy.datasets import MultiModalDataset
     from mmproxy.datasets.remote import RemoteOptions
-    from mmproxy.pipelines import resolve_device
 
     import mmproxy
-    from mmproxy.testing import cache_dir
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--samples", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=None)
-    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--json", default=None)
+    parser = _harness.parser(__doc__)
+    parser.add_argument("--samples", type=int, default=4096, help="images in the shards")
+    parser.add_argument("--rounds", type=int, default=8, help="epochs of each system, taking turns")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help="a subset of local,http,s3,cached (s3 needs boto3 and moto[server])")
     parser.add_argument("--server-cpus", default=None,
@@ -68,12 +60,10 @@ def main() -> None:
     args = parser.parse_args()
     servers = cpu_list(args.server_cpus)
     systems = ("local", *[s for s in SYSTEMS[1:] if s in args.systems.split(",")])
-    gpu, device_id = resolve_device(args.device)
-    folder = Path(args.data_dir or cache_dir() / "bench")
+    gpu, device_id, batch, folder = _harness.setup(args)
     paths = write_shards(folder, "image", args.samples, args.workers)
     bench_args = argparse.Namespace(threads=args.threads, prefetch=2, cpu_resize="torchvision")
-    setup = Setup(bench_args, "image", paths, folder, gpu, device_id,
-                  args.batch_size or (256 if gpu else 64))
+    setup = Setup(bench_args, "image", paths, folder, gpu, device_id, batch)
     server = mmproxy.DALIServer(proxied_pipeline(setup), name="image")
     with contextlib.ExitStack() as stack:
         stack.enter_context(server)
@@ -108,19 +98,18 @@ def main() -> None:
             for system in order:
                 rates[system].append(epoch(loaders[system])[0])
             print(f"round {r}: " + ", ".join(f"{s} {rates[s][-1]:.0f}" for s in systems), flush=True)
-    out: dict[str, Any] = {"settings": vars(args), "batch_size": setup.batch, "gpu": gpu,
-                           "first_batch_s": first, "rates": rates, "systems": {}}
+    out: dict[str, Any] = {"batch_size": setup.batch, "first_batch_s": first, "rates": rates,
+                           "systems": {}}
     for system in systems:
-        ratios = [a / b for a, b in zip(rates[system], rates["local"])]
+        ratios = _harness.ratios(rates[system], rates["local"])
+        vs_local = _harness.spread(ratios)
         out["systems"][system] = {
             "median_samples_per_s": round(statistics.median(rates[system]), 1),
             "best_samples_per_s": round(max(rates[system]), 1),
-            "median_vs_local": round(statistics.median(ratios), 3),
-            "range_vs_local": [round(min(ratios), 3), round(max(ratios), 3)],
+            "median_vs_local": vs_local["median"], "range_vs_local": vs_local["range"],
             "best_vs_best_local": round(max(rates[system]) / max(rates["local"]), 3)}
         print(system, out["systems"][system])
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    _harness.write_json(args.json, args, gpu, out)
 
 
 if __name__ == "__main__":

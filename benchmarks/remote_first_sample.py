@@ -5,17 +5,18 @@ process of its own (the bench's HTTP server, then moto's S3 server), and reads i
 ``mmproxy.datasets.shards.read_remote_tar``: the time to the first sample, and to the whole shard.
 Streaming shows as a first sample in milliseconds while the whole shard takes seconds.
 
-    python benchmarks/remote_first_sample.py --size-mb 512 --json benchmarks/results/remote-first-sample.json
+    python benchmarks/remote_first_sample.py --size-mb 512 \\
+        --json benchmarks/results/cpu-2core/remote-first-sample-512mb.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
+import _harness  # this script's folder is on the path
 import numpy as np
 from mmproxy.datasets.remote import RemoteOptions
 from mmproxy.datasets.shards import read_local_tar, read_remote_tar
@@ -60,8 +61,7 @@ def main() -> None:
             out[f"{kind}-cache-warm"] = timed(read_remote_tar(url, cached))
             print(kind, "cache cold", out[f"{kind}-cache-cold"], "warm", out[f"{kind}-cache-warm"],
                   flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"size_mb": args.size_mb, "results": out}, indent=2))
+    _harness.write_json(args.json, args, False, {"size_mb": args.size_mb, "results": out})
 
 
 if __name__ == "__main__":

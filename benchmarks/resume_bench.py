@@ -9,44 +9,37 @@ and flip drawn per sample from its seed in the workers (``fn.decoders.image_slic
 DALI drawing them (``fn.decoders.image_random_crop``, ``fn.random.coin_flip``), and the seeded
 window applied after decoding the whole image (``fn.decoders.image`` + ``fn.slice``).
 
-    python benchmarks/resume_bench.py --samples 4096 --rounds 3 \
-        --json benchmarks/results/resume-cpu-2core.json
+    python benchmarks/resume_bench.py --samples 4096 --rounds 3 \\
+        --json benchmarks/results/cpu-2core/resume.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
+
+import _harness  # this script's folder is on the path
 
 
 def main() -> None:
     from mmproxy.datasets import MultiModalDataset
-    from mmproxy.pipelines import external_pipeline, image_train_graph, resolve_device
+    from mmproxy.pipelines import external_pipeline, image_train_graph
     from mmproxy.pipelines.image import RandomResizedCrop
 
     import mmproxy
     from mmproxy.apps.bench.shards import write_shards
     from mmproxy.apps.bench.timing import count_samples
-    from mmproxy.testing import cache_dir
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--samples", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=None)
+    parser = _harness.parser(__doc__)
+    parser.add_argument("--samples", type=int, default=4096, help="images in the shards")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="resumes timed at each point, and epochs of each pipeline")
     parser.add_argument("--shuffle-buffer", type=int, default=1024)
-    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
-    parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    gpu, device_id = resolve_device(args.device)
-    batch = args.batch_size or (256 if gpu else 64)
-    paths = write_shards(Path(cache_dir() / "bench"), "image", args.samples, args.workers)
+    gpu, device_id, batch, folder = _harness.setup(args)
+    paths = write_shards(folder, "image", args.samples, args.workers)
 
     def server(seeded: bool, roi: bool = True) -> mmproxy.DALIServer:
         graph = partial(image_train_graph, gpu=gpu, size=224, roi_decode=roi)
@@ -54,9 +47,8 @@ def main() -> None:
         pipe = external_pipeline(graph, input_name="data", batch_size=batch,
                                  num_threads=args.threads, device_id=device_id,
                                  more_inputs=drawn.names if drawn else ())
-        pipe.mmproxy_sample_random = drawn
-        return mmproxy.DALIServer(pipe, name=("seeded" if roi else "seeded-full")
-                                  if seeded else "dali-drawn")
+        name = ("seeded" if roi else "seeded-full") if seeded else "dali-drawn"
+        return mmproxy.DALIServer(mmproxy.SampleSeeded(pipe, drawn), name=name)
 
     seeded, drawn, full = server(True), server(False), server(True, roi=False)
 
@@ -66,7 +58,7 @@ def main() -> None:
                                prefetch_next_epoch=False)
         return ds.loader(srv, num_workers=args.workers)
 
-    out: dict[str, Any] = {"settings": vars(args), "batch_size": batch, "gpu": gpu}
+    out: dict[str, Any] = {"batch_size": batch}
     with seeded, drawn, full:
         # the states after 10% and 90% of the epoch's batches
         probe = loader(seeded)
@@ -112,22 +104,17 @@ def main() -> None:
                     n += count_samples(b)
                 if r:  # round 0 warms both up
                     rates[name].append(n / (time.perf_counter() - start))
-        full_ratios = [a / b for a, b in zip(rates["seeded-full"], rates["dali-drawn"])]
-        out["seeded_full_decode_vs_dali_drawn"] = {
-            "median": round(statistics.median(full_ratios), 3),
-            "range": [round(min(full_ratios), 3), round(max(full_ratios), 3)]}
+        out["seeded_full_decode_vs_dali_drawn"] = _harness.spread(
+            _harness.ratios(rates["seeded-full"], rates["dali-drawn"]))
         print(f"seeded, whole image decoded then sliced / dali-drawn: "
               f"{out['seeded_full_decode_vs_dali_drawn']}", flush=True)
-        ratios = [a / b for a, b in zip(rates["seeded"], rates["dali-drawn"])]
         out["rates"] = rates
-        out["seeded_vs_dali_drawn"] = {"median": round(statistics.median(ratios), 3),
-                                       "range": [round(min(ratios), 3), round(max(ratios), 3)]}
+        out["seeded_vs_dali_drawn"] = _harness.spread(_harness.ratios(rates["seeded"],
+                                                                      rates["dali-drawn"]))
         print(f"throughput: seeded {statistics.median(rates['seeded']):.0f}, dali-drawn "
               f"{statistics.median(rates['dali-drawn']):.0f} samples/s; ratio "
               f"{out['seeded_vs_dali_drawn']}", flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    _harness.write_json(args.json, args, gpu, out)
 
 
 if __name__ == "__main__":

@@ -2,17 +2,23 @@
 video reader on the same files, and DALI's proxy; each system in turn, same process.
 
 The workload: ``--clips`` H.264 clips of 5-10 s (25 fps, ``--resolution`` 320x240 by default,
-a key frame every 12 frames,
-written once under the cache folder as shards for mmproxy and as .mp4 files for the reader), a
-training clip of 16 frames at stride 4 from a random start, the shorter side resized to 256, a
-random 224 crop, a flip, normalized to float32 NCTHW. The systems:
+a key frame every 12 frames, written once under ``--data-dir`` as shards for mmproxy and as .mp4
+files for the reader), a training clip of 16 frames at stride 4 from a random start, the shorter
+side resized to 256, a random 224 crop, a flip, normalized to float32 NCTHW. Each system reports
+its best and sustained clips/s and the CPU it used: CPU milliseconds per clip (workers and the
+main process's threads together) and the cores that kept busy. The systems:
 
 - ``mmproxy-pyav`` (the default decoder): ``video_label_dataset`` on the shards; the worker reads
   the container header, draws the start, crop and flip, and decodes the clip's frames with PyAV;
   the server resizes, crops and normalizes (on the GPU when there is one).
-- ``mmproxy-nvdec`` (GPU only): the same with ``decoder="dali"``: the server decodes with DALI's
-  in-memory NVDEC decoder (``fn.decoders.video``, ``mixed``). In the first results
-  (``video-320x240-2048.txt``, ``video-596x336-512.json``) this system was named ``mmproxy``.
+- ``mmproxy-nvdec`` (GPU only): ``decoder="nvdec"``: the worker reads the header and draws the
+  clip, the server decodes it with PyNvVideoCodec on ``--decode-threads`` threads (NVDEC) and the
+  GPU resizes, crops and normalizes; ``mmproxy-nvdec[max_width=1280,max_height=720]`` passes
+  options to ``SimpleDecoder``.
+- ``mmproxy-mixed`` (GPU only): ``decoder="mixed"``: the workers decode ``--cpu-share`` of the
+  clips with PyAV, the server's NVDEC the others (``mmproxy-mixed[0.3]``: that share instead).
+- ``mmproxy-dali`` (GPU only): ``decoder="dali"``: DALI's in-memory NVDEC decoder
+  (``fn.decoders.video``, ``mixed``); ``mmproxy-dali[build_index=False]`` passes options to it.
 - ``torch``: a ``torch.utils.data.DataLoader`` over the files; each worker decodes the clip with
   PyAV (seeking to the key frame before the start), resizes with torchvision, crops, flips and
   normalizes (what a PyTorch video pipeline does without DALI).
@@ -21,25 +27,26 @@ random 224 crop, a flip, normalized to float32 NCTHW. The systems:
 - ``dali-proxy``: DALI's own proxy feeding encoded clips to ``fn.decoders.video`` (GPU only), start
   frames drawn by DALI.
 
-    python benchmarks/video_bench.py --clips 2048 --workers 15 --threads 8 --epochs 3 \
-        --json benchmarks/results/video-gpu-h200/video-1.json
-    python benchmarks/video_bench.py --clips 128 --workers 2 --threads 2 --epochs 2 \
-        --systems mmproxy-pyav,torch --json benchmarks/results/video-cpu-2core/video-1.json
+    python benchmarks/video_bench.py --clips 512 --resolution 596x336 --workers 15 --threads 8 \\
+        --epochs 3 --systems mmproxy-nvdec,mmproxy-mixed,mmproxy-pyav,torch \\
+        --json benchmarks/results/gpu-h200/video-systems.json
+    python benchmarks/video_bench.py --clips 128 --workers 2 --threads 2 --epochs 3 --batch-size 8 \\
+        --systems mmproxy-pyav,torch --json benchmarks/results/cpu-2core/video-systems.json
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
-import json
 import multiprocessing
 import os
 import random
 import re
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import _harness  # this script's folder is on the path
 import numpy as np
 import torch
 
@@ -115,17 +122,19 @@ def _graph(video: Any, gpu: bool, train_draws: bool) -> Any:
 
 
 def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str],
-             decoder: str, options: dict[str, Any] | None = None) -> Any:
+             decoder: str, options: Any = None) -> Any:
     from mmproxy.datasets import video_label_dataset
     from mmproxy.pipelines import video_pipeline
 
     import mmproxy
     from mmproxy.apps.bench.timing import time_epochs
 
+    share = options if isinstance(options, float) else args.cpu_share
     pipe = video_pipeline(batch_size=args.batch_size, frames=FRAMES, stride=STRIDE, size=SIZE,
                           resize_size=RESIZE, device="gpu" if gpu else "cpu", device_id=device_id,
                           num_threads=args.threads, decoder=decoder,  # type: ignore[arg-type]
-                          decoder_options=options)
+                          decoder_options=None if isinstance(options, float) else options,
+                          decode_threads=args.decode_threads, cpu_share=share)
     with mmproxy.DALIServer(pipe, name="video") as server:
         ds = video_label_dataset(shards, server, batch_size=args.batch_size, shuffle_buffer=64,
                                  keep_keys=False, on_error="skip")
@@ -184,59 +193,69 @@ def _dali_proxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: 
         return time_epochs(lambda: (b[0] for b in loader), args.epochs, gpu)
 
 
-def _variant(system: str) -> tuple[str, dict[str, Any]]:
-    """``mmproxy-nvdec[build_index=False,affine=False]`` -> the name and fn.decoders.video's
-    extra arguments (Python literals)."""
+def _variant(system: str) -> tuple[str, Any]:
+    """``mmproxy-dali[build_index=False,affine=False]`` -> the name and the decoder's extra
+    arguments (Python literals); ``mmproxy-mixed[0.3]`` -> the name and the CPU share."""
     name, _, rest = system.partition("[")
-    pairs = (item.split("=", 1) for item in rest.rstrip("]").split(",") if item)
+    rest = rest.rstrip("]")
+    if rest and "=" not in rest:
+        return name, float(rest)
+    pairs = (item.split("=", 1) for item in rest.split(",") if item)
     return name, {key.strip(): ast.literal_eval(value.strip()) for key, value in pairs}
 
 
-SYSTEMS = {"mmproxy-pyav": partial(_mmproxy, decoder="pyav"),
-           "mmproxy-nvdec": partial(_mmproxy, decoder="dali"),
+SYSTEMS: dict[str, Callable[..., Any]] = {"mmproxy-pyav": partial(_mmproxy, decoder="pyav"),
+           "mmproxy-nvdec": partial(_mmproxy, decoder="nvdec"),
+           "mmproxy-mixed": partial(_mmproxy, decoder="mixed"),
+           "mmproxy-dali": partial(_mmproxy, decoder="dali"),
            "torch": _torch, "dali-reader": _dali_reader, "dali-proxy": _dali_proxy}
+GPU_ONLY = ("dali-reader", "dali-proxy", "mmproxy-dali", "mmproxy-nvdec", "mmproxy-mixed")
+
+
+def _cpu_per_clip(r: dict[str, Any]) -> None:
+    """Adds the CPU milliseconds per clip (every group) and the cores they kept busy."""
+    per_batch = sum((r.get("cpu_ms_per_batch") or {}).values())
+    per_clip = per_batch * r["batches"] / max(1, r["samples"])
+    r["cpu_ms_per_clip"] = round(per_clip, 2)
+    r["cpu_cores_busy"] = round(per_clip * r["samples_per_s"] / 1000, 2)
 
 
 def main() -> None:
-    from mmproxy.pipelines import resolve_device
-
-    from mmproxy.testing import cache_dir
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--clips", type=int, default=2048)
-    parser.add_argument("--workers", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--systems", default="mmproxy-pyav,mmproxy-nvdec,torch,dali-reader,dali-proxy")
-    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
-    parser.add_argument("--data-dir", default=None)
+    parser = _harness.parser(__doc__, workers=15, threads=8, batch_size=32)
+    parser.add_argument("--clips", type=int, default=2048, help="clips written (5-10 s each)")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per system (the first is "
+                        "the warm-up)")
+    parser.add_argument("--systems", default="mmproxy-nvdec,mmproxy-mixed,mmproxy-pyav,torch",
+                        help="comma-separated, of " + ", ".join(SYSTEMS) + "; NAME[KEY=VALUE,...] "
+                        "passes options to the decoder, mmproxy-mixed[SHARE] a CPU share")
+    parser.add_argument("--decode-threads", type=int, default=8,
+                        help="NVDEC decode threads in the server (mmproxy-nvdec, mmproxy-mixed)")
+    parser.add_argument("--cpu-share", type=float, default=0.25,
+                        help="mmproxy-mixed: the share of the clips the workers decode")
     parser.add_argument("--resolution", default="320x240", help="WIDTHxHEIGHT of the clips")
-    parser.add_argument("--json", default=None)
     args = parser.parse_args()
     width, height = (int(v) for v in args.resolution.split("x"))
-    gpu, device_id = resolve_device(args.device)
-    shards, files = write_clips(Path(args.data_dir or cache_dir() / "bench"), args.clips, width,
-                                height)
+    gpu, device_id, _, folder = _harness.setup(args)
+    shards, files = write_clips(folder, args.clips, width, height)
     results: dict[str, Any] = {}
 
     for system in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", args.systems):
         name, options = _variant(system)
-        if name in ("dali-reader", "dali-proxy", "mmproxy-nvdec") and not gpu:
-            print(f"{system}: GPU only (DALI decodes H.264 with NVDEC), skipped", flush=True)
+        if name in GPU_ONLY and not gpu:
+            print(f"{system}: GPU only (NVDEC), skipped", flush=True)
             continue
         if name not in SYSTEMS:
             raise SystemExit(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
         more = {"options": options} if options else {}
-        results[system] = SYSTEMS[name](args, gpu, device_id, shards, files, **more)
-        r = results[system]
-        print(f"{system:12s} best epoch {r['samples_per_s']:.1f} clips/s, sustained "
-              f"{r['sustained_samples_per_s'] or 0:.1f}, epochs {r['epochs']}", flush=True)
-        if args.json:  # after every system: a run cut short keeps what it measured
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"settings": vars(args), "gpu": gpu,
-                                                   "systems": results}, indent=2))
-    for mine in ("mmproxy-pyav", "mmproxy-nvdec"):
+        results[system] = r = SYSTEMS[name](args, gpu, device_id, shards, files, **more)
+        _cpu_per_clip(r)
+        print(f"{system:14s} best epoch {r['samples_per_s']:.1f} clips/s, sustained "
+              f"{r['sustained_samples_per_s'] or 0:.1f}, epochs {r['epochs']}, CPU "
+              f"{r['cpu_ms_per_clip']:.1f} ms a clip ({r['cpu_cores_busy']:.1f} cores busy)",
+              flush=True)
+        # after every system: a run cut short keeps what it measured
+        _harness.write_json(args.json, args, gpu, {"systems": results})
+    for mine in ("mmproxy-nvdec", "mmproxy-mixed", "mmproxy-pyav"):
         for system, r in results.items():
             if mine in results and system != mine:
                 ratio = results[mine]["samples_per_s"] / r["samples_per_s"]

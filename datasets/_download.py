@@ -17,11 +17,11 @@ from typing import Protocol
 
 from ._sources import Permanent, Response, Transient, open_source
 
-__all__ = ["Attempts", "Download", "Policy", "RemoteError", "Stopped", "Waiting"]
+__all__ = ["MAX_BACKOFF", "Attempts", "Download", "Policy", "RemoteError", "Stopped", "Waiting"]
 
 _FIRST_CHUNK = 64 << 10  # the first read of a body; each next one is twice as big, up to:
 _CHUNK = 1 << 20
-_MAX_BACKOFF = 30.0
+MAX_BACKOFF = 30.0  # seconds: the longest wait between two attempts
 log = logging.getLogger("mmproxy.datasets.remote")
 
 
@@ -79,7 +79,7 @@ class Attempts:
         self.failures += 1
         if self.failures > self.options.retries:
             raise RemoteError(f"{err} (gave up after {self.failures} attempts)") from None
-        delay = min(self.options.backoff * 2 ** (self.failures - 1), _MAX_BACKOFF)
+        delay = min(self.options.backoff * 2 ** (self.failures - 1), MAX_BACKOFF)
         delay *= random.uniform(0.5, 1.0)
         log.warning("shard %s: %s; retry %d of %d in %.2f s", self.label, err,
                     self.failures, self.options.retries, delay)

@@ -5,22 +5,32 @@ A *server* field's function is a server's proxy: its bytes first pass the header
 (:func:`~mmproxy.datasets.check_header`) and reach the proxy as a uint8 array that travels to the
 server without a copy. Any other field's function gets ``bytes`` and runs in the worker (text,
 labels). :func:`process` turns one raw sample into the dict of its fields, or raises :class:`Skip`
-with the reason, which the dataset reports or raises according to its ``on_error``.
+with the reason: this is where a sample's skip record is made. :class:`FieldStage` is the stage of
+the worker's chain that applies it to every sample the source mixer gives, and reports the record
+or raises :class:`~mmproxy.errors.SampleError`, according to the dataset's ``on_error``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from mmproxy import worker
-from mmproxy.skips import SkippedSample
+from mmproxy.errors import SampleError
+from mmproxy.protocols import Proxy
+from mmproxy.skips import SkipKind, SkippedSample
 
+from ._stage import Stage
 from .checks import check_header
+from .mixer import SourceMixer
+from .plan import Work
+from .reader import Taken
 
-__all__ = ["Field", "FieldSpec", "Skip", "parse_field", "process"]
+__all__ = ["Field", "FieldSpec", "FieldStage", "Processed", "Skip", "parse_field", "process"]
 
 
 class Field(NamedTuple):
@@ -44,11 +54,11 @@ FieldSpec = Field | Callable[[bytes], Any] | tuple[str, Callable[[bytes], Any]]
 
 
 class Skip(Exception):
-    """A sample that cannot be used: its record (shard, key, reason)."""
+    """A sample that cannot be used: its record (shard, key, reason, kind)."""
 
-    def __init__(self, url: str, key: str, reason: str) -> None:
+    def __init__(self, url: str, key: str, reason: str, kind: SkipKind) -> None:
         super().__init__(reason)
-        self.record = SkippedSample(url, key, reason)
+        self.record = SkippedSample(url, key, reason, kind)
 
 
 class Parsed(NamedTuple):
@@ -63,9 +73,9 @@ def parse_field(name: str, spec: FieldSpec) -> Parsed:
         exts, fn, server = spec
     elif isinstance(spec, tuple):
         exts, fn = spec
-        server = hasattr(fn, "server_uid")
+        server = isinstance(fn, Proxy)
     else:
-        exts, fn, server = name, spec, hasattr(spec, "server_uid")
+        exts, fn, server = name, spec, isinstance(spec, Proxy)
     if not callable(fn):
         raise TypeError(f"field {name!r}: expected a callable, (extensions, callable) or a Field, "
                         f"got {spec!r}")
@@ -84,7 +94,8 @@ def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: 
             ext = next((e for e in exts if e in sample), None)
             if ext is None:
                 present = sorted(k for k in sample if not k.startswith("__"))
-                raise Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has {present})")
+                raise Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has {present})",
+                           SkipKind.MISSING_FIELD)
             data = sample[ext]
             try:
                 problem = check_header(ext, data, max_pixels) if server else (
@@ -92,10 +103,92 @@ def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: 
             except Exception as err:  # a header no check foresaw: the sample is bad, not the run
                 problem = f"cannot be read ({type(err).__name__}: {err})"
             if problem:
-                raise Skip(url, key, f"bad header: field {ext!r} {problem}")
+                raise Skip(url, key, f"bad header: field {ext!r} {problem}", SkipKind.BAD_HEADER)
             try:
                 out[name] = fn(np.frombuffer(data, np.uint8)) if server else fn(bytes(data))
             except Exception as err:  # a user function failed on this sample
                 raise Skip(url, key, f"field function failed: field {ext!r}: "
-                                     f"{type(err).__name__}: {err}") from err
+                                     f"{type(err).__name__}: {err}", SkipKind.FIELD_FUNCTION) from err
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Processed:
+    """A sample's fields, with the source and the address it was read from."""
+
+    source: int
+    url: str
+    index: int
+    sample: dict[str, Any]
+
+
+class FieldStage(Stage):
+    """Every sample's fields (:func:`process`), from the source mixer's raw samples.
+
+    Iterating gives a :class:`Processed`, or a :class:`~mmproxy.skips.SkippedSample` (a shard's,
+    passed on, or a bad sample's with ``skip``; without it a bad sample raises
+    :class:`~mmproxy.errors.SampleError`). It has no state of its own: its state is the mixer's.
+
+    Args:
+        mixer: The source mixer.
+        sources: Per source, its name and its parsed fields.
+        seed: The dataset's seed (each sample's own seed is drawn from it, the epoch, the source
+            and the key).
+        epoch: The epoch.
+        mixed: Name the source of each sample in ``"__source__"``.
+        keep_keys: Keep ``"__key__"`` and ``"__url__"``.
+        max_pixels: Images whose header declares more pixels are bad samples.
+        skip: Bad samples are records, not errors.
+    """
+
+    NAME = "fields"
+    MIXER = "mixer"
+    KEYS = (MIXER,)
+
+    def __init__(self, mixer: SourceMixer, sources: Sequence[tuple[str, Mapping[str, Parsed]]], *,
+                 seed: int, epoch: int, mixed: bool, keep_keys: bool, max_pixels: int,
+                 skip: bool) -> None:
+        self.mixer, self.sources = mixer, list(sources)
+        self.seed, self.epoch, self.mixed = seed, epoch, mixed
+        self.keep_keys, self.max_pixels, self.skip = keep_keys, max_pixels, skip
+
+    def __iter__(self) -> FieldStage:
+        return self
+
+    def __next__(self) -> Processed | SkippedSample:
+        got = next(self.mixer)
+        if isinstance(got, SkippedSample):
+            return got
+        return self.apply(*got)
+
+    def apply(self, source: int, taken: Taken) -> Processed | SkippedSample:
+        """The fields of one raw sample of ``source``, or its record."""
+        name, fields = self.sources[source]
+        key = str(taken.raw.get("__key__", "?"))
+        try:
+            out = process(taken.raw, fields, keep_keys=self.keep_keys, max_pixels=self.max_pixels,
+                          skip=self.skip, seed=sample_seed(self.seed, self.epoch, name, key))
+        except Skip as skip:
+            if not self.skip:
+                url, key, reason, _ = skip.record
+                raise SampleError(f"shard {url}, sample {key!r}: {reason}") from skip.__cause__
+            return skip.record
+        if self.mixed:
+            out["__source__"] = name
+        return Processed(source, taken.url, taken.index, out)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._pack(**{self.MIXER: self.mixer.state_dict()})
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.mixer.load_state_dict(self._unpack(state)[self.MIXER])
+
+    def remaining(self, state: Mapping[str, Any]) -> list[list[Work]]:
+        """What a state of this stage has left, per source: the mixer's."""
+        return self.mixer.remaining(self._unpack(state)[self.MIXER])
+
+
+def sample_seed(seed: int, epoch: int, source: str, key: str) -> int:
+    """A sample's own seed: the same wherever and whenever the sample is read in an epoch."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{source}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")

@@ -18,11 +18,15 @@ byte is in, not the whole shard. A cached shard is read like a local file. The d
 network speed in its own thread (so a shard finishes for the cache even if the reader stops
 early), and the reader waits only for the bytes it needs.
 
-Retries: a reset or cut connection, a stall (no byte for ``read_timeout`` seconds), a 5xx or
-throttling answer is retried ``retries`` times with exponential backoff (``backoff`` seconds,
-doubling, with jitter), resuming where the bytes stopped (a ``Range`` request, checked against
-the shard's ETag); the count starts again after every answer that brings bytes. After the last
-one, or at once for a missing shard or refused credentials, :class:`RemoteError` names the reason;
+Retries: a reset or cut connection, a server that does not answer (no answer within
+``connect_timeout`` seconds: 10 by default, so a stopped or stuck server is reported in seconds),
+a stall (no byte of the body for ``read_timeout`` seconds), a 5xx or throttling answer is retried
+``retries`` times with exponential backoff (``backoff`` seconds, doubling, with jitter), resuming
+where the bytes stopped (a ``Range`` request, checked against the shard's ETag); each retry is a
+warning on the ``mmproxy.datasets.remote`` logger, and the count starts again after every answer
+that brings bytes. After the last one (with the defaults, within
+:attr:`RemoteOptions.give_up_after`: under two minutes for a server that stops answering), or at
+once for a missing shard or refused credentials, :class:`RemoteError` names the reason;
 :class:`~mmproxy.datasets.MultiModalDataset` records it in ``__skipped__`` (skip mode) or raises
 :class:`~mmproxy.errors.ShardError` with the URL (raise mode). URLs in messages and logs are
 :func:`redact`-ed, and S3 credentials come only from the AWS environment and config files.
@@ -50,7 +54,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from mmproxy import worker
 
 from ._cache import NodeCache
-from ._download import Attempts, Download, RemoteError, Waiting
+from ._download import MAX_BACKOFF, Attempts, Download, RemoteError, Waiting
 from ._sources import Response, prepare_s3
 
 __all__ = ["RemoteError", "RemoteOptions", "RemoteShard", "is_remote", "open_remote", "prepare",
@@ -83,15 +87,17 @@ class RemoteOptions:
             None: leave 5% of the disk free.
         retries: Retries after a failure (a fresh count after every answer that brings bytes).
         backoff: Seconds before the first retry; doubles on each (at most 30 s), with jitter.
-        read_timeout: Seconds without a byte before a connection counts as stalled.
-        connect_timeout: Seconds to connect (S3; HTTP uses ``read_timeout`` for both).
+        read_timeout: Seconds without a byte of the body before a connection counts as stalled.
+        connect_timeout: Seconds to connect, and then to get the answer's first byte (HTTP and
+            S3; boto3's own ``get_object``, used for answers other than the bytes and behind a
+            proxy, has one timeout for both and for the body's reads: this one).
     """
 
     cache_dir: str | None = field(default_factory=lambda: os.environ.get("MMPROXY_CACHE_DIR") or None)
     cache_bytes: int | None = field(default_factory=_env_bytes)
     retries: int = 5
     backoff: float = 0.5
-    read_timeout: float = 60.0
+    read_timeout: float = 30.0
     connect_timeout: float = 10.0
 
     def __post_init__(self) -> None:
@@ -99,6 +105,14 @@ class RemoteOptions:
             raise ValueError(f"retries and backoff must be >= 0, timeouts > 0: {self}")
         if self.cache_bytes is not None and self.cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be positive, got {self.cache_bytes}")
+
+    @property
+    def give_up_after(self) -> float:
+        """The longest a shard's download takes to fail once its server stops answering (a
+        stopped, hung or unreachable server): the read under way waits ``read_timeout``, every
+        retry ``connect_timeout`` for an answer, plus the backoffs between them."""
+        waits = sum(min(self.backoff * 2 ** k, MAX_BACKOFF) for k in range(self.retries))
+        return self.read_timeout + self.retries * self.connect_timeout + waits
 
 
 def is_remote(url: str) -> bool:
@@ -171,13 +185,18 @@ def open_remote(url: str, options: RemoteOptions) -> Iterator[RemoteShard]:
 def _open(url: str, options: RemoteOptions) -> RemoteShard:
     if options.cache_dir is None:
         return _stream(url, options, None, "")
-    cache = NodeCache(options.cache_dir, options.cache_bytes)
-    name = cache.name(url)
-    fd = cache.lookup(name)
+    try:
+        cache = NodeCache(options.cache_dir, options.cache_bytes)
+        name = cache.name(url)
+        fd = cache.lookup(name)
+        lock = cache.lock(name) if fd is None else None  # waits while another downloads it
+    except OSError as err:  # a read-only or full folder, one not ours: the shard goes past it
+        _cache_unusable(options.cache_dir, err)
+        return _stream(url, options, None, "")
     if fd is None:
-        lock = cache.lock(name)  # waits while another process downloads this shard
+        assert lock is not None
         try:
-            fd = cache.lookup(name)
+            fd = cache.lookup(name)  # another process may have finished it meanwhile
         except BaseException:
             cache.unlock(lock)
             raise
@@ -212,11 +231,8 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
         if size == 0:
             raise RemoteError("the shard is 0 bytes long (not a tar)")
         if cache is not None and lock is not None:
-            fd = cache.reserve(name, size) if size is not None else None
-            if fd is None:  # it does not fit: stream it past the cache
-                log.warning("shard %s (%s bytes) does not fit in the cache %s (cache_bytes=%s, "
-                            "or the disk is full): read without it", redact(url), size,
-                            cache.folder, cache.bound)
+            fd = _reserve(cache, name, size, url)
+            if fd is None:  # it does not go in the cache: stream it past
                 cache.unlock(lock)
                 lock = None
         if fd is None:
@@ -244,6 +260,35 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
     download.start()
     return RemoteShard(memoryview(mapping).toreadonly(), download,
                        streamed=mapping if done is None else None)
+
+
+def _reserve(cache: NodeCache, name: str, size: int | None, url: str) -> int | None:
+    """The shard's part file in the cache, or None when it does not go there (no size known;
+    too big, or the disk full: a warning; the folder not writable: a warning, once)."""
+    if size is None:
+        return None
+    try:
+        fd = cache.reserve(name, size)
+    except OSError as err:
+        _cache_unusable(str(cache.folder), err)
+        return None
+    if fd is None:
+        log.warning("shard %s (%s bytes) does not fit in the cache %s (cache_bytes=%s, or the "
+                    "disk is full): read without it", redact(url), size, cache.folder, cache.bound)
+    return fd
+
+
+_warned: set[str] = set()  # cache folders this process said it cannot use
+
+
+def _cache_unusable(folder: str, err: OSError) -> None:
+    """Says once per process and folder that the cache cannot be used, and why."""
+    if folder not in _warned:
+        _warned.add(folder)
+        why = f"{err.strerror} ({err.filename})" if err.strerror and err.filename else str(err)
+        log.warning("the shard cache %s cannot be used (%s): shards are streamed without it "
+                    "(set RemoteOptions(cache_dir=...) or MMPROXY_CACHE_DIR to a folder this "
+                    "process can write, or none)", folder, why)
 
 
 class _Finish:

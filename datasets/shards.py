@@ -1,10 +1,10 @@
-"""Shards: shard lists, per-epoch shuffling, and splitting by node and worker.
+"""Shards: shard lists, where a worker sits, and the zero-copy tar readers.
 
-Built on ``webdataset``: brace expansion (``expand_urls``), tar reading with ``pipe:`` and local
-files (``tarfile_samples``), and node / worker splitting (``split_by_node``, ``split_by_worker``).
-What is added: an error when a rank would get no shards, an epoch that every worker of
-every rank agrees on (so a shard shuffle is the same everywhere and splits stay disjoint),
-resampling with a fixed number of batches per rank, and a zero-copy reader for local shards:
+Built on ``webdataset``: brace expansion (``expand_urls``), tar reading with ``pipe:``
+(``tarfile_samples``), and the worker's rank and id (``pytorch_worker_info``). What is added:
+globs of local paths, an epoch that every worker of every rank agrees on (so a shard shuffle is
+the same everywhere and splits stay disjoint: :mod:`mmproxy.datasets.plan` makes them), and a
+zero-copy reader for local shards:
 webdataset's streaming tar reader copies each member through 10 KB reads (about 600 MB/s per
 worker here); mapping a local tar and slicing its members is about 15x faster, and the members
 then travel to the server by reference (the shard's descriptor and offsets), not copied.
@@ -17,32 +17,37 @@ from __future__ import annotations
 import glob
 import mmap
 import os
-import random
 import tarfile
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import webdataset as wds
 
 from mmproxy import worker
 from mmproxy.errors import ShardError
 
+from ._sources import Permanent, list_s3
 from ._tar import members
-from .remote import RemoteOptions, RemoteShard, is_remote, open_remote
+from .remote import RemoteOptions, RemoteShard, is_remote, open_remote, redact
 
-__all__ = ["expand", "is_local", "is_remote", "local_glob", "rank_shards", "read_local_tar",
-           "read_remote_tar", "worker_info", "worker_shards"]
+__all__ = ["current_epoch", "expand", "is_local", "is_remote", "local_glob", "read_local_tar",
+           "read_remote_tar", "require_files", "worker_info"]
 
 
 def expand(urls: str | Sequence[str]) -> list[str]:
-    """Expands brace patterns (``data-{000..009}.tar``), ``::``-separated lists, and globs of
-    local paths (``/data/*.tar``: the regular files matching, sorted; one that matches none is a
-    :class:`ShardError`). A local path that exists is taken as written, ``[`` in its name or not;
-    see :func:`local_glob` for a glob under a folder whose name holds ``[``."""
+    """Expands brace patterns (``data-{000..009}.tar``), ``::``-separated lists, globs of local
+    paths (``/data/*.tar``: the regular files matching, sorted; one that matches none is a
+    :class:`ShardError`), and ``s3://`` prefixes and globs (listed with boto3). A
+    local path that exists is taken as written, ``[`` in its name or not; see
+    :func:`local_glob` for a glob under a folder whose name holds ``[``."""
     items = [urls] if isinstance(urls, str) else list(urls)
     out: list[str] = []
     for item in items:
         for url in wds.shardlists.expand_urls(item):
+            if is_remote(url):
+                out.extend(_expand_remote(url))
+                continue
             if not (is_local(url) and any(c in url for c in "*?[") and not os.path.exists(url)):
                 out.append(url)
                 continue
@@ -53,6 +58,48 @@ def expand(urls: str | Sequence[str]) -> list[str]:
     if not out:
         raise ShardError(f"the shard list {urls!r} is empty")
     return out
+
+
+def require_files(shards: Sequence[str], named_by: str) -> None:
+    """Raises ``FileNotFoundError`` when local shards among ``shards`` are not files, naming the
+    first three, how many of how many, and what named them (``named_by``: ``"--data"``,
+    ``"urls"``), so that no run goes on with part of the data. Remote and ``pipe:`` shards are
+    not checked here (they are read, retried and counted when the epoch comes to them)."""
+    missing = [s for s in shards if is_local(s) and not os.path.isfile(s)]
+    if not missing:
+        return
+    folders = [s for s in missing if os.path.isdir(s)]
+    hint = (f"; {folders[0]} is a folder: name its shards, e.g. {os.path.join(folders[0], '*.tar')}"
+            if folders else "")
+    more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+    raise FileNotFoundError(f"no shard at {', '.join(missing[:3])}{more} ({len(missing)} of the "
+                            f"{len(shards)} that {named_by} names){hint}")
+
+
+def _expand_remote(url: str) -> list[str]:
+    """The shards a remote URL names: itself, or for an ``s3://`` prefix ending in ``/`` (or a
+    bucket) its ``.tar`` objects and for an ``s3://`` glob the objects it matches, listed with
+    boto3 (``_sources.list_s3``). HTTP cannot list a folder: an ``http(s)://`` URL ending in
+    ``/`` or holding ``*`` or ``[`` is refused. Raises :class:`~mmproxy.errors.ShardError`."""
+    path = urlsplit(url).path
+    if url[:5].lower() != "s3://":
+        if path.endswith("/") or any(c in path for c in "*["):
+            raise ShardError(f"{redact(url)} names a folder or a glob, which HTTP cannot list: "
+                             "folders and globs work for local paths and s3:// only; name the "
+                             "shards, e.g. with a brace pattern like .../shard-{000000..000099}.tar")
+        return [url]
+    key = url[5:].partition("/")[2]
+    if key and not key.endswith("/") and not any(c in key for c in "*?["):
+        return [url]
+    try:
+        found, listed = list_s3(url, RemoteOptions(cache_dir=None).connect_timeout)
+    except Permanent as err:
+        raise ShardError(f"cannot list {url}: {err}") from None
+    if not found:
+        seen = f"{listed} object(s) listed, none matching" if listed else "nothing listed"
+        rule = "; a prefix ending in / names its .tar objects" if not key or key.endswith("/") else ""
+        raise ShardError(f"no shard matches {url} ({seen}{rule})")
+    return found
 
 
 def local_glob(pattern: str) -> list[str]:
@@ -91,33 +138,6 @@ def current_epoch(explicit: int | None) -> int:
         return explicit
     epoch = worker.loader_epoch()
     return 0 if epoch is None else epoch
-
-
-def rank_shards(urls: list[str], *, shuffle: bool, seed: int, epoch: int) -> list[str]:
-    """This rank's shards: the list shuffled with a seed shared by all ranks, then split by node."""
-    ordered = list(urls)
-    if shuffle:
-        random.Random(f"{seed}:{epoch}").shuffle(ordered)
-    mine = list(wds.shardlists.split_by_node(ordered))
-    if not mine:
-        rank, world, _, _ = worker_info()
-        raise ShardError(f"rank {rank} of {world} gets no shards: there are only {len(urls)} "
-                         f"shards for {world} ranks; write more, smaller shards or use "
-                         "resampled=True")
-    return mine
-
-
-def worker_shards(shards: list[str]) -> list[str]:
-    """This worker's part of the rank's shards; empty for a worker beyond the number of shards
-    (it stays idle; :meth:`MultiModalDataset.check_loader` refuses that when every worker must
-    yield ``epoch_length`` batches)."""
-    return list(wds.shardlists.split_by_worker(shards))
-
-
-def resampled(urls: list[str], rng: random.Random) -> Iterator[str]:
-    """Shards drawn with replacement, forever (with resampling every rank sees every shard)."""
-    while True:
-        yield rng.choice(urls)
 
 
 def is_local(url: str) -> bool:

@@ -27,13 +27,16 @@ __all__ = [
     "ProxyArgumentError",
     "RunDroppedError",
     "SampleError",
+    "SampleSeeded",
     "ServerFailedError",
     "ServerState",
     "ServerStateError",
     "ShardError",
+    "SkipKind",
     "SkipLimitError",
     "SkipReport",
     "SkippedSample",
+    "StateError",
     "TransportError",
     "WaitTimeoutError",
     "WorkerDiedError",
@@ -56,13 +59,16 @@ _WHERE = {
     "ProxyArgumentError": "mmproxy.errors",
     "RunDroppedError": "mmproxy.errors",
     "SampleError": "mmproxy.errors",
+    "SampleSeeded": "mmproxy.proxy",
     "ServerFailedError": "mmproxy.errors",
     "ServerState": "mmproxy.server",
     "ServerStateError": "mmproxy.errors",
     "ShardError": "mmproxy.errors",
+    "SkipKind": "mmproxy.skips",
     "SkipLimitError": "mmproxy.errors",
     "SkipReport": "mmproxy.skips",
     "SkippedSample": "mmproxy.skips",
+    "StateError": "mmproxy.errors",
     "TransportError": "mmproxy.errors",
     "WaitTimeoutError": "mmproxy.errors",
     "WorkerDiedError": "mmproxy.errors",
@@ -85,15 +91,16 @@ if TYPE_CHECKING:
         ServerStateError,
         ShardError,
         SkipLimitError,
+        StateError,
         TransportError,
         WaitTimeoutError,
         WorkerDiedError,
     )
     from mmproxy.loader import DataLoader
-    from mmproxy.proxy import DALIProxy
+    from mmproxy.proxy import DALIProxy, SampleSeeded
     from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, PaddedBatch
     from mmproxy.server import DALIServer, ServerState
-    from mmproxy.skips import SkippedSample, SkipReport
+    from mmproxy.skips import SkipKind, SkippedSample, SkipReport
 
 
 def __getattr__(name: str) -> Any:

@@ -11,15 +11,18 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from mmproxy.state import ResumePoint
 
 # Set in DataLoader workers (and around each step in the main process when num_workers=0):
 # (loader id, shared epoch value). Runs submitted under it are tagged (loader id, epoch).
 _loader_tag: tuple[str, Any] | None = None
 _persistent = False  # the worker outlives the epoch (persistent_workers=True)
-_ahead = 0  # 1 while a worker prepares the next epoch's first batch
+_epoch_offset = 0  # added to the loader's epoch: 1 while a worker prepares the next epoch's first batch
 _sample_key = threading.local()
-_resume: dict[str, dict[str, Any]] = {}  # per loader id: where its epoch starts here (a resume)
+_resume: dict[str, ResumePoint] = {}  # per loader id: where its epoch starts here (a resume)
 
 
 def set_loader_tag(tag: tuple[str, Any] | None, persistent: bool = False) -> None:
@@ -32,7 +35,7 @@ def current_tag() -> tuple[str, int] | None:
     tag = _loader_tag
     if tag is None:
         return None
-    return tag[0], int(tag[1].value) + _ahead
+    return tag[0], int(tag[1].value) + _epoch_offset
 
 
 def in_persistent_worker() -> bool:
@@ -43,12 +46,12 @@ def in_persistent_worker() -> bool:
 @contextlib.contextmanager
 def next_epoch() -> Iterator[None]:
     """Runs submitted inside are tagged with the loader's next epoch."""
-    global _ahead
-    _ahead = 1
+    global _epoch_offset
+    _epoch_offset = 1
     try:
         yield
     finally:
-        _ahead = 0
+        _epoch_offset = 0
 
 
 class SampleId(NamedTuple):
@@ -120,7 +123,7 @@ class Stamped:
         return Stamped(pin_memory(self.item), self.worker, self.state)
 
 
-def set_resume(loader_id: str, state: dict[str, Any] | None) -> None:
+def set_resume(loader_id: str, state: ResumePoint | None) -> None:
     """Where this process starts the loader ``loader_id``'s next epoch (None: at its start).
     Kept per loader: two loaders without workers share one process (and a forked worker
     inherits its parent's entries, which name other loaders)."""
@@ -130,14 +133,14 @@ def set_resume(loader_id: str, state: dict[str, Any] | None) -> None:
         _resume[loader_id] = state
 
 
-def take_resume(epoch: int) -> dict[str, Any] | None:
+def take_resume(epoch: int) -> ResumePoint | None:
     """The position the loader whose batch is being made here handed this process for
     ``epoch``, once (later epochs start fresh)."""
     tag = _loader_tag
     if tag is None:
         return None
     state = _resume.get(tag[0])
-    if state is None or state.get("epoch") != epoch:
+    if state is None or state.epoch != epoch:
         return None
     del _resume[tag[0]]
     return state

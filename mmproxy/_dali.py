@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mmproxy import _convert
+from mmproxy._encoded import Encoded
 from mmproxy.errors import ServerStateError
 
 __all__ = ["Pipe", "named_sample", "summary"]
@@ -34,6 +35,31 @@ def _input_names(pipeline: Any) -> tuple[str, ...]:
         pipeline._build_graph()
     return tuple(op.name for op in pipeline._ops
                  if isinstance(op._op, ExternalSource) and getattr(op._op, "_callback", None) is None)
+
+
+# DALI's decoder operators (schema names: ``fn.decoders.image`` is ``decoders__Image``; the
+# ``experimental`` and legacy ``ops`` spellings too) and what they read from their first input.
+_DECODERS = {
+    **{f"{prefix}decoders__{name}": Encoded.IMAGE for prefix in ("", "experimental__")
+       for name in ("Image", "ImageCrop", "ImageRandomCrop", "ImageSlice")},
+    **{f"ImageDecoder{name}": Encoded.IMAGE for name in ("", "Crop", "RandomCrop", "Slice")},
+    "PeekImageShape": Encoded.IMAGE, "experimental__PeekImageShape": Encoded.IMAGE,
+    "decoders__Audio": Encoded.AUDIO, "AudioDecoder": Encoded.AUDIO,
+    "decoders__Video": Encoded.VIDEO, "experimental__decoders__Video": Encoded.VIDEO,
+}
+
+
+def _encoded_inputs(pipeline: Any, names: tuple[str, ...]) -> dict[str, Encoded]:
+    """The inputs among ``names`` that feed a decoder directly, and what it decodes."""
+    kinds: dict[str, Encoded] = {}
+    for op in pipeline._ops:
+        kind = _DECODERS.get(getattr(op._op, "schema_name", None) or "")
+        if kind is None or not op.inputs:
+            continue
+        source = op.inputs[0].source
+        if source is not None and source.name in names:
+            kinds[source.name] = kind
+    return kinds
 
 
 class Pipe:
@@ -59,6 +85,7 @@ class Pipe:
         if not self.input_names:
             raise ValueError(f"server {name!r}: the pipeline has no fn.external_source input "
                              "without a source; the proxy would have nothing to send")
+        self.encoded_inputs = _encoded_inputs(pipeline, self.input_names)
         pipeline.build()
         self.pipeline = pipeline
         self.num_outputs: int = pipeline.num_outputs
@@ -73,56 +100,29 @@ class Pipe:
             self.queue_depth = 1
 
     @property
-    def runs_async(self) -> bool:
-        """Whether ``_run_once`` returns before the run is done (DALI's asynchronous executors)."""
-        return bool(self.pipeline.exec_async)
-
-    @property
     def survives_errors(self) -> bool:
         """Whether the pipeline stays usable after a run fails (the dynamic executor)."""
         return bool(self.pipeline.exec_dynamic)
 
-    def feed(self, inputs: Sequence[Sequence[Any]], rows: Sequence[int] | None = None, *,
-             schedule: bool = True) -> None:
-        """Feeds one run (``rows`` of it, when given) and schedules it; with ``schedule=False``
-        the inputs wait in DALI's queue for :meth:`schedule` (runs take them in feeding order)."""
+    def feed(self, inputs: Sequence[Sequence[Any]], rows: Sequence[int] | None = None) -> None:
+        """Feeds one run (``rows`` of it, when given) and schedules it (``_run_once``)."""
         for name, arrays in zip(self.input_names, inputs):
             chosen = arrays if rows is None else [arrays[i] for i in rows]
-            if len(chosen) > self.max_batch_size:  # DALI checks a list, not a tensor list
-                raise ValueError(f"{len(chosen)} samples for input {name!r}, more than the "
-                                 f"pipeline's batch_size={self.max_batch_size}")
             self.pipeline.feed_input(name, _tensor_list(chosen))
-        if schedule:
-            self.schedule()
-
-    def schedule(self) -> None:
-        """Schedules a run of the oldest inputs fed and not yet run."""
         self.pipeline._run_once()
 
-    def outputs(self, pad: set[int], stream: Any = None,
-                then: Callable[[], None] | None = None) -> tuple[tuple[Any, ...], Any]:
+    def outputs(self, pad: set[int], stream: Any = None) -> tuple[tuple[Any, ...], Any]:
         """The oldest scheduled run's outputs as torch, and the CUDA event that marks them ready
-        on ``stream`` (None for a CPU pipeline). Raises DALI's error when the run failed.
-        ``then`` is called as soon as DALI has given the outputs up: before they are converted
-        with the dynamic executor (a GPU pipeline's only one), after with the classic ones, whose
-        next run may write into the same buffers."""
+        on ``stream`` (None for a CPU pipeline). Raises DALI's error when the run failed."""
         pipe = self.pipeline
         if stream is None:
             copy = not pipe.exec_dynamic  # the classic executors reuse their output buffers
-            cpu = pipe.outputs()
-            if then is not None and not copy:
-                then()
-            data = tuple(_convert.to_torch(o, copy=copy, want_pad=i in pad)
-                         for i, o in enumerate(cpu))
-            if then is not None and copy:
-                then()
-            return data, None
+            return tuple(_convert.to_torch(o, copy=copy, want_pad=i in pad)
+                         for i, o in enumerate(pipe.outputs())), None
         import torch
 
         with torch.cuda.stream(stream):
             outs = pipe.outputs(cuda_stream=stream)
-            if then is not None:
-                then()
             data = tuple(_convert.to_torch(o, copy=False, want_pad=i in pad, stream=stream)
                          for i, o in enumerate(outs))
             event = torch.cuda.Event()
@@ -159,11 +159,10 @@ def _tensor_list(arrays: Sequence[Any]) -> Any:
     """One input's samples as one ``TensorListCPU`` that shares their memory (no copy).
 
     Fed as a Python list, DALI converts and checks every sample while holding the GIL, in which
-    no other thread of the main process (the training loop included) runs: 1.1-1.4 ms a batch
-    of 256 JPEGs on a 2-core CPU machine, 1.6-1.7 ms on the H200 machine. As one tensor list:
-    ~0.3 ms to build and ~0.1 ms to feed on the CPU machine, 0.8-0.9 ms for both on the H200
-    (``benchmarks/feed_probe.py``). Samples DALI cannot put in one list (different
-    dimensionality, types) are fed as the list, so that DALI's own error names the problem.
+    no other thread of the main process (the training loop included) runs; one tensor list is
+    built and fed in a fraction of that time, so the training loop waits less for each feed.
+    Samples DALI cannot put in one list (different dimensionality, types) are fed as the list,
+    so that DALI's own error names the problem.
     """
     from nvidia.dali.backend import TensorCPU, TensorListCPU
 
@@ -187,10 +186,43 @@ def named_sample(err: BaseException, n: int) -> int | None:
     return i if i < n else None
 
 
+# nvImageCodec's status codes (nvimgcodecStatus_t, in DALI's "nvImageCodec failure: '#3'") in words.
+_DAMAGED = "the image data is damaged: it is not a valid stream of the format it starts as"
+_UNREAD = "the data is not an image of a format the decoder reads"
+_FAILED = "the image decoder failed on the data, which is usually damaged or cut short"
+_MEMORY = "the decoder ran out of memory"
+_CODEC_WORDS = {
+    3: _DAMAGED, 13: _DAMAGED, 19: "the image data ends early (a file cut short)",
+    4: _UNREAD, 14: _UNREAD, 9: "no decoder supports this kind of image",
+    18: "no decoder supports this kind of image", 5: _MEMORY, 15: _MEMORY,
+    6: _FAILED, 8: _FAILED, 17: _FAILED, 20: _FAILED,
+}
+_CODEC = re.compile(r"nvImageCodec failure: '#(\d+)'")
+_UNDECODED = re.compile(r"Failed to decode sample #\d+\s*:?\s*(.*)")
+
+
+def _in_words(line: str) -> str:
+    """A DALI error line made a sentence where DALI's own is a code or stops short."""
+    codec = _CODEC.search(line)
+    if codec is not None:
+        status = int(codec.group(1))
+        words = _CODEC_WORDS.get(status, "the image codec failed")
+        return f"{words} (nvImageCodec status {status})"
+    undecoded = _UNDECODED.match(line)
+    if undecoded is not None:
+        detail = undecoded.group(1).strip()
+        return ("the decoder could not decode the data" + (f": {detail}" if detail else
+                ", which is damaged or cut short (DALI gives no detail)"))
+    if "std::bad_alloc" in line:
+        return f"{_MEMORY} (does the data declare a huge size?)"
+    return line
+
+
 def summary(err: BaseException) -> str:
-    """The informative line of a DALI error (the one after 'encountered:', else the first one),
-    with the operator that raised it when DALI names one: ``fn.decoders.image: nvImageCodec
-    failure: '#3'`` (that number is nvImageCodec's status code, not a sample)."""
+    """What failed, in words: the informative line of a DALI error (the one after
+    'encountered:', else the first one) with the operator that raised it when DALI names one,
+    and DALI's codes and cut-off lines said in words: ``fn.decoders.image: the image data is
+    damaged: ... (nvImageCodec status 3)``."""
     text = str(err)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     line = lines[0] if lines else type(err).__name__
@@ -199,4 +231,5 @@ def summary(err: BaseException) -> str:
         if rest:
             line = rest[0]
     operator = _OPERATOR.search(text)
+    line = _in_words(line)
     return f"{operator.group(1)}: {line}" if operator else line

@@ -11,15 +11,15 @@ same items in the same order as the uninterrupted run.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from mmproxy._context import Stamped
+from mmproxy.protocols import Reshardable
 from mmproxy.skips import SkipReport
+from mmproxy.state import LoaderState, ResumePoint
 
-__all__ = ["Progress", "VERSION", "rank_and_world"]
-
-VERSION = 1
+__all__ = ["Progress", "hand_out", "rank_and_world"]
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -35,16 +35,16 @@ class Progress:
     """One epoch's progress: batches delivered, each worker's last position, the next worker.
 
     ``start`` holds what each worker was handed at the start of this epoch (a resume), kept
-    for workers that have delivered nothing since.
+    for workers that have delivered nothing since. Positions are the dataset's own values.
     """
 
-    def __init__(self, epoch: int, workers: int, start: Mapping[int, dict[str, Any]] | None = None,
+    def __init__(self, epoch: int, workers: int, start: dict[int, Any] | None = None,
                  next_worker: int = 0, batches: int = 0, report: SkipReport | None = None) -> None:
         self.epoch, self.workers = epoch, workers
         self.report = report or SkipReport(epoch)
         self.rank, self.world = rank_and_world()
         self.batches, self.done = batches, False
-        self.positions: dict[int, dict[str, Any]] = dict(start or {})
+        self.positions: dict[int, Any] = dict(start or {})
         self._seq: dict[int, int] = {}
         self._last = (-1, next_worker - 1)  # (sequence number, worker) of the last item taken
 
@@ -53,46 +53,45 @@ class Progress:
         if seq <= self._seq.get(item.worker, -1):
             return
         self._seq[item.worker] = seq
-        state = item.state
-        self.positions[item.worker] = {"worker": item.worker, "state": state,
-                                       "workers": state.get("workers"), "quota": state.get("quota")}
+        self.positions[item.worker] = item.state
         self._last = max(self._last, (seq, item.worker))
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": VERSION, "epoch": self.epoch, "done": self.done, "rank": self.rank,
-                "world": self.world, "workers": self.workers, "batches": self.batches,
-                "next": (self._last[1] + 1) % self.workers, "states": dict(self.positions),
-                "report": self.report.state_dict()}
+    def state(self) -> LoaderState:
+        return LoaderState(self.epoch, self.done, self.rank, self.world, self.workers,
+                           self.batches, (self._last[1] + 1) % self.workers, dict(self.positions),
+                           self.report.state_dict())
 
 
-def hand_out(saved: Sequence[Mapping[str, Any]], dataset: Any, workers: int
-             ) -> tuple[dict[int, dict[str, Any]], Progress]:
+def hand_out(saved: Sequence[LoaderState], dataset: Any, workers: int
+             ) -> tuple[dict[int, ResumePoint], Progress]:
     """What each of this loader's ``workers`` starts from, given the saved state of this rank
-    (exact) or of every rank (elastic, through ``dataset.reshard``); and the progress so far."""
+    (exact) or of every rank (elastic, through the dataset's ``reshard``); and the progress so
+    far."""
     rank, world = rank_and_world()
-    epoch = int(saved[0]["epoch"])
-    mine = [s for s in saved if s["rank"] == rank and s["world"] == world]
-    if mine and mine[0]["workers"] == workers:
+    epoch = saved[0].epoch
+    mine = [s for s in saved if s.rank == rank and s.world == world]
+    if mine and mine[0].workers == workers:
         state = mine[0]
-        first = int(state["next"])
         hand = {}
         for j in range(workers):
-            logical = (first + j) % workers
-            entry = state["states"].get(logical) or {"worker": logical, "state": None}
-            hand[j] = {**entry, "epoch": epoch}
-        progress = Progress(epoch, workers, state["states"], first, int(state["batches"]),
-                            SkipReport.from_state(state["report"]))
+            logical = (state.next + j) % workers
+            hand[j] = ResumePoint(epoch, logical, state.positions.get(logical))
+        report = None if state.report is None else SkipReport.from_state(state.report)
+        progress = Progress(epoch, workers, state.positions, state.next, state.batches, report)
         return hand, progress
-    reshard = getattr(dataset, "reshard", None)
-    if reshard is None:
-        raise ValueError(f"the state was saved with {saved[0]['workers']} workers on "
-                         f"{saved[0]['world']} ranks, this loader has {workers} workers on "
+    if not isinstance(dataset, Reshardable):
+        raise ValueError(f"the state was saved with {saved[0].workers} workers on "
+                         f"{saved[0].world} ranks, this loader has {workers} workers on "
                          f"{world} ranks, and {type(dataset).__name__} cannot redistribute "
                          "its samples (it has no reshard method)")
-    plans = reshard(saved, rank=rank, world=world, workers=workers)
-    hand = {w: {**plan, "epoch": epoch} for w, plan in enumerate(plans)}
-    batches = max(int(s["batches"]) for s in saved)
+    old_world = saved[0].world
+    if sorted(s.rank for s in saved) != list(range(old_world)):
+        raise ValueError(f"an elastic resume needs the states of all {old_world} ranks that "
+                         f"saved them; got ranks {sorted(s.rank for s in saved)}")
+    states = dataset.reshard(saved, rank=rank, world=world, workers=workers)
+    hand = {w: ResumePoint(epoch, w, state) for w, state in enumerate(states)}
+    batches = max(s.batches for s in saved)
     # every old rank's counts, on new rank 0 only: summed over the new ranks they stay exact
-    report = SkipReport.merged([s["report"] for s in saved] if rank == 0 else [], epoch)
-    return hand, Progress(epoch, workers, {w: dict(p) for w, p in enumerate(plans)}, 0, batches,
-                          report)
+    report = SkipReport.merged([s.report for s in saved if s.report] if rank == 0 else [],
+                                epoch)
+    return hand, Progress(epoch, workers, dict(enumerate(states)), 0, batches, report)

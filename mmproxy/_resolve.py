@@ -18,9 +18,9 @@ import torch
 
 from mmproxy import _convert, _walk
 from mmproxy._runs import Run, RunTable
-from mmproxy.errors import PipelineError, ServerStateError
-from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, uncollated_error
-from mmproxy.skips import SKIPPED, SkippedSample
+from mmproxy.errors import PipelineError
+from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, check_servers, uncollated_error
+from mmproxy.skips import SKIPPED, SkipKind, SkippedSample
 
 
 class Resolved(NamedTuple):
@@ -48,7 +48,11 @@ def claim(refs: list[DALIOutputBatchRef], servers: dict[str, RunTable],
 def resolve(obj: Any, servers: dict[str, RunTable], *, strict: bool = False) -> Any:
     """Replaces the batch references of ``servers`` (uid -> run table) inside ``obj`` with data.
 
-    With ``strict``, a reference to a server not in ``servers`` raises; otherwise it is kept.
+    With ``strict``, a reference to a server not in ``servers`` raises
+    :class:`~mmproxy.errors.CollateError` (:func:`~mmproxy.refs.check_servers`); otherwise it is
+    kept.
+    A sample reference (a proxy output that was never collated) raises
+    :class:`~mmproxy.errors.CollateError` either way: no server can ever produce it.
     """
     return resolve_batch(obj, servers, strict=strict).batch
 
@@ -57,16 +61,12 @@ def resolve_batch(obj: Any, servers: dict[str, RunTable], *, strict: bool = Fals
     """:func:`resolve`, also saying how many samples the batch holds and which were dropped."""
     found = _walk.collect(obj, (DALIOutputBatchRef, DALIOutputSampleRef))
     refs = [r for r in found if isinstance(r, DALIOutputBatchRef)]
-    if strict and len(refs) < len(found):  # e.g. webdataset's .batched() with its default collation
+    if len(refs) < len(found):  # e.g. webdataset's .batched() with its default collation
         raise uncollated_error(next(r for r in found if isinstance(r, DALIOutputSampleRef)))
     if not refs:
         return Resolved(obj, None, [])
     if strict:
-        for ref in refs:
-            if ref.server_uid not in servers:
-                known = ", ".join(repr(s.name) for s in servers.values())
-                raise ServerStateError(f"the batch holds references of server {ref.server_name!r}, "
-                                       f"which this loader was not given (it has {known})")
+        check_servers(refs, {uid: table.name for uid, table in servers.items()}, "this loader")
     claim(refs, servers)
     runs: dict[tuple[str, str], Run] = {}
     try:
@@ -147,7 +147,7 @@ def _dropped_rows(refs: list[DALIOutputBatchRef], runs: dict[tuple[str, str], Ru
                 noted.add(position)
                 key = run.keys[sample]
                 shard, name = (key.shard or "", key.key) if key is not None else ("", f"#{sample}")
-                dropped.append(SkippedSample(shard, name, reason))
+                dropped.append(SkippedSample(shard, name, reason, SkipKind.PIPELINE))
     size = max(sizes)
     if drop and len(sizes) > 1:
         raise PipelineError(f"a server dropped samples it could not process, but the batch's fields "

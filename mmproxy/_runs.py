@@ -19,21 +19,23 @@ with it released; none calls out to DALI, torch or user code while holding it; a
 holds it while calling a method (the lock is not re-entrant). Waits poll every 50 ms so that a
 state change is seen even without a notification.
 
-Lifecycles (transitions are checked; an illegal one raises :class:`ServerStateError`): the server
-goes ``CREATED -> RUNNING -> STOPPING -> STOPPED`` (and back to RUNNING on restart) or to
-``FAILED``, where it stays; a run goes ``PENDING -> SCHEDULED -> READY | FAILED`` (or straight to
-FAILED when the server fails). This module imports nothing of DALI or torch, so it is tested alone.
+The server's and the runs' lifecycles are checked (:mod:`mmproxy._lifecycle`);
+which runs belong to an abandoned or a coming epoch is :mod:`mmproxy._epochs`', and which run goes
+next is :mod:`mmproxy._schedule`'s. This module imports nothing of DALI or torch, so it is tested
+alone.
 """
 
 from __future__ import annotations
 
-import copy
-import enum
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Any
 
+from mmproxy._epochs import Epochs, Tag
+from mmproxy._lifecycle import RunState, ServerState, moved
+from mmproxy._run import Run
+from mmproxy._schedule import Schedule
 from mmproxy._transport import Request
 from mmproxy.errors import (
     BatchSizeError,
@@ -41,6 +43,7 @@ from mmproxy.errors import (
     ServerFailedError,
     ServerStateError,
     WaitTimeoutError,
+    fresh_copy,
 )
 
 __all__ = ["Request", "Run", "RunState", "RunTable", "ServerState"]
@@ -48,59 +51,6 @@ __all__ = ["Request", "Run", "RunState", "RunTable", "ServerState"]
 _POLL = 0.05
 _DONE_KEPT = 8  # released runs kept (a batch's other outputs of the same run may follow)
 _DROPPED_KEPT = 4096  # ids of dropped runs remembered, to say why a reference cannot be served
-
-
-class ServerState(enum.Enum):
-    CREATED = "created"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-class RunState(enum.Enum):
-    PENDING = "pending"
-    SCHEDULED = "scheduled"
-    READY = "ready"
-    FAILED = "failed"
-
-
-_SERVER_MOVES = {
-    ServerState.CREATED: {ServerState.RUNNING, ServerState.FAILED},
-    ServerState.RUNNING: {ServerState.STOPPING, ServerState.FAILED},
-    ServerState.STOPPING: {ServerState.STOPPED, ServerState.FAILED},
-    ServerState.STOPPED: {ServerState.RUNNING},
-    ServerState.FAILED: set(),
-}
-_RUN_MOVES = {
-    RunState.PENDING: {RunState.SCHEDULED, RunState.FAILED},
-    RunState.SCHEDULED: {RunState.READY, RunState.FAILED},
-    RunState.READY: set(),
-    RunState.FAILED: set(),
-}
-
-class Run:
-    """One batch of one server.
-
-    ``keys`` names its samples (:class:`~mmproxy._context.SampleId` or None); ``kept`` lists the
-    samples (indices into ``keys``) whose rows the outputs hold, in order, after samples the
-    pipeline could not process were dropped; ``dropped`` maps those to the pipeline's message.
-    """
-
-    __slots__ = ("dropped", "error", "event", "id", "keys", "kept", "outputs", "request", "state",
-                 "tag")
-
-    def __init__(self, run_id: str) -> None:
-        self.id = run_id
-        self.state = RunState.PENDING
-        self.request: Request | None = None
-        self.tag: tuple[str, int] | None = None
-        self.keys: list[Any] = []
-        self.kept: list[int] | None = None  # None: every sample
-        self.dropped: dict[int, str] = {}
-        self.outputs: tuple[Any, ...] = ()
-        self.event: Any = None
-        self.error: BaseException | None = None
 
 
 class RunTable:
@@ -125,9 +75,8 @@ class RunTable:
         self.state = ServerState.CREATED
         self.error: BaseException | None = None  # why the server failed
         self.runs: dict[str, Run] = {}
-        self._arrived: OrderedDict[str, Run] = OrderedDict()  # inputs here, not yet scheduled
-        self._claims: deque[str] = deque()  # deterministic order from the main loop
-        self._epochs: dict[str, int] = {}  # loader id -> its current epoch
+        self._epochs = Epochs()
+        self._schedule = Schedule(deterministic, self._epochs)
         self._done: OrderedDict[str, Run] = OrderedDict()
         self._dropped: OrderedDict[str, str] = OrderedDict()  # run id -> why
         self.samples = 0  # samples produced
@@ -142,10 +91,7 @@ class RunTable:
             self.cond.notify_all()
 
     def _move_server(self, new: ServerState) -> None:
-        if new not in _SERVER_MOVES[self.state]:
-            raise ServerStateError(
-                f"server {self.name!r}: illegal transition {self.state.value} -> {new.value}")
-        self.state = new
+        self.state = moved(self.state, new, f"server {self.name!r}")
 
     def fail(self, error: BaseException) -> None:
         """The server failed: it stays FAILED, and every run not yet READY fails with ``error``."""
@@ -155,8 +101,8 @@ class RunTable:
             self.error = error
             self._move_server(ServerState.FAILED)
             for run in self.runs.values():
-                if run.state is not RunState.READY:
-                    run.state, run.error, run.request = RunState.FAILED, error, None
+                if run.state not in (RunState.READY, RunState.FAILED):
+                    run.fail(error, self.name)
             self.cond.notify_all()
 
     def failed_error(self) -> ServerFailedError:
@@ -180,8 +126,7 @@ class RunTable:
                 if run.state is not RunState.FAILED:
                     self._note_dropped(run.id, "the server was stopped before it ran")
             self.runs.clear()
-            self._arrived.clear()
-            self._claims.clear()
+            self._schedule.clear()
             self._done.clear()
             if self.state is ServerState.STOPPING:
                 self._move_server(ServerState.STOPPED)
@@ -190,27 +135,34 @@ class RunTable:
     # -- proxies and the listener ---------------------------------------------------------------
 
     def accept(self, request: Request) -> None:
-        """Takes a run's inputs. Stale runs (a loader's earlier epoch) and duplicates are dropped."""
+        """Takes a run's inputs. Stale runs (a loader's earlier epoch) and duplicates are dropped;
+        a run of more samples than the pipeline's ``batch_size`` fails with
+        :class:`~mmproxy.errors.BatchSizeError` (the one place that rule is checked: every run
+        comes through here, from a proxy in this process or from the listener)."""
         n = len(request.inputs[0]) if request.inputs else 0
-        if n > self.max_batch_size:
-            raise BatchSizeError(f"server {self.name!r}: run {request.run_id} has {n} samples, "
-                                 f"more than the pipeline's batch_size={self.max_batch_size}")
         with self.cond:
             if self.state is not ServerState.RUNNING:
                 if self.state is ServerState.FAILED:
                     raise self.failed_error()
                 raise ServerStateError(f"server {self.name!r} is {self.state.value}; "
                                        "start it (or enter its `with` block) before using it")
-            if self._is_stale(request.tag):
-                self._note_dropped(request.run_id, self._stale_reason(request.tag))
+            if self._epochs.is_stale(request.tag):
+                self._note_dropped(request.run_id, self._epochs.stale_reason(request.tag))
                 return
             run = self.runs.get(request.run_id)
             if run is None:
                 run = self.runs[request.run_id] = Run(request.run_id)
             elif run.state is not RunState.PENDING or run.request is not None:
                 return  # a duplicate
-            run.request, run.tag, run.keys = request, request.tag, list(request.keys)
-            self._arrived[run.id] = run
+            run.tag, run.keys = request.tag, list(request.keys)
+            if n > self.max_batch_size:
+                run.fail(BatchSizeError(
+                    f"server {self.name!r}: a batch of {n} samples (run {run.id}) is larger than "
+                    f"the pipeline's batch_size={self.max_batch_size}; raise the pipeline's "
+                    "batch_size or lower the loader's"), self.name)
+            else:
+                run.request = request
+                self._schedule.arrived(run)
             self.cond.notify_all()
 
     # -- loaders --------------------------------------------------------------------------------
@@ -218,30 +170,27 @@ class RunTable:
     def begin_epoch(self, loader_id: str, epoch: int) -> None:
         """Drops the runs of a loader's earlier epochs (an abandoned epoch leaves nothing)."""
         with self.cond:
-            self._epochs[loader_id] = epoch
-            stale = [r for r in self.runs.values() if self._is_stale(r.tag)]
+            self._epochs.begin(loader_id, epoch)
+            stale = [r for r in self.runs.values() if self._epochs.is_stale(r.tag)]
             for run in stale:
                 del self.runs[run.id]
-                self._note_dropped(run.id, self._stale_reason(run.tag))
-                self._arrived.pop(run.id, None)
+                self._note_dropped(run.id, self._epochs.stale_reason(run.tag))
                 if run.state is not RunState.SCHEDULED:  # the runner still owns a scheduled one
                     run.request, run.outputs = None, ()
-            if stale:
-                gone = {r.id for r in stale}
-                self._claims = deque(c for c in self._claims if c not in gone)
+            self._schedule.forget({r.id for r in stale})
 
-    def claim(self, run_ids: list[str], tag: tuple[str, int] | None = None) -> None:
+    def claim(self, run_ids: list[str], tag: Tag = None) -> None:
         """Deterministic mode: the main loop says which runs go next, in order. ``tag`` is the
         (loader, epoch) they belong to, so that a run claimed before its inputs arrived is
         dropped with its epoch like any other."""
         with self.cond:
             for run_id in run_ids:
-                if run_id not in self._claims and (
+                if not self._schedule.is_claimed(run_id) and (
                         run_id not in self.runs or self.runs[run_id].state is RunState.PENDING):
                     run = self.runs.setdefault(run_id, Run(run_id))
                     if run.tag is None:
                         run.tag = tag
-                    self._claims.append(run_id)
+                    self._schedule.claim(run_id)
             self.cond.notify_all()
 
     # -- resolvers ------------------------------------------------------------------------------
@@ -260,7 +209,7 @@ class RunTable:
                     if run is not None and run.state is RunState.FAILED:
                         if self.runs.pop(run.id, None) is not None:
                             self._keep_done(run)
-                        raise _fresh(run.error)
+                        raise fresh_copy(run.error)
                     if self.state is ServerState.FAILED:
                         raise self.failed_error()
                     if self.state is not ServerState.RUNNING:
@@ -293,23 +242,15 @@ class RunTable:
     def next(self, block: bool, stop: threading.Event) -> Run | None:
         """The next run to feed (now SCHEDULED), or None (nothing yet, or ``stop`` set).
 
-        Deterministic: the next claimed run once its inputs are here. Otherwise the oldest arrival,
-        the current epoch's runs before the next epoch's prefetched first batches.
+        In the :mod:`schedule's <mmproxy._schedule>` order.
         """
         start = time.perf_counter()
         try:
             with self.cond:
                 while not stop.is_set():
-                    run = None
-                    if self.deterministic:
-                        if self._claims and self._claims[0] in self._arrived:
-                            run = self._arrived.pop(self._claims.popleft())
-                    elif self._arrived:
-                        run = next((r for r in self._arrived.values() if not self._is_ahead(r.tag)),
-                                   None) or next(iter(self._arrived.values()))
-                        del self._arrived[run.id]
+                    run = self._schedule.take()
                     if run is not None:
-                        self._move_run(run, RunState.SCHEDULED)
+                        run.move(RunState.SCHEDULED, self.name)
                         return run
                     if not block:
                         return None
@@ -326,24 +267,17 @@ class RunTable:
             run.outputs, run.event, run.request = outputs, event, None
             if kept is not None:
                 run.kept, run.dropped = kept, dropped or {}
-            self._move_run(run, RunState.READY)
+            run.move(RunState.READY, self.name)
             self.samples += len(run.keys) - len(run.dropped)
             self.cond.notify_all()
 
     def fail_run(self, run: Run, error: BaseException) -> None:
         """The run failed (the server did not): the resolver raises ``error`` for it."""
         with self.cond:
-            run.error, run.request = error, None
-            self._move_run(run, RunState.FAILED)
+            run.fail(error, self.name)
             self.cond.notify_all()
 
     # -- helpers (called with the lock held) ----------------------------------------------------
-
-    def _move_run(self, run: Run, new: RunState) -> None:
-        if new not in _RUN_MOVES[run.state]:
-            raise ServerStateError(f"server {self.name!r}: run {run.id} cannot go from "
-                                   f"{run.state.value} to {new.value}")
-        run.state = new
 
     def _keep_done(self, run: Run) -> None:
         self._done[run.id] = run
@@ -354,23 +288,3 @@ class RunTable:
         self._dropped[run_id] = why
         while len(self._dropped) > _DROPPED_KEPT:
             self._dropped.popitem(last=False)
-
-    def _stale_reason(self, tag: tuple[str, int] | None) -> str:
-        loader, epoch = tag or ("?", -1)
-        return (f"it belongs to epoch {epoch} of loader {loader}, which has started epoch "
-                f"{self._epochs.get(loader)} (a batch kept from an abandoned epoch)")
-
-    def _is_stale(self, tag: tuple[str, int] | None) -> bool:
-        return tag is not None and tag[1] < self._epochs.get(tag[0], tag[1])
-
-    def _is_ahead(self, tag: tuple[str, int] | None) -> bool:
-        return tag is not None and tag[1] > self._epochs.get(tag[0], tag[1])
-
-
-def _fresh(error: BaseException | None) -> BaseException:
-    """A copy of a stored error to raise: raising the stored one would give it a traceback whose
-    frames hold the server, a reference cycle through the run table."""
-    assert error is not None
-    new = copy.copy(error)
-    new.__cause__ = error.__cause__
-    return new

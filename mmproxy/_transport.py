@@ -10,7 +10,8 @@ Each array arrives as it was packed: its shape (0-d and empty dimensions include
 Payloads that already live in a mapped file (the members of a local shard, see
 :func:`register_file_mapping`) are not copied at all: the worker sends the shard's descriptor
 along with the memfd and only the members' offsets; the server maps the shard read-only (one
-mapping per shard, kept for later batches) and DALI reads the page cache directly.
+mapping per shard, kept for later batches) and DALI reads the page cache directly
+(:mod:`mmproxy._mappings` holds both sides' mappings).
 
 Lifetime: a memfd has no name, so nothing appears in ``/dev/shm`` and nothing can leak there. Its
 memory is freed when the last holder lets go: the worker closes its descriptor after sending, the
@@ -18,32 +19,36 @@ kernel holds it while in flight (and frees it if the socket closes first), and t
 the mapping until the pipeline run that reads it has produced its outputs, so DALI's ``no_copy``
 never reads recycled memory. A shard's mapping stays valid while mapped even if the file is
 deleted; a shard must not be rewritten in place while it is read (true of every tar reader).
-The socket lives in a private ``0700`` directory.
+
+The socket has an address in Linux's abstract namespace (:func:`address`): nothing is written to
+disk, so nothing is left behind however the process ends (a normal exit, an exception, SIGKILL);
+the address is freed with the socket's last descriptor. Anyone on the host may send to an
+abstract address, so the listener asks the kernel for each datagram's sender and accepts only
+this user's processes; others are dropped with a warning.
 """
 
 from __future__ import annotations
 
-import bisect
 import mmap
 import os
 import pickle
 import socket
 import struct
 import threading
-from collections import OrderedDict
+import warnings
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mmproxy import _process
+from mmproxy import _mappings
 from mmproxy.errors import TransportError
 
 _ALIGN = 64
 _IOV_MAX = 1024
 _MAGIC = b"MMPX"
-_MAX_FILES = 16  # shard mappings a worker keeps registered (and may reference in one batch)
-_MAX_FDS = 1 + _MAX_FILES
+_MAX_FDS = 1 + _mappings.MAX_FILES
 
 
 @dataclass
@@ -61,71 +66,16 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _address(a: Any) -> int:
-    return int(np.frombuffer(a, np.uint8).__array_interface__["data"][0]) if len(a) else 0
-
-
-class _FileMappings:
-    """This process's registered read-only file mappings, by address (most recent last).
-
-    An entry holds the mapping and a descriptor of its file, so while registered the address
-    range cannot be reused by anything else; evicted mappings live on in the samples that still
-    view them, and their payloads are then copied like any other.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.entries: OrderedDict[int, tuple[int, int, mmap.mmap]] = OrderedDict()  # start -> end, fd
-        self.starts: list[int] = []
-
-    def add(self, mapping: mmap.mmap, fd: int) -> None:
-        start = _address(mapping)
-        own = os.dup(fd)
-        with self.lock:
-            if start in self.entries:
-                os.close(self.entries.pop(start)[1])
-            self.entries[start] = (start + len(mapping), own, mapping)
-            while len(self.entries) > _MAX_FILES:
-                os.close(self.entries.popitem(last=False)[1][1])
-            self.starts = sorted(self.entries)
-
-    def remove(self, mapping: mmap.mmap) -> None:
-        start = _address(mapping)
-        with self.lock:
-            entry = self.entries.pop(start, None)
-            if entry is not None:
-                os.close(entry[1])
-                self.starts = sorted(self.entries)
-
-    def find(self, address: int, nbytes: int) -> tuple[int, int] | None:
-        """(descriptor, offset) of a registered file holding [address, address + nbytes)."""
-        i = bisect.bisect_right(self.starts, address) - 1
-        if i < 0:
-            return None
-        start = self.starts[i]
-        end, fd, _ = self.entries[start]
-        return (fd, address - start) if address + nbytes <= end else None
-
-    def after_fork(self) -> None:
-        # A forked child keeps the entries (its mappings and descriptors are copies), not a lock
-        # some other thread of the parent may have held.
-        self.lock = threading.Lock()
-
-
-_files = _FileMappings()
-_process.on_fork_in_child(_files.after_fork)
-
-
 def release_file_mapping(mapping: mmap.mmap) -> None:
     """Stops sending bytes of ``mapping`` by reference (its registry entry and descriptor go, so
     a memfd's memory is freed once nothing else maps it); views sent later are copied."""
-    _files.remove(mapping)
+    _mappings.files.remove(mapping)
 
 
 def register_file_mapping(mapping: mmap.mmap, fd: int) -> None:
     """Lets this process send bytes inside ``mapping`` (a read-only map of the file ``fd``) by
     reference; ``fd`` is duplicated, so the caller may close its own."""
-    _files.add(mapping, fd)
+    _mappings.files.add(mapping, fd)
 
 
 def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
@@ -139,7 +89,8 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
     payloads: list[np.ndarray] = []
     files: list[int] = []
     offset = 0
-    with _files.lock:
+    registry = _mappings.files
+    with registry.lock:
         for arrays in inputs:
             shapes: list[Any] = []
             offsets: list[Any] = []  # an int (memfd) or (file index, offset)
@@ -150,8 +101,8 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
                         f"all samples of one input must share a dtype: {dtype} vs {a.dtype.str}")
                 a = np.asarray(a, order="C")  # not ascontiguousarray: that makes 0-d 1-d
                 shapes.append(a.shape)
-                where = _files.find(a.__array_interface__["data"][0], a.nbytes) if a.nbytes else None
-                if where is not None and (where[0] in files or len(files) < _MAX_FILES):
+                where = registry.find(a.__array_interface__["data"][0], a.nbytes) if a.nbytes else None
+                if where is not None and (where[0] in files or len(files) < _mappings.MAX_FILES):
                     if where[0] not in files:
                         files.append(where[0])
                     offsets.append((files.index(where[0]), where[1]))
@@ -186,29 +137,6 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
     return fd, files
 
 
-_mapped_files: OrderedDict[tuple[int, int, int, int], mmap.mmap] = OrderedDict()
-_mapped_memfds: OrderedDict[tuple[int, int, int, int], mmap.mmap] = OrderedDict()
-_mapped_lock = threading.Lock()
-
-
-def _map_file(fd: int) -> mmap.mmap:
-    """The server's read-only mapping of a shard, one per file version: the last 32 files kept,
-    but only the last 4 memfds (streamed remote shards, whose memory a kept mapping would hold)."""
-    st = os.fstat(fd)
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    memfd = os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-    cache, bound = (_mapped_memfds, 4) if memfd else (_mapped_files, 32)
-    with _mapped_lock:
-        mapping = cache.get(key)
-        if mapping is None:
-            mapping = cache[key] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            while len(cache) > bound:
-                cache.popitem(last=False)
-        else:
-            cache.move_to_end(key)
-    return mapping
-
-
 def unpack(fds: list[int]) -> Request:
     """Maps a memfd written by :func:`pack` (and the files it references); returns views of the
     payloads. The caller closes ``fds``."""
@@ -219,7 +147,7 @@ def unpack(fds: list[int]) -> Request:
     (hlen,) = struct.unpack_from("<Q", mm, 4)
     run_id, tag, keys, layout = pickle.loads(mm[12:12 + hlen])
     base = _align(12 + hlen)
-    files = [_map_file(fd) for fd in fds[1:]]
+    files = [_mappings.server_mapping(fd) for fd in fds[1:]]
     inputs = []
     for dtype, shapes, offsets in layout:
         dt = np.dtype(dtype)
@@ -229,21 +157,58 @@ def unpack(fds: list[int]) -> Request:
     return Request(run_id, tag, keys, inputs)
 
 
-class Listener:
-    """The server's end: a Unix datagram socket that receives memfd descriptors."""
+def address(server_uid: str) -> str:
+    """The socket address of server ``server_uid``: a name in the abstract namespace."""
+    return f"\0mmproxy-{server_uid}"
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+
+# Room for the descriptors of one batch and the sender's credentials (struct ucred).
+_ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4) + socket.CMSG_SPACE(struct.calcsize("iII"))
+
+
+class Listener:
+    """The server's end: a Unix datagram socket that receives memfd descriptors.
+
+    Raises:
+        OSError: ``address`` is taken (``EADDRINUSE``), or no socket can be made.
+    """
+
+    def __init__(self, address: str, server_name: str) -> None:
+        self.address = address
+        self.server_name = server_name
+        self._uid = os.getuid()
+        self._warned = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(path)
-        os.chmod(path, 0o600)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            self._sock.bind(address)
+        except BaseException:
+            self._sock.close()
+            raise
         self._sock.settimeout(0.05)
 
     def receive(self) -> list[int] | None:
-        """Returns the descriptors of one batch (memfd first), or None after a short timeout."""
+        """Returns the descriptors of one batch (memfd first), or None after a short timeout
+        or when the datagram came from another user's process."""
         try:
-            _, fds, flags, _ = socket.recv_fds(self._sock, 16, _MAX_FDS)
+            _, ancillary, flags, _ = self._sock.recvmsg(16, _ANCILLARY)
         except (TimeoutError, BlockingIOError):
+            return None
+        fds: list[int] = []
+        uid = None
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array("i", data[:len(data) - len(data) % 4]))
+            elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                _, uid, _ = struct.unpack_from("iII", data)
+        if uid != self._uid:
+            for fd in fds:
+                os.close(fd)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"server {self.server_name!r}: dropped a datagram sent by user id "
+                              f"{uid}, not this process's user ({self._uid}); later ones are "
+                              "dropped silently", RuntimeWarning, stacklevel=2)
             return None
         if flags & socket.MSG_CTRUNC or not fds:
             for fd in fds:
@@ -253,17 +218,14 @@ class Listener:
         return fds
 
     def close(self) -> None:
+        """Closes the socket, which frees its address."""
         self._sock.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     def forget(self) -> None:
-        """In a forked child: drop the inherited descriptor (the path stays the parent's).
+        """In a forked child: drop the inherited descriptor.
 
-        Otherwise the child would keep the socket alive after the server closes it, and sends
-        after a server restart would queue into a socket that nobody reads.
+        Otherwise the child would keep the socket (and its address) alive after the server
+        closes it: a restarted server could not bind its address again.
         """
         self._sock.close()
 
@@ -274,7 +236,8 @@ _clients_lock = threading.Lock()
 
 
 def send(path: str, fds: list[int], server_name: str) -> None:
-    """Sends a batch's descriptors to the server at ``path`` (one socket per process and server)."""
+    """Sends a batch's descriptors to the server at address ``path`` (one socket per process and
+    server)."""
     global _clients_pid
     with _clients_lock:
         if _clients_pid != os.getpid():  # a forked child must not share its parent's sockets

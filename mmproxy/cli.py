@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--on-error", choices=["raise", "skip"], default="skip",
                       help="what to do with a bad sample (default: skip and report)")
     demo.add_argument("--max-skipped", type=_FRACTION, default=0.1,
-                      help="fail when more than this fraction of an epoch's samples is skipped "
-                      "(default 0.1)")
+                      help="fail when more than this fraction of an epoch's samples is skipped, "
+                      "or of its shards unreadable (default 0.1)")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(func=_app("demo"), command_parser=demo)
 

@@ -16,14 +16,15 @@ from torch.utils.data import default_collate
 
 from mmproxy import _walk
 from mmproxy.errors import CollateError
-from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef
+from mmproxy.protocols import Proxy
+from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, check_servers
 
 __all__ = ["Collate"]
 
 
 def _identity(server: Any) -> tuple[str, str]:
     """(uid, name) of a DALIServer or of a DALIProxy."""
-    if hasattr(server, "server_uid"):
+    if isinstance(server, Proxy):
         return server.server_uid, server.server_name
     return server.uid, server.name
 
@@ -51,9 +52,5 @@ class Collate:
             raise CollateError(f"the collate left {len(left)} DALI sample references uncollated "
                                f"(first: {left[0]!r}); collate them with default_collate")
         if self._names is not None:
-            for ref in _walk.collect(batch, DALIOutputBatchRef):
-                if ref.server_uid not in self._names:
-                    raise CollateError(
-                        f"the batch holds references of server {ref.server_name!r}, which this "
-                        f"collate was not given (it has {sorted(self._names.values())})")
+            check_servers(_walk.collect(batch, DALIOutputBatchRef), self._names, "this collate")
         return batch

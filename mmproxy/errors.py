@@ -7,6 +7,7 @@ known, the shard and sample keys.
 
 from __future__ import annotations
 
+import copy
 import traceback
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "ServerStateError",
     "ShardError",
     "SkipLimitError",
+    "StateError",
     "TransportError",
     "WaitTimeoutError",
     "WorkerDiedError",
@@ -42,7 +44,9 @@ class BatchSizeError(MmproxyError, ValueError):
 
 
 class CollateError(MmproxyError, ValueError):
-    """References of different servers or outputs were collated into one field."""
+    """A batch's references break its integrity: different servers or outputs collated into one
+    field, a proxy output left uncollated, or a reference of a server the batch's collate or
+    loader was not given."""
 
 
 class ServerStateError(MmproxyError, RuntimeError):
@@ -79,6 +83,11 @@ class SampleError(MmproxyError, ValueError):
 
 class ShardError(MmproxyError, ValueError):
     """A shard list is empty or cannot be split among ranks and workers."""
+
+
+class StateError(MmproxyError, ValueError):
+    """A saved state that this code cannot load: another version, or keys it does not know or
+    lacks; names the part of the state (loader, dataset stage) and what is wrong."""
 
 
 class EmptyEpochError(MmproxyError, RuntimeError):
@@ -118,3 +127,13 @@ def with_remote_cause(error: BaseException, original: BaseException) -> BaseExce
     text = "".join(traceback.format_exception(type(original), original, original.__traceback__))
     error.__cause__ = RemoteTraceback(text)
     return error
+
+
+def fresh_copy(error: BaseException | None) -> BaseException:
+    """A copy of a stored ``error`` to raise, with its cause. Raising the stored one again would
+    give it a traceback whose frames hold its owner (a server: a reference cycle)."""
+    if error is None:
+        raise ValueError("no stored error to raise")
+    new = copy.copy(error)
+    new.__cause__ = error.__cause__
+    return new

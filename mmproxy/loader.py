@@ -6,11 +6,12 @@ one, and in deterministic mode claims the next batch's runs one batch ahead so t
 work while the training step runs.
 
 It also keeps the epoch's :class:`~mmproxy.skips.SkipReport` (:attr:`DataLoader.skipped`): the
-``"__skipped__"`` records of every batch, the samples servers dropped, and the records that
-workers send on their own (a dict holding only ``"__skipped__"``: samples skipped after a worker's
-last batch, or while no batch could be made). With a dataset that declares ``max_skipped`` (like
-:class:`~mmproxy.datasets.MultiModalDataset`), an epoch that reads nothing or skips too much
-raises (see :mod:`mmproxy.skips`).
+``"__skipped__"`` records of every batch, the samples servers dropped, the records that workers
+send on their own (a dict holding only ``"__skipped__"`` and ``"__shards_tried__"``: samples
+skipped after a worker's last batch, or while no batch could be made), and the shards the
+workers tried (``"__shards_tried__"``, taken out of each batch). With a dataset that declares
+``max_skipped`` (like :class:`~mmproxy.datasets.MultiModalDataset`), an epoch that reads nothing,
+skips too many samples or finds too many shards unreadable raises (see :mod:`mmproxy.skips`).
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ from typing import Any
 
 import torch.utils.data
 
-from mmproxy import _context, _process, _walk
+from mmproxy import _context, _indexed, _process, _walk
 from mmproxy._context import Stamped
-from mmproxy._progress import VERSION, Progress, hand_out
+from mmproxy._progress import Progress, hand_out, rank_and_world
 from mmproxy._resolve import claim, resolve_batch
-from mmproxy.errors import WorkerDiedError
+from mmproxy.errors import StateError, WorkerDiedError
+from mmproxy.protocols import ChecksLoader, LimitsSkips
 from mmproxy.refs import DALIOutputBatchRef
 from mmproxy.server import DALIServer
-from mmproxy.skips import SKIPPED, SkipReport
+from mmproxy.skips import SHARDS_TRIED, SKIPPED, SkipReport
+from mmproxy.state import LoaderState, ResumePoint
 
 __all__ = ["DataLoader"]
 
@@ -62,7 +65,7 @@ class _WorkerInit:
     def __init__(self, loader_id: str, epoch: Any, user: Callable[[int], None] | None,
                  persistent: bool) -> None:
         self.loader_id, self.epoch, self.user, self.persistent = loader_id, epoch, user, persistent
-        self.resume: dict[int, dict[str, Any]] | None = None
+        self.resume: dict[int, ResumePoint] | None = None
 
     def __call__(self, worker_id: int) -> None:
         _context.set_loader_tag((self.loader_id, self.epoch), self.persistent)
@@ -124,13 +127,13 @@ class DataLoader(torch.utils.data.DataLoader):
         self._init = _WorkerInit(self._loader_id, self._epoch, arguments.get("worker_init_fn"),
                                  bool(arguments.get("persistent_workers")))
         arguments["worker_init_fn"] = self._init
+        arguments["dataset"] = _indexed.indexed(arguments["dataset"])  # names samples in messages
         super().__init__(**arguments)
         self._report = SkipReport()
         self._progress: Progress | None = None
-        self._resume: list[Mapping[str, Any]] | None = None
-        check = getattr(self.dataset, "check_loader", None)
-        if check is not None:
-            check(self)  # e.g. a dataset that batches itself refuses batch_size, before any batch
+        self._resume: list[LoaderState] | None = None
+        if isinstance(self.dataset, ChecksLoader):
+            self.dataset.check_loader(self)  # e.g. a dataset that batches refuses batch_size
 
     @property
     def servers(self) -> list[DALIServer]:
@@ -151,18 +154,21 @@ class DataLoader(torch.utils.data.DataLoader):
         of an epoch, a loader built the same way and given this state continues with batch k+1;
         after the epoch's last batch (or before the first), with the next epoch. Small and
         picklable: the epoch, the batches delivered, and per worker the position of the dataset
-        (:func:`mmproxy.worker.stamp`). In a multi-rank job each rank saves its own."""
+        (:func:`mmproxy.worker.stamp`), as :class:`~mmproxy.state.LoaderState` writes it. In a
+        multi-rank job each rank saves its own."""
         if self._resume is not None:  # loaded, not yet iterated: where the loaded state stands
-            return hand_out(self._resume, self.dataset, max(1, self.num_workers))[1].state_dict()
+            return hand_out(self._resume, self.dataset,
+                            max(1, self.num_workers))[1].state().to_dict()
         if self._progress is None:
-            return {"version": VERSION, "epoch": int(self._epoch.value), "done": True}
+            return LoaderState(int(self._epoch.value), True, *rank_and_world(),
+                               max(1, self.num_workers)).to_dict()
         progress = self._progress
         if not progress.done and progress.batches and not progress.positions:
             raise TypeError(
                 f"{type(self.dataset).__name__} does not say where its workers stand (its batches "
                 "carry no mmproxy.worker.stamp), so this loader cannot resume it mid-epoch; "
                 "MultiModalDataset does, or save the state at an epoch's end")
-        return progress.state_dict()
+        return progress.state().to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Continues from :meth:`state_dict` at the next ``iter(loader)``.
@@ -173,11 +179,11 @@ class DataLoader(torch.utils.data.DataLoader):
         redistributes what the epoch has left (``dataset.reshard``): every remaining sample once,
         in a new order.
         """
-        states = [state] if isinstance(state, Mapping) else list(state)
-        if not states or any(s.get("version") != VERSION for s in states):
-            raise ValueError(f"not a state of this mmproxy.DataLoader (version {VERSION}): "
-                             f"{[s.get('version') for s in states]}")
-        epochs = {int(s["epoch"]) for s in states}
+        states = [LoaderState.from_dict(s)
+                  for s in ([state] if isinstance(state, Mapping) else list(state))]
+        if not states:
+            raise StateError("load_state_dict got an empty list of states")
+        epochs = {s.epoch for s in states}
         if len(epochs) > 1:
             raise ValueError(f"the ranks' states are from different epochs: {sorted(epochs)}")
         epoch = epochs.pop()
@@ -185,7 +191,7 @@ class DataLoader(torch.utils.data.DataLoader):
             _LoaderIter.shutdown(self._iterator)
             self._iterator = None
         self._progress = None
-        if all(s["done"] for s in states):
+        if all(s.done for s in states):
             self._epoch.value, self._resume = epoch, None
         else:
             self._epoch.value, self._resume = epoch - 1, states
@@ -222,8 +228,9 @@ class _LoaderIter:
         self._report = loader._report
         self._progress = loader._progress
         self._seq = 0  # items taken from torch's iterator
-        self._checked = hasattr(loader.dataset, "max_skipped")
-        self._max_skipped = getattr(loader.dataset, "max_skipped", None)
+        dataset = loader.dataset
+        self._checked = isinstance(dataset, LimitsSkips)
+        self._max_skipped = dataset.max_skipped if isinstance(dataset, LimitsSkips) else None
         _live_iterators.add(self)
 
     def __iter__(self) -> _LoaderIter:
@@ -261,9 +268,9 @@ class _LoaderIter:
             stamp = None
             if isinstance(batch, Stamped):
                 stamp, batch = (self._seq, batch), batch.item
-            if isinstance(batch, dict) and batch.keys() == {SKIPPED}:
+            if isinstance(batch, dict) and SKIPPED in batch and batch.keys() <= _RECORDS_ONLY:
                 self._took(stamp)
-                self._report.add(0, batch[SKIPPED])
+                self._report.add(0, batch[SKIPPED], batch.get(SHARDS_TRIED, 0))
                 self._check()
                 continue
             return batch, stamp
@@ -299,7 +306,8 @@ class _LoaderIter:
         """The batch with data, or None when every sample in it was dropped."""
         batch, size, dropped = resolve_batch(batch, self._tables, strict=True)
         records = batch.get(SKIPPED, dropped) if isinstance(batch, dict) else dropped
-        self._report.add(_count(batch) if size is None else size, records)
+        tried = batch.pop(SHARDS_TRIED, 0) if isinstance(batch, dict) else 0
+        self._report.add(_count(batch) if size is None else size, records, tried)
         self._check()
         return None if size == 0 else batch
 
@@ -350,6 +358,7 @@ class _LoaderIter:
 
 
 _END = object()
+_RECORDS_ONLY = frozenset({SKIPPED, SHARDS_TRIED})  # what a worker sends besides its batches
 
 
 def _count(batch: Any) -> int:

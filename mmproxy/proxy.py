@@ -14,16 +14,21 @@ import inspect
 import os
 import random
 from collections import OrderedDict
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from mmproxy import _context, _process, _transport
-from mmproxy.errors import BatchSizeError, ProxyArgumentError
+from mmproxy import _context, _encoded, _process, _transport
+from mmproxy._encoded import Encoded
+from mmproxy.errors import ProxyArgumentError
 from mmproxy.refs import DALIOutputSampleRef, _Call
 
-__all__ = ["DALIProxy", "SampleRandom", "sample_random_of"]
+if TYPE_CHECKING:
+    from mmproxy._prepare import Prepare
+
+__all__ = ["DALIProxy", "SampleRandom", "SampleSeeded"]
 
 
 class SampleRandom(Protocol):
@@ -32,26 +37,44 @@ class SampleRandom(Protocol):
     A pipeline whose randomness comes in through such inputs (a crop window, a flip; see
     :func:`mmproxy.pipelines.image_train_pipeline`) gives every sample the same augmentation in
     whichever worker, batch or run it lands: what exact resume needs, and what DALI's own
-    random operators (one generator per batch slot, advanced run after run) cannot give. Attach
-    one to a pipeline as ``pipeline.mmproxy_sample_random``; the server's proxy then takes only
-    the other inputs.
+    random operators (one generator per batch slot, advanced run after run) cannot give. Give
+    one to a server with its pipeline, as :class:`SampleSeeded`; the server's proxy then takes
+    only the other inputs.
     """
 
-    names: tuple[str, ...]  # the inputs it fills
-    # The proxy's arguments, when they are not simply the other inputs (optional attribute): e.g.
-    # encoded video that the worker decodes into the pipeline's ``frames`` input.
-    # arguments: tuple[str, ...]
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The inputs it fills."""
+        ...
 
     def __call__(self, given: dict[str, np.ndarray], rng: random.Random
                  ) -> dict[str, np.ndarray]:
         """The drawn inputs of one sample, from the inputs given to the proxy (``rng`` is
-        seeded by the sample's seed; Python's generator: seeding it costs ~4 us, numpy's ~9)."""
+        seeded by the sample's seed: Python's generator, cheaper to seed than numpy's)."""
         ...
 
 
-def sample_random_of(pipeline: Any) -> SampleRandom | None:
-    """The :class:`SampleRandom` attached to ``pipeline``, if any."""
-    return getattr(pipeline, "mmproxy_sample_random", None)
+@dataclass(frozen=True)
+class SampleSeeded:
+    """A pipeline whose sample-seeded inputs the proxy draws: what :class:`~mmproxy.DALIServer`
+    takes in place of a bare pipeline (and what ``image_train_pipeline(sample_seeded=True)`` and
+    ``video_pipeline`` return).
+
+    Args:
+        pipeline: A DALI pipeline, or a function that builds one (see the server).
+        sample_random: The inputs the proxy draws from each sample's seed (None: none).
+        arguments: The proxy's arguments, when they are not simply the pipeline's other inputs
+            (e.g. encoded video that ``sample_random`` decodes in the worker into the
+            pipeline's ``frames`` input).
+        prepare: A stage the server runs on a run's samples before it feeds them (e.g. the
+            video pipeline's NVDEC decoding: clip bytes in, frames on the GPU out); the proxy
+            then takes the stage's inputs (:class:`mmproxy._prepare.Prepare`).
+    """
+
+    pipeline: Any
+    sample_random: SampleRandom | None
+    arguments: tuple[str, ...] | None = None
+    prepare: Prepare | None = None
 
 
 _unseeded = random.Random()  # samples named without a seed: drawn, not reproducible
@@ -128,28 +151,36 @@ class DALIProxy:
         server_uid: The server's unique id.
         input_names: The pipeline's ``external_source`` names, in declaration order.
         num_outputs: How many outputs the pipeline has.
-        max_batch_size: The pipeline's ``batch_size``.
-        address: Path of the server's socket.
+        address: The server's socket address.
         sample_random: Inputs the proxy draws itself from each sample's seed (not arguments).
+        arguments: The proxy's arguments (see :class:`SampleSeeded`); by default the inputs
+            that are not drawn.
+        encoded: Inputs that a decoder of the pipeline reads: each call refuses an array that
+            cannot be what it decodes (:func:`mmproxy._encoded.problem`), naming the sample.
     """
 
     def __init__(self, server_name: str, server_uid: str, input_names: tuple[str, ...],
-                 num_outputs: int, max_batch_size: int, address: str,
-                 sample_random: SampleRandom | None = None) -> None:
+                 num_outputs: int, address: str,
+                 sample_random: SampleRandom | None = None,
+                 arguments: tuple[str, ...] | None = None,
+                 encoded: dict[str, Encoded] | None = None) -> None:
         self.server_name = server_name
         self.server_uid = server_uid
         self.input_names = input_names
         self.num_outputs = num_outputs
-        self.max_batch_size = max_batch_size
         self.address = address
         self.sample_random = sample_random
+        self.encoded = dict(encoded or {})
         drawn = set(sample_random.names) if sample_random is not None else set()
         if not drawn <= set(input_names):
             raise ValueError(f"server {server_name!r}: the pipeline's sample-drawn inputs "
                              f"{sorted(drawn - set(input_names))} are not among its inputs "
                              f"{list(input_names)}")
+        if arguments is not None and sample_random is None:
+            raise ValueError(f"server {server_name!r}: proxy arguments {list(arguments)} need a "
+                             "sample_random that makes the pipeline's inputs of them")
         rest = tuple(n for n in input_names if n not in drawn)
-        self.argument_names: tuple[str, ...] = getattr(sample_random, "arguments", None) or rest
+        self.argument_names: tuple[str, ...] = arguments or rest
         if not set(rest) <= set(self.argument_names):
             raise ValueError(f"server {server_name!r}: inputs {sorted(set(rest) - set(self.argument_names))} "
                              "are neither drawn nor arguments")
@@ -185,6 +216,13 @@ class DALIProxy:
         key = _context.current_key()
         if self.sample_random is not None:
             inputs = self._draw(dict(zip(names, inputs)), key)
+        for name, kind in self.encoded.items():
+            problem = _encoded.problem(kind, inputs[self.input_names.index(name)])
+            if problem is not None:
+                sample = f", sample {key}" if key is not None else ""
+                raise ProxyArgumentError(
+                    f"server {self.server_name!r}, input {name!r}{sample}: the pipeline decodes "
+                    f"this input and expects {_encoded.expected(kind)}; {problem}")
         call = _Call(self, _process.new_id(), inputs, key)
         if self.num_outputs == 1:
             return DALIOutputSampleRef(call, 0)
@@ -213,11 +251,6 @@ class DALIProxy:
         run_id = self._recent.get(key)
         if run_id is not None:
             return run_id
-        if len(calls) > self.max_batch_size:
-            raise BatchSizeError(
-                f"server {self.server_name!r}: a batch of {len(calls)} samples is larger than the "
-                f"pipeline's batch_size={self.max_batch_size}; raise the pipeline's batch_size or "
-                "lower the loader's")
         run_id = _process.new_id()
         tag = _context.current_tag()
         keys = [c.key for c in calls]

@@ -14,6 +14,7 @@ naming the collation to use (:func:`uncollated_error`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Protocol
 
 import numpy as np
@@ -121,6 +122,20 @@ def uncollated_error(ref: DALIOutputSampleRef) -> CollateError:
     """The error for a sample reference that reached the hand-over of a batch uncollated."""
     return CollateError(f"a batch holds an uncollated DALI sample reference, {ref!r}: proxy "
                         f"outputs must be collated where the batch is made; {_HOW_TO_COLLATE}")
+
+
+def check_servers(refs: Iterable[DALIOutputBatchRef], known: Mapping[str, str], holder: str
+                  ) -> None:
+    """The rule for a batch's servers, wherever a batch is checked: every reference belongs to a
+    server in ``known`` (uid -> name), the servers its ``holder`` (a collate, a loader) was given.
+
+    Raises:
+        CollateError: naming the first reference of another server.
+    """
+    for ref in refs:
+        if ref.server_uid not in known:
+            raise CollateError(f"the batch holds references of server {ref.server_name!r}, which "
+                               f"{holder} was not given (it has {sorted(known.values())})")
 
 
 def _raise_collate_error(message: str) -> NoReturn:

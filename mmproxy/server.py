@@ -9,8 +9,12 @@
        proxy.submit(calls) ── memfd (+ shard fds) ──>  [listener thread] unpack -> Request(run id)
        returns BatchRef(server uid, run id)                  │   (a server in this process gets
     batch ── DataLoader result queue ──────────┐             │    the Request directly)
-                                               │             v  RunTable.accept
-                                               │   [runner thread] (_runner.Runner) feeds runs,
+                                               │             v  RunTable.accept (PENDING)
+                                               │   [runner thread] (_runner.Runner)
+                                               │     RunTable.next (SCHEDULED); with a Prepare
+                                               │     stage (_prepare.PreparedRuns) each sample
+                                               │     goes to [prepare threads] (NVDEC decoders)
+                                               │     first and the run is fed once all are done;
                                                │     keeps up to prefetch_queue_depth in flight;
                                                │     outputs -> torch -> RunTable.finish (READY)
                                                v             │
@@ -19,28 +23,32 @@
 
 A server is a thin composition: its :class:`~mmproxy._runs.RunTable` (lifecycle and runs, the
 interface proxies, loaders and resolvers use), a :class:`~mmproxy._dali.Pipe` (the only code that
-touches DALI's internals), the listener thread (:mod:`mmproxy._transport`) and the runner thread
-(:mod:`mmproxy._runner`, which also finds bad samples). Run ids are unique per process and never
-reused, so an output can only be paired with the batch that asked for it. Each run is tagged with
-(loader id, epoch); when a loader starts a new epoch, its older runs are dropped.
+touches DALI's internals), the listener thread (:mod:`mmproxy._transport`), the threads of the
+pipeline's :class:`~mmproxy._prepare.Prepare` stage where it has one (given with
+:class:`~mmproxy.proxy.SampleSeeded`; the runner then takes its runs through
+:class:`~mmproxy._prepare.PreparedRuns`) and the runner thread (:mod:`mmproxy._runner`, which
+searches a failed run for its bad samples with :mod:`mmproxy._isolation`). Run ids are unique per
+process and never reused, so an output can only be paired with the batch that asked for it. Each
+run is tagged with (loader id, epoch); when a loader starts a new epoch, its older runs are
+dropped.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
-import shutil
-import tempfile
 import threading
 from typing import Any
 
 from mmproxy import _process, _transport
 from mmproxy._dali import Pipe
+from mmproxy._prepare import PreparedRuns
 from mmproxy._resolve import resolve
 from mmproxy._runner import Runner
 from mmproxy._runs import Run, RunState, RunTable, ServerState
 from mmproxy.errors import ServerFailedError, ServerStateError, with_remote_cause
-from mmproxy.proxy import DALIProxy, sample_random_of
+from mmproxy.proxy import DALIProxy, SampleSeeded
 
 __all__ = ["DALIServer", "RunState", "ServerState"]
 
@@ -55,7 +63,9 @@ class DALIServer:
         pipeline: A DALI pipeline whose inputs are ``fn.external_source`` nodes without a
             ``source``; their names become the proxy's arguments, in declaration order. Or a
             function that builds one (called once now, and again whenever a pipeline must be
-            rebuilt after an error; see "Bad samples" below).
+            rebuilt after an error; see "Bad samples" below). Or either of those with the inputs
+            the proxy draws from each sample's seed, as :class:`~mmproxy.proxy.SampleSeeded`
+            (what ``image_train_pipeline(sample_seeded=True)`` and ``video_pipeline`` return).
         deterministic: Run batches in the order the main loop consumes them, not in the order
             workers collate them, so a seeded pipeline gives the same outputs run after run.
         name: Used in every message; defaults to ``server<N>``.
@@ -67,6 +77,10 @@ class DALIServer:
             when the main loop asks for it, so the wait is bounded by the pipeline's own time;
             the default (300 s) only turns a bug into an error instead of a hang. ``None``
             waits as long as the server is alive.
+
+    Inputs a decoder of the pipeline reads (an ``external_source`` feeding ``fn.decoders.*``)
+    are checked at the proxy call: a decoded array, or bytes that are not an image file of a
+    format DALI reads, raise :class:`~mmproxy.errors.ProxyArgumentError` there, naming the sample.
 
     Bad samples: when a run fails, the server finds the sample(s) that caused it (the sample a
     decoder names, confirmed by running it alone, else by bisecting the batch), runs the rest of
@@ -92,7 +106,8 @@ class DALIServer:
                  timeout: float | None = 300.0) -> None:
         self.name = name or f"server{next(_names)}"
         self.uid = os.urandom(8).hex()
-        self._pipe = Pipe(pipeline, self.name)
+        seeded = pipeline if isinstance(pipeline, SampleSeeded) else SampleSeeded(pipeline, None)
+        self._pipe = Pipe(seeded.pipeline, self.name)
         self._pad = set(range(self._pipe.num_outputs)) if pad is True else set(pad or ())
         device = None
         if self._pipe.device_id is not None:
@@ -102,11 +117,13 @@ class DALIServer:
         self.table = RunTable(self.name, self._pipe.max_batch_size,
                               deterministic=bool(deterministic), timeout=timeout, device=device)
         self._owner_pid = os.getpid()
-        # The socket's private directory exists only while the server runs.
-        self._sockdir = os.path.join(tempfile.gettempdir(), f"mmproxy-{self.uid}")
-        self._proxy = DALIProxy(self.name, self.uid, self._pipe.input_names, self._pipe.num_outputs,
-                                self._pipe.max_batch_size, os.path.join(self._sockdir, "inputs.sock"),
-                                sample_random_of(self._pipe.pipeline))
+        # a pipeline with a Prepare stage takes what the stage makes; the proxy sends the stage's
+        self._prepare = seeded.prepare
+        sent = self._prepare.inputs if self._prepare is not None else self._pipe.input_names
+        self._proxy = DALIProxy(self.name, self.uid, sent, self._pipe.num_outputs,
+                                _transport.address(self.uid), seeded.sample_random,
+                                seeded.arguments,
+                                {n: kind for n, kind in self._pipe.encoded_inputs.items() if n in sent})
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: _transport.Listener | None = None
@@ -170,14 +187,18 @@ class DALIServer:
             return
         self.table.check_startable()
         try:
-            os.mkdir(self._sockdir, mode=0o700)
-        except FileExistsError:
-            raise ServerStateError(f"server {self.name!r}: {self._sockdir} already exists; "
-                                   "refusing to listen in a directory mmproxy did not make") from None
-        self._listener = _transport.Listener(self._proxy.address)
+            self._listener = _transport.Listener(self._proxy.address, self.name)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            raise ServerStateError(f"server {self.name!r}: its socket address is in use by another "
+                                   "socket (a process forked from this one that still holds it?)"
+                                   ) from err
         self._stop.clear()
         self.table.set_state(ServerState.RUNNING)
-        runner = Runner(self._pipe, self.table, self._pad, self.table.device, self._stop)
+        runs: Any = self.table if self._prepare is None else PreparedRuns(
+            self.table, self._prepare, self._pipe.input_names, self._pipe.num_outputs)
+        runner = Runner(self._pipe, runs, self._pad, self.table.device, self._stop)
         self._threads = [
             threading.Thread(target=self._listen, name=f"mmproxy-{self.name}-listen", daemon=True),
             threading.Thread(target=runner, name=f"mmproxy-{self.name}-run", daemon=True),
@@ -196,10 +217,11 @@ class DALIServer:
             if t is not threading.current_thread():
                 t.join(_JOIN_TIMEOUT)
         self._threads = []
+        if self._prepare is not None:
+            self._prepare.close()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        shutil.rmtree(self._sockdir, ignore_errors=True)
         self.table.clear()
 
     def produce_data(self, obj: Any) -> Any:
@@ -240,7 +262,6 @@ class DALIServer:
                 return  # a forked child never touches a server it inherited
             if self.table.state is ServerState.RUNNING:
                 self.stop_thread()
-            shutil.rmtree(self._sockdir, ignore_errors=True)
             self._pipe.close()  # now, not when the collector (maybe in a forked child) finds it
         except Exception:  # noqa: BLE001 - a silent safety net only
             pass

@@ -1,10 +1,13 @@
-"""Skip report: the samples a loader dropped in one epoch, why, and when that is too many.
+"""Skip report: what a loader dropped in one epoch (samples and whole shards), why, and when
+that is too much.
 
-A sample is skipped where it fails: in a worker (an unreadable shard, a missing or corrupt field,
-a field function that raises) or in a server (the pipeline cannot process it; the server finds
-the sample and runs the rest of its batch). Each skip is a :class:`SkippedSample` record; every
-batch of a :class:`~mmproxy.datasets.MultiModalDataset` carries its records in ``"__skipped__"``,
-and the loader adds them all up in :attr:`mmproxy.DataLoader.skipped`.
+A sample is skipped where it fails: in a worker (a missing or corrupt field, a field function
+that raises) or in a server (the pipeline cannot process it; the server finds the sample and runs
+the rest of its batch); a whole shard is skipped when it cannot be read or holds no files. Each
+skip is a :class:`SkippedSample` record with its :class:`SkipKind`; every batch of a
+:class:`~mmproxy.datasets.MultiModalDataset` carries its records in ``"__skipped__"`` and the
+number of shards its worker began since its previous batch in ``"__shards_tried__"``, and the
+loader adds them all up in :attr:`mmproxy.DataLoader.skipped`.
 
 The loader turns a run that reads (almost) nothing into an error instead of an empty success:
 
@@ -12,43 +15,86 @@ The loader turns a run that reads (almost) nothing into an error instead of an e
   :class:`EmptyEpochError` at once (so a resampled or ``epoch_length`` run that can read nothing
   fails within seconds instead of spinning);
 - an epoch that ends without delivering a sample: :class:`EmptyEpochError`;
-- more than ``max_skipped`` (a fraction of the samples seen) skipped at the end of an epoch, or
-  at any multiple of ``CHECK_EVERY`` (10,000) samples seen: :class:`SkipLimitError`. Damage is
-  often clustered (one bad shard early in an epoch), so the fraction is not judged on fewer
-  samples than that.
+- more than ``max_skipped`` of the samples read skipped (skipped / (delivered + skipped)), at the
+  end of an epoch or at any multiple of ``CHECK_EVERY`` (10,000) samples read:
+  :class:`SkipLimitError`. Damage is often clustered (one bad shard early in an epoch), so the
+  fraction is not judged on fewer samples than that;
+- separately, more than ``max_skipped`` of the shards this rank tried in the epoch unreadable or
+  empty, at the end of an epoch or at any multiple of ``SHARD_CHECK_EVERY`` (100) shards tried:
+  :class:`SkipLimitError` naming the share and the first shards with their reasons. A shard's
+  samples were never read, so nobody counted them: a shard counts as a shard, never as one sample.
 
 Each error gives the counts and the first record of each kind of failure.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from mmproxy.errors import EmptyEpochError, SkipLimitError
 
-__all__ = ["CHECK_EVERY", "EMPTY_AFTER", "SKIPPED", "SkipReport", "SkippedSample", "kind_of"]
+__all__ = ["CHECK_EVERY", "EMPTY_AFTER", "SHARDS_TRIED", "SHARD_CHECK_EVERY", "SKIPPED",
+           "SkipKind", "SkipReport", "SkippedSample"]
 
 SKIPPED = "__skipped__"  # the batch key that carries skip records
+SHARDS_TRIED = "__shards_tried__"  # the batch key that carries the shards a worker began since
 EMPTY_AFTER = 1000  # skipped samples with none delivered before an epoch is called empty
-CHECK_EVERY = 10_000  # samples seen between two checks of the skipped fraction
+CHECK_EVERY = 10_000  # samples read between two checks of the skipped fraction
+SHARD_CHECK_EVERY = 100  # shards tried between two checks of the unreadable share
 _KEEP = 10_000  # records kept per epoch (the counts stay exact)
-_KINDS = ("unreadable shard", "empty shard", "missing field", "bad header", "field function failed",
-          "pipeline failed")
+_LISTED = 3  # shards named in a shard limit's message
+
+
+class SkipKind(str, enum.Enum):
+    """What kind of failure a skip was; its value is how reports name it (the first words of the
+    record's reason)."""
+
+    UNREADABLE_SHARD = "unreadable shard"
+    EMPTY_SHARD = "empty shard"
+    MISSING_FIELD = "missing field"
+    BAD_HEADER = "bad header"
+    FIELD_FUNCTION = "field function failed"
+    PIPELINE = "pipeline failed"
+    OTHER = "other"
+
+    @property
+    def whole_shard(self) -> bool:
+        """Whether the record stands for a whole shard (its samples were never read)."""
+        return self in (SkipKind.UNREADABLE_SHARD, SkipKind.EMPTY_SHARD)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class SkippedSample(NamedTuple):
-    """One skipped sample (or unreadable or empty shard, then ``key`` is empty)."""
+    """One skipped sample, or a whole shard (then ``key`` is empty): where, why in words, and
+    the kind of failure (mmproxy's records always say; a dataset of your own may leave it
+    :attr:`SkipKind.OTHER`)."""
 
     shard: str
     key: str
     reason: str
+    kind: SkipKind = SkipKind.OTHER
 
 
-def kind_of(reason: str) -> str:
-    """The kind of failure a reason describes (its leading words), e.g. ``"missing field"``."""
-    return next((k for k in _KINDS if reason.startswith(k)), "other")
+def _legacy_kind(reason: str) -> SkipKind:
+    """The kind of a record saved without one (states written before records had kinds): the
+    kind whose name its reason starts with."""
+    return next((k for k in SkipKind if reason.startswith(k.value)), SkipKind.OTHER)
+
+
+def _record(saved: Sequence[Any]) -> SkippedSample:
+    """A record from a state: ``(shard, key, reason, kind)``, or an older ``(shard, key, reason)``."""
+    shard, key, reason, *kind = saved
+    return SkippedSample(shard, key, reason, SkipKind(kind[0]) if kind else _legacy_kind(reason))
+
+
+def _saved(record: SkippedSample) -> tuple[str, str, str, str]:
+    """A record as plain values (``torch.load(weights_only=True)`` reads them)."""
+    return (record.shard, record.key, record.reason, record.kind.value)
 
 
 class SkipReport:
@@ -56,12 +102,13 @@ class SkipReport:
 
     Attributes:
         delivered: Samples handed to the training loop.
-        skipped: Samples and shards skipped, unreadable or empty (a shard counts once, however
-            many samples it held or had left: they were never read, so nobody counted them).
-        shards: Of those, the shards (records without a sample key): unreadable ones, and empty
-            ones (:attr:`empty_shards`).
+        skipped: Records: samples skipped plus whole shards skipped (unreadable or empty).
+        shards: Of those, the whole shards: unreadable ones, and empty ones
+            (:attr:`empty_shards`).
+        shards_tried: Shards the workers began reading this epoch (on this rank), as their
+            batches report it; the share of :attr:`shards` is judged against it.
         records: The first 10,000 :class:`SkippedSample` records, in arrival order.
-        by_kind: Skips per kind of failure (see :func:`kind_of`).
+        by_kind: Skips per :class:`SkipKind`.
     """
 
     def __init__(self, epoch: int = 0) -> None:
@@ -69,38 +116,43 @@ class SkipReport:
         self.delivered = 0
         self.skipped = 0
         self.shards = 0
+        self.shards_tried = 0
         self.records: list[SkippedSample] = []
-        self.by_kind: Counter[str] = Counter()
-        self._first: dict[str, SkippedSample] = {}
+        self.by_kind: Counter[SkipKind] = Counter()
+        self._first: dict[SkipKind, SkippedSample] = {}
         self._checked_at = 0
+        self._shards_checked_at = 0
 
-    def add(self, delivered: int, records: list[SkippedSample] | list[tuple[str, str, str]]) -> None:
+    def add(self, delivered: int, records: Iterable[SkippedSample], shards_tried: int = 0) -> None:
+        """Counts a batch: its samples delivered, its skip records, and the shards its worker
+        began since its previous batch."""
         self.delivered += delivered
+        self.shards_tried += shards_tried
         for record in records:
-            record = SkippedSample(*record)
             self.skipped += 1
-            self.shards += not record.key
-            kind = kind_of(record.reason)
-            self.by_kind[kind] += 1
-            self._first.setdefault(kind, record)
+            self.shards += record.kind.whole_shard
+            self.by_kind[record.kind] += 1
+            self._first.setdefault(record.kind, record)
             if len(self.records) < _KEEP:
                 self.records.append(record)
 
     def state_dict(self) -> dict[str, Any]:
         """The counts and the first records (at most 100), for a resumed epoch to go on from."""
         return {"epoch": self.epoch, "delivered": self.delivered, "skipped": self.skipped,
-                "shards": self.shards, "by_kind": dict(self.by_kind),
-                "first": [tuple(r) for r in self._first.values()],
-                "records": [tuple(r) for r in self.records[:100]]}
+                "shards": self.shards, "tried": self.shards_tried,
+                "by_kind": {kind.value: n for kind, n in self.by_kind.items()},
+                "first": [_saved(r) for r in self._first.values()],
+                "records": [_saved(r) for r in self.records[:100]]}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> SkipReport:
         report = cls(state["epoch"])
         report.delivered, report.skipped = state["delivered"], state["skipped"]
         report.shards = state.get("shards", 0)  # absent from states saved before it was counted
-        report.by_kind.update(state["by_kind"])
-        report._first = {kind_of(r[2]): SkippedSample(*r) for r in state["first"]}
-        report.records = [SkippedSample(*r) for r in state["records"]]
+        report.shards_tried = state.get("tried", 0)
+        report.by_kind.update({SkipKind(kind): n for kind, n in state["by_kind"].items()})
+        report._first = {r.kind: r for r in map(_record, state["first"])}
+        report.records = [_record(r) for r in state["records"]]
         return report
 
     @classmethod
@@ -114,6 +166,7 @@ class SkipReport:
             report.delivered += part.delivered
             report.skipped += part.skipped
             report.shards += part.shards
+            report.shards_tried += part.shards_tried
             report.by_kind.update(part.by_kind)
             for kind, first in part._first.items():
                 report._first.setdefault(kind, first)
@@ -122,6 +175,7 @@ class SkipReport:
 
     @property
     def seen(self) -> int:
+        """Samples delivered plus records skipped."""
         return self.delivered + self.skipped
 
     @property
@@ -130,9 +184,14 @@ class SkipReport:
         return self.skipped - self.shards
 
     @property
+    def samples_read(self) -> int:
+        """Samples delivered or skipped (not those of shards that could not be read)."""
+        return self.delivered + self.samples_skipped
+
+    @property
     def empty_shards(self) -> int:
         """Of :attr:`shards`, those that hold no files (the others could not be read)."""
-        return self.by_kind["empty shard"]
+        return self.by_kind[SkipKind.EMPTY_SHARD]
 
     def shards_text(self) -> str:
         """The skipped shards in words: ``"2 unreadable shard(s)"``, ``"1 empty shard(s)"`` or
@@ -150,26 +209,50 @@ class SkipReport:
         for kind, count in self.by_kind.most_common():
             first = self._first[kind]
             where = f"{first.shard}, sample {first.key!r}" if first.key else first.shard
-            lines.append(f"  {count} x {kind}; first: {where}: {first.reason}")
+            lines.append(f"  {count} x {kind.value}; first: {where}: {first.reason}")
         return "\n".join(lines)
 
     def check(self, max_skipped: float | None, *, final: bool = False) -> None:
-        """Raises when the epoch so far (or, with ``final``, the whole epoch) read too little."""
+        """Raises when the epoch so far (or, with ``final``, the whole epoch) read too little:
+        nothing, too many samples skipped, or too many shards unreadable (module docstring)."""
         if self.delivered == 0 and (final or self.skipped >= EMPTY_AFTER):
-            hint = ("check the shard paths, the field extensions and the field functions"
-                    if self.skipped else "check that the shard pattern matches files with samples")
-            raise EmptyEpochError(f"no sample could be used ({hint}):\n{self.summary()}")
-        if max_skipped is None or not self.skipped:
+            self._empty()
+        if max_skipped is None:
             return
-        if not final and self.seen - self._checked_at < CHECK_EVERY:
-            return
-        self._checked_at = self.seen
-        if self.skipped > max_skipped * self.seen:
-            share = f"{self.skipped / self.seen:.1%}"
-            what = (f"{self.samples_skipped} samples and {self.shards_text()} "
-                    f"skipped of {self.seen} ({share}, a shard counted as one sample)"
-                    if self.shards else f"{self.skipped} of {self.seen} samples skipped ({share})")
-            raise SkipLimitError(what, max_skipped, self.summary())
+        read = self.samples_read
+        if self.samples_skipped and (final or read - self._checked_at >= CHECK_EVERY):
+            self._checked_at = read
+            if self.samples_skipped > max_skipped * read:
+                raise SkipLimitError(f"{self.samples_skipped} of {read} samples skipped "
+                                     f"({self.samples_skipped / read:.1%})", max_skipped,
+                                     self.summary())
+        tried = max(self.shards_tried, self.shards)  # a dataset may not say what it tried
+        if self.shards and (final or tried - self._shards_checked_at >= SHARD_CHECK_EVERY):
+            self._shards_checked_at = tried
+            if self.shards > max_skipped * tried:
+                if self.delivered == 0:
+                    self._empty()
+                raise SkipLimitError(f"{self.shards_text()} of the {tried} tried this epoch "
+                                     f"({self.shards / tried:.1%})", max_skipped,
+                                     self.summary() + "\n" + self._first_shards())
+
+    def _empty(self) -> None:
+        hint = ("check the shard paths, the field extensions and the field functions"
+                if self.skipped else "check that the shard pattern matches files with samples")
+        raise EmptyEpochError(f"no sample could be used ({hint}):\n{self.summary()}")
+
+    def _first_shards(self) -> str:
+        """The first shards skipped (each once), one per line with its reason."""
+        first: dict[str, SkippedSample] = {}
+        for record in self.records:
+            if record.kind.whole_shard:
+                first.setdefault(record.shard, record)
+        shards = list(first.values())
+        head = (f"  the first {_LISTED} of {len(shards)} shards:" if len(shards) > _LISTED
+                else "  the shards:")
+        return "\n".join([head, *(f"    {r.shard}: {r.reason}" for r in shards[:_LISTED])])
 
     def __repr__(self) -> str:
-        return f"SkipReport(epoch={self.epoch}, delivered={self.delivered}, skipped={self.skipped})"
+        return (f"SkipReport(epoch={self.epoch}, delivered={self.delivered}, "
+                f"skipped={self.skipped}, shards={self.shards})")
+

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 __all__ = ["WORDS", "audio_bytes", "cache_dir", "caption", "damage_jpeg", "demo_shards",
-           "demo_tokenizer", "image_bytes", "image_folder", "make_tokenizer", "synth_image",
-           "synth_speech", "synth_video", "video_bytes", "write_tar", "writing_cache"]
+           "demo_tokenizer", "faststart_mp4", "image_bytes", "image_folder", "make_tokenizer",
+           "synth_image", "synth_speech", "synth_video", "video_bytes", "write_tar",
+           "writing_cache"]
 
 WORDS = ("a red circle on a blue field", "green stripes over a yellow sky",
          "a small square in the corner", "waves of orange and purple light",
@@ -156,6 +157,27 @@ def _encode_video(path: str, frames: np.ndarray, codec: str, container: str, fps
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)
+
+
+def faststart_mp4(data: bytes, folder: str | os.PathLike[str]) -> bytes:
+    """The video of the MP4 ``data``, remuxed without re-encoding so that its index (the ``moov``
+    box) comes before its frames, as ``ffmpeg -movflags +faststart`` writes files for streaming.
+    The muxer rewrites its output to move the index, so it writes a file in ``folder`` (and
+    removes it)."""
+    import av
+
+    path = Path(folder) / f"faststart-{os.getpid()}-{id(data)}.mp4"
+    try:
+        with av.open(io.BytesIO(data), "r") as source, \
+                av.open(str(path), "w", format="mp4", options={"movflags": "faststart"}) as out:
+            streams = {s.index: out.add_stream_from_template(s) for s in source.streams.video}
+            for packet in source.demux(*source.streams.video):
+                if packet.dts is not None:  # not the demuxer's final flush
+                    packet.stream = streams[packet.stream.index]
+                    out.mux(packet)
+        return path.read_bytes()
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def synth_speech(seed: int, seconds: float, rate: int = 16000, channels: int = 1) -> np.ndarray:

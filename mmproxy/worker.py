@@ -14,10 +14,11 @@ from typing import Any
 
 from mmproxy import _context, _transport
 from mmproxy._context import SampleId, Stamped, sample_key
+from mmproxy.state import ResumePoint
 
-__all__ = ["SampleId", "Stamped", "in_persistent_worker", "loader_epoch", "next_epoch",
-           "register_file_mapping", "release_file_mapping", "resume_state", "sample_key", "stamp",
-           "wants_state"]
+__all__ = ["ResumePoint", "SampleId", "Stamped", "in_persistent_worker", "loader_epoch",
+           "next_epoch", "register_file_mapping", "release_file_mapping", "resume_state",
+           "sample_key", "stamp", "wants_state"]
 
 
 def loader_epoch() -> int | None:
@@ -66,12 +67,12 @@ def stamp(item: Any, worker: int, state: Callable[[], Any]) -> Any:
     return Stamped(item, worker, state()) if wants_state() else item
 
 
-def resume_state(epoch: int) -> dict[str, Any] | None:
+def resume_state(epoch: int) -> ResumePoint | None:
     """Where this worker starts ``epoch`` when the loader resumes from a saved state, else None.
 
-    A dict with ``"worker"`` (whose samples to read: the loader may hand one worker's position
-    to another, to keep the order of batches), ``"state"`` (that worker's last stamped state,
-    None for its start), and for an elastic resume the dataset's own ``"plan"`` entries
-    (:meth:`mmproxy.datasets.MultiModalDataset.reshard`). Given once: later epochs start fresh.
+    A :class:`ResumePoint`: ``worker`` (whose samples to read: the loader may hand one worker's
+    position to another, to keep the order of batches) and ``state`` (the dataset state that
+    worker last stamped, or that the dataset's ``reshard`` made for it; None for its start).
+    The loader does not read inside ``state``. Given once: later epochs start fresh.
     """
     return _context.take_resume(epoch)

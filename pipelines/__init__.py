@@ -1,11 +1,11 @@
-"""mmproxy.pipelines: ready DALI pipelines for the heavy modalities (images, audio).
+"""mmproxy.pipelines: ready DALI pipelines for the heavy modalities (images, audio, video).
 
-Each pipeline is a graph function (``image_train_graph``, ``image_eval_graph``, ``audio_graph``:
-DALI nodes in, DALI nodes out) behind a named ``fn.external_source`` (``external_pipeline``), so a
-pipeline fed by a proxy and one fed by a DALI reader share one definition. Each picks GPU
-operators when CUDA is available and CPU operators (``device_id=None``) otherwise
-(``device="auto"|"gpu"|"cpu"``, decided by ``resolve_device``), and can be replaced by any
-pipeline of your own wherever one is accepted.
+Each pipeline is a graph function (``image_train_graph``, ``image_eval_graph``, ``audio_graph``,
+``video_graph``: DALI nodes in, DALI nodes out) behind a named ``fn.external_source``
+(``external_pipeline``), so a pipeline fed by a proxy and one fed by a DALI reader share one
+definition. Each picks GPU operators when CUDA is available and CPU operators (``device_id=None``)
+otherwise (``device="auto"|"gpu"|"cpu"``, decided by ``resolve_device``), and can be replaced by
+any pipeline of your own wherever one is accepted.
 """
 
 from mmproxy.pipelines._device import Device, resolve_device

@@ -16,27 +16,26 @@ Outputs:
 Cost: decoding dominates. On a GPU the decode is ``mixed`` (nvJPEG / nvImageCodec, hardware
 decoder where present) and the crop happens inside the decoder (only the region of interest is
 decoded); resize, flip and normalize run on the GPU. On CPU the same operators run on
-``num_threads`` threads, except the resize: DALI's CPU ``fn.resize`` costs about four times
-torchvision's for the same image (1.3 ms against 0.32 ms for a ~330x330 crop to 224 on one thread;
-``benchmarks/cpu_ops.py``), two thirds of the whole CPU pipeline, so CPU pipelines resize with
-torchvision inside the DALI pipeline (``fn.python_function``, antialiased bilinear like
-``fn.resize``) unless ``cpu_resize="dali"``.
+``num_threads`` threads, except the resize: DALI's CPU ``fn.resize`` costs several times
+torchvision's for the same image and would be most of the whole CPU pipeline, so CPU pipelines
+resize with torchvision inside the DALI pipeline (``fn.python_function``, antialiased bilinear
+like ``fn.resize``) unless ``cpu_resize="dali"``. BENCHMARKS.md ("Images, 2-core CPU") has the
+figures, stage by stage (``benchmarks/cpu_image_stages.py``).
 """
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, Literal
 
-import numpy as np
+from mmproxy.pipelines._crop_draw import RandomResizedCrop
 from mmproxy.pipelines._device import Device, resolve_device
 from mmproxy.pipelines.external import external_pipeline
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "RandomResizedCrop", "image_eval_graph",
-           "image_eval_pipeline", "image_train_graph", "image_train_pipeline", "resize"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "RandomResizedCrop", "centre_crop_position",
+           "image_eval_graph", "image_eval_pipeline", "image_train_graph", "image_train_pipeline",
+           "resize"]
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -82,6 +81,35 @@ def resize(images: Any, size: int, *, gpu: bool, cpu_resize: CpuResize = "torchv
                               num_outputs=1, output_layouts=layout)
 
 
+def centre_crop_position(images: Any, size: int, *, layout: Literal["HWC", "FHWC"] = "HWC"
+                         ) -> tuple[Any, Any]:
+    """``crop_pos_x`` and ``crop_pos_y`` (DALI nodes) that put a ``size`` square where
+    torchvision's ``CenterCrop`` puts it in images at least that large: ``round((side - size) /
+    2)`` pixels in, halves rounded to even as Python rounds them (a margin of 5 puts it 2 in, one
+    of 7 puts it 4 in; DALI's own ``0.5`` rounds every half up, one pixel right or down for half
+    the odd margins). Costs a few scalar operations per sample."""
+    import nvidia.dali.math as dmath
+    from nvidia.dali import types
+
+    shape = images.shape(dtype=types.INT64)
+    first = 1 if layout == "FHWC" else 0
+
+    def position(side: Any) -> Any:
+        margin = side - size
+        half = margin // 2
+        offset = half + (margin & 1) * (half & 1)  # an odd half rounds to the even neighbour
+        return offset / dmath.max(margin, 1)  # DALI places it at round(position * margin)
+
+    return position(shape[first + 1]), position(shape[first])
+
+
+def _check_resize_size(size: int, resize_size: int | None) -> None:
+    """Refuses a ``resize_size`` smaller than the ``size`` crop cut from the resized image."""
+    if resize_size is not None and resize_size < size:
+        raise ValueError(f"resize_size={resize_size} is smaller than size={size}: the "
+                         f"{size}x{size} crop is cut from the image resized to {resize_size}")
+
+
 def _normalize(images: Any, *, size: int, layout: Layout, dtype: DType, mean: Sequence[float],
                std: Sequence[float], mirror: Any = None, crop: bool = False) -> Any:
     from nvidia.dali import fn, types
@@ -89,65 +117,14 @@ def _normalize(images: Any, *, size: int, layout: Layout, dtype: DType, mean: Se
     dali_type = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}[dtype]
     if dtype == "uint8":
         mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    kwargs: dict[str, Any] = {"crop": (size, size)} if crop else {}
+    kwargs: dict[str, Any] = {}
+    if crop:
+        x, y = centre_crop_position(images, size)
+        kwargs = {"crop": (size, size), "crop_pos_x": x, "crop_pos_y": y}
     if mirror is not None:
         kwargs["mirror"] = mirror
     return fn.crop_mirror_normalize(images, dtype=dali_type, output_layout=layout,
                                     mean=list(mean), std=list(std), **kwargs)
-
-
-_FLIP = (np.array(0, np.int32), np.array(1, np.int32))  # shared, never written to
-
-
-class RandomResizedCrop:
-    """The training pipeline's random draws, made per sample from the sample's seed (a
-    :class:`~mmproxy.proxy.SampleRandom`): a crop window like torchvision's RandomResizedCrop
-    (``scale`` of the area, aspect ``ratio`` drawn log-uniformly, 10 attempts, then the centre
-    crop of the nearest allowed ratio) and a flip.
-
-    The window needs the image's size, read from its header (JPEG, PNG); for other formats the
-    window is drawn as if the image were square (its relative area is still within ``scale``).
-    """
-
-    names = ("crop_anchor", "crop_shape", "flip")
-
-    def __init__(self, input_name: str, scale: tuple[float, float], ratio: tuple[float, float],
-                 flip_probability: float) -> None:
-        self.input_name, self.scale, self.ratio = input_name, scale, ratio
-        self.flip_probability = flip_probability
-
-    def __call__(self, given: dict[str, np.ndarray], rng: random.Random
-                 ) -> dict[str, np.ndarray]:
-        from mmproxy.datasets.checks import image_size
-
-        data = given[self.input_name].data.cast("B")  # the header reader takes bytes
-        size = image_size("png" if data[:4] == b"\x89PNG" else "jpg", data)
-        width, height = size if size and min(size) > 0 else (1024, 1024)
-        x, y, w, h = self.window(width, height, rng)
-        flip = rng.random() < self.flip_probability
-        return {"crop_anchor": np.array((x / width, y / height), np.float32),
-                "crop_shape": np.array((w / width, h / height), np.float32),
-                "flip": _FLIP[flip]}
-
-    def window(self, width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
-        """(x, y, w, h) of the crop in pixels."""
-        area = width * height
-        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
-        for _ in range(10):
-            target = area * rng.uniform(*self.scale)
-            aspect = math.exp(rng.uniform(*log_ratio))
-            w = round(math.sqrt(target * aspect))
-            h = round(math.sqrt(target / aspect))
-            if 0 < w <= width and 0 < h <= height:
-                return rng.randint(0, width - w), rng.randint(0, height - h), w, h
-        aspect = width / height
-        if aspect < min(self.ratio):
-            w, h = width, round(width / min(self.ratio))
-        elif aspect > max(self.ratio):
-            w, h = round(height * max(self.ratio)), height
-        else:
-            w, h = width, height
-        return (width - w) // 2, (height - h) // 2, w, h
 
 
 def image_train_graph(encoded: Any, *, gpu: bool, size: int = 224,
@@ -216,9 +193,10 @@ def image_train_pipeline(*, batch_size: int, size: int = 224,
     sample's seed (:class:`RandomResizedCrop`; a :class:`~mmproxy.datasets.MultiModalDataset`
     derives it from its seed, the epoch and the key) and the decoder decodes that window: a
     sample's augmentation does not depend on the worker, batch or run it lands in, so a resumed
-    run repeats the uninterrupted one exactly. It costs throughput (0.80-0.83x on an H200, 1.01x
-    on 2 CPU cores: ``benchmarks/resume_bench.py``), so by default DALI draws them from its
-    ``seed`` (a resumed run then repeats the order, not the augmentation).
+    run repeats the uninterrupted one exactly. It costs throughput on a GPU (the decoder is
+    given each sample's window instead of drawing it; on CPU the two match: BENCHMARKS.md,
+    "Resume"), so by default DALI draws them from its ``seed`` (a resumed run then repeats the
+    order, not the augmentation).
 
     Args:
         batch_size: The largest batch the server will be asked to run.
@@ -236,8 +214,8 @@ def image_train_pipeline(*, batch_size: int, size: int = 224,
         seed: DALI's random seed (None: random).
         prefetch_queue_depth: Runs the server keeps in flight.
         input_name: Name of the ``external_source`` (the proxy's argument).
-        cpu_resize: On CPU, resize with "torchvision" (inside the DALI pipeline; about 2x the
-            pipeline's throughput) or with DALI's own "dali" ``fn.resize``. Ignored on a GPU.
+        cpu_resize: On CPU, resize with "torchvision" (inside the DALI pipeline; the faster of
+            the two, module docstring) or with DALI's own "dali" ``fn.resize``. Ignored on a GPU.
         sample_seeded: Draw the crop and flip per sample from its seed (above).
     """
     gpu, dev_id = resolve_device(device, device_id)
@@ -249,8 +227,9 @@ def image_train_pipeline(*, batch_size: int, size: int = 224,
                              num_threads=num_threads, device_id=dev_id, seed=seed,
                              prefetch_queue_depth=prefetch_queue_depth,
                              more_inputs=drawn.names if drawn else ())
-    pipe.mmproxy_sample_random = drawn
-    return pipe
+    from mmproxy.proxy import SampleSeeded  # the proxy draws the crop and flip per sample
+
+    return pipe if drawn is None else SampleSeeded(pipe, drawn)
 
 
 def image_eval_pipeline(*, batch_size: int, size: int = 224, resize_size: int | None = None,
@@ -263,6 +242,7 @@ def image_eval_pipeline(*, batch_size: int, size: int = 224, resize_size: int | 
     center crop ``size``, normalize. Deterministic. Other arguments as in
     :func:`image_train_pipeline`.
     """
+    _check_resize_size(size, resize_size)
     gpu, dev_id = resolve_device(device, device_id)
     graph = partial(image_eval_graph, gpu=gpu, size=size, resize_size=resize_size, mean=mean,
                     std=std, layout=layout, dtype=dtype, cpu_resize=cpu_resize)

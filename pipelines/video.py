@@ -20,6 +20,13 @@ start, the crop position and the flip are drawn by the proxy in the worker from 
 so a resumed run repeats them exactly. The start needs the number of frames: read from the MP4 or
 AVI header, or counted by PyAV for WebM (without PyAV a WebM clip starts at frame 0).
 
+Damaged videos: only a video whose header says it is shorter than the clip has frames repeated.
+A file that ends before the frames its header promises (an interrupted download) fails in the
+worker before any decoder sees it, whichever the decoder and the clip's position (its boxes,
+elements or chunks declare more bytes than follow:
+:func:`~mmproxy.datasets.checks.video_cut`), and a PyAV decode that ends early for any other
+reason fails saying why (:func:`decode_clip`): a skip record with ``on_error="skip"``.
+
 Decoders, and which codec is decoded where (DALI 2.4):
 
 =============  ===================================  ============================================
@@ -31,189 +38,68 @@ Decoders, and which codec is decoded where (DALI 2.4):
 ``"pyav"``     the worker (PyAV, FFmpeg), only the  everything FFmpeg decodes; the server
                frames of the clip; the server       resizes, crops and normalizes
                resizes, crops, normalizes
+``"nvdec"``    the server: PyNvVideoCodec (NVDEC)   H.264, HEVC, VP8, VP9, AV1 in MP4/MOV; the
+               on ``decode_threads`` threads, one   rest (WebM, AVI, MJPEG, MPEG-4, and clips
+               re-pointed decoder each; frames      NVDEC refuses) decoded by PyAV, in the
+               stay on the GPU                      worker (or the decode thread)
+``"mixed"``    ``"nvdec"``, with ``cpu_share`` of   as ``"nvdec"``
+               the clips decoded by PyAV in the
+               workers (drawn from each seed)
 =============  ===================================  ============================================
 
-``"auto"`` is ``"pyav"`` when PyAV is installed, else ``"dali"``. Measured on an H200 with 15
-workers (BENCHMARKS.md, "Video"): on 596x336 H.264 clips PyAV in the workers with the resize
-and crop on the GPU gave 124 clips/s, DALI's in-memory NVDEC decoder 11.6 (DALI's own file
-reader, which decodes with NVDEC too, 48.5; PyTorch workers doing everything on CPU 72); on
-320x240 clips NVDEC gave 62. So NVDEC is opt-in (``decoder="dali"``) until DALI's in-memory
-decoder catches up. A sample the chosen decoder cannot decode fails with a message naming its
-codec (a skip record with ``on_error="skip"``).
+``"auto"`` is ``"nvdec"`` on a GPU where PyNvVideoCodec loads (``pip install 'mmproxy[nvdec]'``
+and the driver's NVDEC library), else ``"pyav"`` when PyAV is installed, else ``"dali"``.
+On a GPU, ``"nvdec"`` gives more clips a second than PyAV in the workers for far less CPU, and
+DALI's in-memory decoder (``"dali"``) far fewer than either (BENCHMARKS.md, "Video", has the
+figures); a sample the chosen decoder cannot decode fails with a message naming its codec (a
+skip record with ``on_error="skip"``).
 
 Cost: the decode dominates. With ``"pyav"`` the workers decode only the clip's frames (seeking
-to the key frame before its start, after reading the packets' timestamps: ~1 ms for a 10 s
-596x336 clip, ~2% of its decode) and send them to the server (a 16-frame 596x336 clip is 9.6
-MB of RGB, through shared memory); the resize, crop and normalize run on the GPU, or on CPU in
-torchvision inside the pipeline (``cpu_resize``). With ``"dali"`` on a GPU the worker only reads
-the container header (~10-50 us a clip) and NVDEC decodes.
+to the key frame before its start, after reading the packets' timestamps: a small part of the
+decode) and send them to the server as RGB frames, through shared memory (``frames`` times the
+size of one decoded frame, far more than the encoded clip); the resize, crop and normalize run
+on the GPU, or on CPU in torchvision inside the pipeline (``cpu_resize``). With ``"dali"``,
+``"nvdec"`` and ``"mixed"`` on a GPU the worker reads only the container header (a few boxes or
+elements) and sends the encoded bytes; with ``"nvdec"`` each clip is written once into a decode
+thread's memory file (PyNvVideoCodec's re-pointing takes a path) and its frames are copied out
+of the decoder on the GPU (:mod:`mmproxy.pipelines._nvdec`).
 """
 
 from __future__ import annotations
 
-import io
-import random
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal
 
-import numpy as np
+from mmproxy.pipelines._clip_draw import CPU_CODECS, ClipDraw, clip_start
 from mmproxy.pipelines._device import Device, resolve_device
-from mmproxy.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, CpuResize, DType, resize
+from mmproxy.pipelines._nvdec import ClipDecoder, load_nvdec, nvdec_available
+from mmproxy.pipelines._pyav import decode_clip, pyav_installed
+from mmproxy.pipelines.image import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    CpuResize,
+    DType,
+    _check_resize_size,
+    centre_crop_position,
+    resize,
+)
 
-if TYPE_CHECKING:
-    from mmproxy.datasets.checks import VideoInfo
+__all__ = ["CPU_CODECS", "ClipDraw", "VideoDecoder", "clip_start", "decode_clip", "video_graph",
+           "video_pipeline"]
 
-__all__ = ["CPU_CODECS", "ClipDraw", "VideoDecoder", "decode_clip", "video_graph", "video_pipeline"]
-
-VideoDecoder = Literal["auto", "dali", "pyav"]
+VideoDecoder = Literal["auto", "dali", "mixed", "nvdec", "pyav"]
 VideoLayout = Literal["CTHW", "THWC"]
-CPU_CODECS = ("vp8", "vp9", "mjpeg")  # what DALI 2.4's CPU video decoder decodes
-_NAMES = {"h264": "H.264", "hevc": "HEVC", "av1": "AV1", "mpeg4": "MPEG-4", "vp8": "VP8",
-          "vp9": "VP9", "mjpeg": "MJPEG"}
-
-
-def _count_frames(data: memoryview, info: VideoInfo | None) -> int | None:
-    """Frames of a video: from its header (``info``: MP4, AVI), else counted by PyAV (WebM),
-    else None."""
-    if info is not None and info.frames:
-        return info.frames
-    try:
-        import av
-    except ImportError:
-        return None
-    with cast(Any, av.open(io.BytesIO(data))) as container:
-        stream = container.streams.video[0]
-        return stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
-
-
-def clip_start(total: int | None, frames: int, stride: int, train: bool, rng: random.Random) -> int:
-    """The first frame of a clip of ``frames`` frames at ``stride`` in a video of ``total``
-    frames: uniform over the starts that fit (training), centred (evaluation), 0 if unknown."""
-    if not total:
-        return 0
-    room = max(0, total - ((frames - 1) * stride + 1))
-    return rng.randint(0, room) if train else room // 2
-
-
-def _presentation_order(container: Any, stream: Any) -> list[int] | None:
-    """The pts of a video's frames in presentation order, from its packets (demuxed, not
-    decoded); None where some packet has no pts (some AVI files) or two share one."""
-    pts = [p.pts for p in container.demux(stream) if p.size and not p.is_discard]
-    if None in pts or len(set(pts)) < len(pts):
-        return None
-    return sorted(pts)
-
-
-def decode_clip(data: bytes | memoryview, start: int | None, frames: int | None,
-                stride: int) -> np.ndarray:
-    """Frames ``start, start + stride, ...`` (``frames`` of them, the last repeated past the end;
-    every frame with ``frames=None``) decoded with PyAV, as uint8 ``[T, H, W, 3]`` RGB.
-
-    Frame ``i`` is the ``i``-th frame in presentation order (what the header's frame count
-    counts), also in variable-frame-rate videos: the packets' timestamps are read first (no
-    decoding), then the decode seeks to the key frame before ``start``'s timestamp instead of
-    starting from the beginning. A video whose packets lack timestamps, or where the seek lands
-    past ``start``, is decoded from the beginning, counting frames."""
-    wanted = None if frames is None else [(start or 0) + i * stride for i in range(frames)]
-    out = _decode(data, wanted, seek=bool(wanted and wanted[0] > 0))
-    if out is None:
-        out = _decode(data, wanted, seek=False)
-    if not out:
-        raise ValueError("the video holds no decodable frame at the clip's position")
-    clip = np.stack(out)
-    if frames is not None and len(clip) < frames:  # past the end: repeat the last frame
-        clip = np.concatenate([clip, np.repeat(clip[-1:], frames - len(clip), axis=0)])
-    return clip
-
-
-def _decode(data: bytes | memoryview, wanted: list[int] | None,
-            seek: bool) -> list[np.ndarray] | None:
-    """The frames ``wanted`` (every frame with None), counted from the beginning; with ``seek``
-    from the key frame before the first: the first frame decoded takes its index from its pts,
-    the next ones are counted. None when seeking fails: packets without pts, or the seek went
-    past the first frame wanted (H.264 with B-frames in AVI, whose pts are guesses)."""
-    import av
-
-    out: list[np.ndarray] = []
-    with cast(Any, av.open(io.BytesIO(data))) as container:
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        count: int | None = -1  # the last decoded frame's index (None: not known yet)
-        index_of: dict[int, int] = {}
-        if seek and wanted:
-            order = _presentation_order(container, stream)
-            if not order:
-                return None
-            index_of = {pts: i for i, pts in enumerate(order)}
-            container.seek(order[min(wanted[0], len(order) - 1)], stream=stream, backward=True)
-            count = None
-        needed = set(wanted) if wanted else None
-        last = max(wanted) if wanted else None
-        for frame in container.decode(stream):
-            if count is not None:
-                count += 1
-            elif frame.pts in index_of:  # the first frame after the seek
-                count = index_of[frame.pts]
-                if wanted and count > wanted[0]:
-                    return None
-            else:
-                continue
-            if needed is None or count in needed:
-                out.append(frame.to_ndarray(format="rgb24"))
-            if last is not None and count >= last:
-                break
-    return out
-
-
-class ClipDraw:
-    """The video pipeline's per-sample draws (a :class:`~mmproxy.proxy.SampleRandom`): the clip's
-    start frame (or, with ``decode_in_worker``, its decoded frames), the crop position and the
-    flip, from the sample's seed. Refuses a codec the server's decoder cannot decode, by name."""
-
-    def __init__(self, input_name: str, frames: int, stride: int, train: bool,
-                 flip_probability: float, every_frame: bool, decode_in_worker: bool,
-                 cpu_decoder: bool) -> None:
-        self.input_name, self.frames, self.stride, self.train = input_name, frames, stride, train
-        self.flip_probability, self.every_frame = flip_probability, every_frame
-        self.decode_in_worker, self.cpu_decoder = decode_in_worker, cpu_decoder
-        place = ("frames",) if decode_in_worker else () if every_frame else ("start",)
-        self.names = (*place, "crop_x", "crop_y", "flip")
-        self.arguments = (input_name,)
-
-    def __call__(self, given: dict[str, np.ndarray], rng: random.Random) -> dict[str, np.ndarray]:
-        from mmproxy.datasets.checks import video_info
-
-        data = given[self.input_name].data.cast("B")
-        info = video_info(data)
-        if info is not None and self.cpu_decoder and info.codec not in (None, *CPU_CODECS):
-            raise ValueError(
-                f"{_NAMES.get(info.codec, info.codec)} video: DALI's CPU video decoder decodes "
-                f"only {', '.join(_NAMES[c] for c in CPU_CODECS)}; use "
-                "video_pipeline(decoder='pyav') (PyAV decodes it in the workers) or a GPU")
-        out: dict[str, np.ndarray] = {}
-        if not self.every_frame or self.decode_in_worker:
-            start = 0 if self.every_frame else clip_start(
-                _count_frames(data, info), self.frames, self.stride, self.train, rng)
-            if self.decode_in_worker:
-                out["frames"] = decode_clip(data, start, None if self.every_frame else self.frames,
-                                            self.stride)
-            else:
-                out["start"] = np.array(start, np.int32)
-        centre = not self.train
-        out["crop_x"] = np.array(0.5 if centre else rng.random(), np.float32)
-        out["crop_y"] = np.array(0.5 if centre else rng.random(), np.float32)
-        out["flip"] = np.array(0 if centre else rng.random() < self.flip_probability, np.int32)
-        return out
 
 
 def video_graph(video: Any, *, gpu: bool, size: int = 224, resize_size: int | None = None,
-                crop_x: Any = 0.5, crop_y: Any = 0.5, flip: Any = 0,
+                crop_x: Any = None, crop_y: Any = None, flip: Any = 0,
                 mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                 layout: VideoLayout = "CTHW", dtype: DType = "float32",
                 cpu_resize: CpuResize = "torchvision") -> Any:
     """Decoded clips (a DALI node, ``FHWC`` uint8) to resized, cropped, flipped, normalized
     clips: the shorter side to ``resize_size`` (default ``size * 256 / 224``), a ``size`` square
-    at ``crop_x``/``crop_y`` (0-1, same for every frame of a clip), mirrored where ``flip``."""
+    at ``crop_x``/``crop_y`` (0-1, same for every frame of a clip; None: at the centre, where
+    torchvision's ``CenterCrop`` puts it), mirrored where ``flip``."""
     from nvidia.dali import fn, types
 
     if layout not in ("CTHW", "THWC"):
@@ -222,6 +108,10 @@ def video_graph(video: Any, *, gpu: bool, size: int = 224, resize_size: int | No
         video = video.gpu()
     video = resize(video, resize_size or round(size * 256 / 224), gpu=gpu, cpu_resize=cpu_resize,
                    shorter=True, layout="FHWC")
+    if crop_x is None or crop_y is None:
+        centre_x, centre_y = centre_crop_position(video, size, layout="FHWC")
+        crop_x = centre_x if crop_x is None else crop_x
+        crop_y = centre_y if crop_y is None else crop_y
     dali_type = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}[dtype]
     if dtype == "uint8":
         mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
@@ -238,7 +128,8 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
                    device: Device = "auto", device_id: int | None = None, num_threads: int = 4,
                    prefetch_queue_depth: int = 2, input_name: str = "videos",
                    cpu_resize: CpuResize = "torchvision",
-                   decoder_options: Mapping[str, Any] | None = None) -> Any:
+                   decoder_options: Mapping[str, Any] | None = None, decode_threads: int = 8,
+                   cpu_share: float = 0.25) -> Any:
     """Builds the video pipeline (see the module docstring for inputs, outputs and decoders).
 
     Args:
@@ -254,45 +145,56 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
         std: Per-channel standard deviation, 0-255 units.
         layout: "CTHW" (batches NCTHW) or "THWC" (batches NTHWC).
         dtype: "float32", "float16" or "uint8".
-        decoder: "auto", "dali" or "pyav" (module docstring).
+        decoder: "auto", "nvdec", "mixed", "pyav" or "dali" (module docstring).
         device: "auto" (GPU when CUDA is available), "gpu" or "cpu".
         device_id: The GPU to use; the current one when None.
         num_threads: DALI CPU threads.
         prefetch_queue_depth: Runs the server keeps in flight.
         input_name: The proxy's argument.
         cpu_resize: On CPU, resize with "torchvision" or DALI's "dali" ``fn.resize``.
-        decoder_options: With ``decoder="dali"``: more keyword arguments for DALI's
-            ``fn.decoders.video`` (``build_index``, ``affine``, ...).
+        decoder_options: More keyword arguments for the decoder: with ``decoder="dali"`` for
+            DALI's ``fn.decoders.video`` (``build_index``, ``affine``, ...); with ``"nvdec"`` and
+            ``"mixed"`` for ``PyNvVideoCodec.SimpleDecoder`` (``max_width``, ``max_height``,
+            ``decoder_cache_size``).
+        decode_threads: With ``"nvdec"`` and ``"mixed"``: the server's NVDEC decode threads.
+        cpu_share: With ``"mixed"``: the share of the clips the workers decode with PyAV (drawn
+            per clip from its seed, 0-1).
     """
     from nvidia.dali import fn, pipeline_def, types
 
     gpu, dev_id = resolve_device(device, device_id)
-    if decoder not in ("auto", "dali", "pyav"):
-        raise ValueError(f"decoder must be 'auto', 'dali' or 'pyav', got {decoder!r}")
+    if decoder not in ("auto", "dali", "mixed", "nvdec", "pyav"):
+        raise ValueError(f"decoder must be 'auto', 'nvdec', 'mixed', 'pyav' or 'dali', got "
+                         f"{decoder!r}")
     if decoder == "auto":
-        try:
-            import av  # noqa: F401
-            decoder = "pyav"
-        except ImportError:
-            decoder = "dali"
-    if decoder == "pyav":
-        try:
-            import av  # noqa: F401
-        except ImportError:
-            raise ImportError("decoder='pyav' needs PyAV: pip install av (or 'mmproxy[video]')") \
-                from None
+        decoder = "nvdec" if gpu and nvdec_available() else "pyav" if pyav_installed() else "dali"
+    if decoder in ("nvdec", "mixed"):
+        if not gpu:
+            raise ValueError(f"decoder={decoder!r} decodes on the GPU (NVDEC): use device='gpu' "
+                             "or 'auto' on a machine with CUDA, or decoder='pyav' on CPU")
+        load_nvdec()
+        if decoder == "mixed" and not 0 <= cpu_share <= 1:
+            raise ValueError(f"cpu_share must be between 0 and 1, got {cpu_share}")
+    if decoder in ("pyav", "mixed") and not pyav_installed():
+        raise ImportError(f"decoder={decoder!r} needs PyAV: pip install av (or 'mmproxy[video]')")
+    _check_resize_size(size, resize_size)
     if frames < 1 or stride < 1:
         raise ValueError(f"frames and stride must be at least 1, got {frames} and {stride}")
+    nvdec = decoder in ("nvdec", "mixed")
     draw = ClipDraw(input_name, frames, stride, train, flip_probability, every_frame,
-                    decode_in_worker=decoder == "pyav", cpu_decoder=decoder == "dali" and not gpu)
+                    decode_in_worker=decoder == "pyav", cpu_decoder=decoder == "dali" and not gpu,
+                    nvdec=nvdec, cpu_share=cpu_share if decoder == "mixed" else 0.0)
 
     @pipeline_def
     def pipe() -> Any:
         drawn = {name: fn.external_source(name=name, no_copy=True) for name in draw.names
-                 if name != "frames"}
+                 if name not in ("frames", "start") or name == "start" and decoder == "dali"}
         if decoder == "pyav":
             video = fn.external_source(name="frames", no_copy=True, dtype=types.UINT8,
                                        layout="FHWC")
+        elif nvdec:  # decoded in the server before the feed (pipelines/_nvdec.py)
+            video = fn.external_source(name=input_name, device="gpu", no_copy=True,
+                                       dtype=types.UINT8, layout="FHWC")
         else:
             encoded = fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8)
             chosen = {} if every_frame else {"start_frame": drawn["start"], "stride": stride,
@@ -301,7 +203,8 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
                                       **(decoder_options or {}))
         length = video.shape(dtype=types.INT64)[0]
         clip = video_graph(video, gpu=gpu, size=size, resize_size=resize_size,
-                           crop_x=drawn["crop_x"], crop_y=drawn["crop_y"], flip=drawn["flip"],
+                           crop_x=drawn.get("crop_x"), crop_y=drawn.get("crop_y"),
+                           flip=drawn["flip"],
                            mean=mean, std=std, layout=layout, dtype=dtype, cpu_resize=cpu_resize)
         if every_frame:
             return fn.pad(clip, axes=[1 if layout == "CTHW" else 0], fill_value=0), length
@@ -309,5 +212,12 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
 
     built = pipe(batch_size=batch_size, num_threads=num_threads, device_id=dev_id,
                  prefetch_queue_depth=prefetch_queue_depth)
-    built.mmproxy_sample_random = draw
-    return built
+    from mmproxy.proxy import SampleSeeded  # the proxy draws the clip's place per sample
+
+    prepare = None
+    if nvdec:
+        assert dev_id is not None
+        prepare = ClipDecoder(input_name, None if every_frame else frames, stride, dev_id,
+                              decode_threads, decoder_options,
+                              tuple(n for n in draw.names if n != "start"))
+    return SampleSeeded(built, draw, draw.arguments, prepare)

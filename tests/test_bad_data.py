@@ -8,7 +8,6 @@ cut in half, an image whose header declares a huge size.
 
 from __future__ import annotations
 
-import functools
 import gc
 import re
 import subprocess
@@ -221,111 +220,6 @@ def test_a_users_own_pipeline_with_every_executor_keeps_going(executor, tmp_path
         assert time.perf_counter() - start < 60
 
 
-@pytest.mark.parametrize("executor", ["dynamic", "async", "sync"])
-def test_a_run_fed_ahead_keeps_its_place_when_a_run_before_it_fails(executor, tmp_path,
-                                                                    monkeypatch):
-    """The runner's feed_ahead (an engine variant, benchmarks/engine_ab.py): one more run's inputs
-    wait in DALI's queue while the runs in flight finish. When one of those fails, the run fed
-    ahead still runs after them with its own inputs, never taken by the search for the bad
-    sample: every row's colour is its label's."""
-    from mmproxy._runner import Runner
-
-    ahead = []
-
-    class Spy(Runner):
-        def _feed(self, run, inflight, schedule=True):
-            if not schedule:
-                ahead.append(run.id)
-            super()._feed(run, inflight, schedule)
-
-        def _outputs(self, then=None):
-            time.sleep(0.02)  # a slower pipeline: the runs arrive faster than they are run
-            return super()._outputs(then)
-
-    monkeypatch.setattr(mmproxy.server, "Runner", functools.partial(Spy, feed_ahead=True))
-    bad = {2, 9, 10, 21, 38, 39}
-    write_tar(tmp_path / "a-000.tar", [{"__key__": f"a{i:02d}", "cls": str(i),
-                                        "jpg": _undecodable(i) if i in bad else _jpeg(i)}
-                                       for i in range(48)])
-    server = mmproxy.DALIServer(lambda: _custom_decode(executor, batch_size=4), name=executor)
-    with server:
-        ds = MultiModalDataset(str(tmp_path / "a-000.tar"),
-                               {"small": ("jpg", server.proxy), "label": ("cls", int)},
-                               batch_size=4, on_error="skip", max_skipped=0.5)
-        labels = []
-        for batch in ds.loader(server, num_workers=2):
-            small, _ = batch["small"]
-            colours = small.float().mean(dim=(1, 2, 3)).round().tolist()
-            assert [abs(c - _color(i)) <= 3 for c, i in zip(colours, batch["label"].tolist())] \
-                == [True] * len(colours), (colours, batch["label"])
-            labels += batch["label"].tolist()
-    assert sorted(labels) == sorted(set(range(48)) - bad)
-    assert ahead, "no run was fed ahead: the test did not test it"
-
-
-@pytest.mark.parametrize("conversion_fails", [False, True])
-def test_a_run_fed_ahead_whose_scheduling_fails_fails_alone(conversion_fails, tmp_path,
-                                                            monkeypatch):
-    """feed_ahead schedules the run fed ahead from inside Pipe.outputs. When that _run_once
-    fails (its inputs may still wait in DALI's queue), that run fails with 'refused the inputs',
-    promptly, and no other run takes its inputs: every row of every batch delivered has its own
-    label's colour, also when the same outputs call then fails in the conversion to torch."""
-    import mmproxy._convert as convert
-    from mmproxy._runner import Runner
-
-    state = {"armed": True, "fired": False}
-    real_to_torch = convert.to_torch
-
-    class Spy(Runner):
-        def _outputs(self, then=None):
-            time.sleep(0.02)  # a slower pipeline: the runs arrive faster than they are run
-            if then is None or not state["armed"] or self._ahead is None:
-                return super()._outputs(then)
-            state["armed"], state["fired"] = False, True
-            schedule = self.pipe.schedule
-
-            def refuse():
-                raise RuntimeError("refused by _run_once")
-
-            def refused_then():
-                self.pipe.schedule = refuse
-                try:
-                    then()
-                finally:
-                    self.pipe.schedule = schedule
-
-            def fails_once(*args, **kwargs):
-                convert.to_torch = real_to_torch
-                raise RuntimeError("the conversion failed")
-
-            if conversion_fails:
-                convert.to_torch = fails_once
-            try:
-                return super()._outputs(refused_then)
-            finally:
-                convert.to_torch = real_to_torch
-
-    monkeypatch.setattr(mmproxy.server, "Runner", functools.partial(Spy, feed_ahead=True))
-    write_tar(tmp_path / "a-000.tar", [{"__key__": f"a{i:02d}", "cls": str(i), "jpg": _jpeg(i)}
-                                       for i in range(48)])
-    server = mmproxy.DALIServer(lambda: _custom_decode("dynamic", batch_size=4), name="ahead",
-                                timeout=20)
-    start = time.perf_counter()
-    with server:
-        ds = MultiModalDataset(str(tmp_path / "a-000.tar"),
-                               {"small": ("jpg", server.proxy), "label": ("cls", int)},
-                               batch_size=4, on_error="skip", max_skipped=0.5)
-        with pytest.raises(mmproxy.PipelineError, match="refused the inputs"):
-            for batch in ds.loader(server, num_workers=2):
-                small, _ = batch["small"]
-                colours = small.float().mean(dim=(1, 2, 3)).round().tolist()
-                labels = batch["label"].tolist()
-                assert [abs(c - _color(i)) <= 3 for c, i in zip(colours, labels)] \
-                    == [True] * len(colours), (colours, labels)
-    assert state["fired"], "the scheduling of a run fed ahead never failed: nothing was tested"
-    assert time.perf_counter() - start < 15
-
-
 # -- a run that reads nothing fails loudly, quickly, in words -----------------------------------
 
 @pytest.fixture(scope="module")
@@ -343,18 +237,19 @@ def image_server():
 
 
 def _mistakes(root, proxy):
-    """What a new user types: (urls, fields) pairs that read nothing."""
+    """What a new user types (or finds): (urls, fields) pairs that read nothing."""
     good = str(root / "g-000.tar")
+    (root / "notes.tar").write_text("not a tar, whatever its name says\n" * 40)
+    (root / "gone.tar").write_bytes((root / "g-000.tar").read_bytes())
     return {
-        "missing path": ([str(root / "no-such.tar")], {"x": ("jpg", proxy)}),
-        "brace matching no file": (str(root / "g-{005..006}.tar"), {"x": ("jpg", proxy)}),
-        "a directory": ([str(root)], {"x": ("jpg", proxy)}),
+        "not a tar": ([str(root / "notes.tar")], {"x": ("jpg", proxy)}),
+        "deleted after the dataset was made": ([str(root / "gone.tar")], {"x": ("jpg", proxy)}),
         "extension never present": ([good], {"x": ("jpeg", proxy)}),
         "field function always raises": ([good], {"x": ("jpg", proxy), "y": ("cls", bytes.fromhex)}),
     }
 
 
-@pytest.mark.parametrize("mistake", ["missing path", "brace matching no file", "a directory",
+@pytest.mark.parametrize("mistake", ["not a tar", "deleted after the dataset was made",
                                      "extension never present", "field function always raises"])
 @pytest.mark.parametrize("mode", ["plain", "resampled", "epoch_length"])
 def test_a_run_that_reads_nothing_fails_within_seconds(good_shard, image_server, mistake, mode):
@@ -362,6 +257,8 @@ def test_a_run_that_reads_nothing_fails_within_seconds(good_shard, image_server,
     extra = {"plain": {}, "resampled": {"resampled": True, "epoch_length": 5},
              "epoch_length": {"epoch_length": 5}}[mode]
     ds = MultiModalDataset(urls, fields, batch_size=4, on_error="skip", **extra)
+    if mistake.startswith("deleted"):
+        Path(urls[0]).unlink()
     start = time.perf_counter()
     with pytest.raises((mmproxy.EmptyEpochError, mmproxy.ShardError)) as info:
         for _ in ds.loader(image_server, num_workers=1 if mode == "epoch_length" else 2):
@@ -370,19 +267,50 @@ def test_a_run_that_reads_nothing_fails_within_seconds(good_shard, image_server,
     text = str(info.value)
     if isinstance(info.value, mmproxy.EmptyEpochError):
         assert "no sample could be used" in text and "skipped" in text
-        kind = {"missing path": "unreadable shard", "brace matching no file": "unreadable shard",
-                "a directory": "unreadable shard", "extension never present": "missing field",
+        kind = {"not a tar": "unreadable shard", "deleted after the dataset was made":
+                "unreadable shard", "extension never present": "missing field",
                 "field function always raises": "field function failed"}[mistake]
         assert kind in text
-    if "path" in mistake or "brace" in mistake:
+    if mistake.startswith("deleted"):
         assert "No such file or directory" in text
-    if mistake == "a directory":
-        assert "Is a directory" in text
+
+
+@pytest.mark.parametrize("mistake", ["missing path", "brace matching no file", "a directory",
+                                     "most of a brace pattern missing"])
+def test_local_shards_that_do_not_exist_are_refused_when_the_dataset_is_made(good_shard,
+                                                                             image_server, mistake):
+    """As the CLI's ``--data`` does: the first three missing, how many of how many, what named
+    them; not an epoch on part of the data (or none of it)."""
+    fields = {"x": ("jpg", image_server.proxy)}
+    urls, match = {
+        "missing path": ([str(good_shard / "no-such.tar")],
+                         r"^no shard at \S+/no-such\.tar \(1 of the 1 that urls names\)$"),
+        "brace matching no file": (str(good_shard / "g-{005..006}.tar"),
+                                   r"^no shard at \S+/g-005\.tar, \S+/g-006\.tar \(2 of the 2 "),
+        "a directory": ([str(good_shard)], r"\(1 of the 1 that urls names\); \S+ is a folder: "
+                        r"name its shards, e\.g\. \S+/\*\.tar$"),
+        "most of a brace pattern missing": (
+            str(good_shard / "g-{000..019}.tar"),
+            r"^no shard at \S+/g-001\.tar, \S+/g-002\.tar, \S+/g-003\.tar and 16 more \(19 of the 20 "
+            r"that urls names\)$"),
+    }[mistake]
+    with pytest.raises(FileNotFoundError, match=match):
+        MultiModalDataset(urls, fields, batch_size=4, on_error="skip")
+    from mmproxy.datasets import Source, audio_label_dataset
+
+    with pytest.raises(FileNotFoundError, match=match):  # the recipes make one
+        audio_label_dataset(urls, image_server, batch_size=4)
+
+    with pytest.raises(FileNotFoundError, match=r"that the urls of source 'b' names"):
+        MultiModalDataset(sources=[Source(str(good_shard / "g-000.tar"), fields, name="a"),
+                                   Source(urls, fields, name="b")], batch_size=4)
 
 
 def test_raise_mode_names_an_unreadable_shard_in_words(good_shard, image_server):
+    (good_shard / "nope.tar").write_bytes(b"")
     ds = MultiModalDataset([str(good_shard / "nope.tar")], {"x": ("jpg", image_server.proxy)},
                            batch_size=4)
+    (good_shard / "nope.tar").unlink()  # gone since the dataset was made
     with pytest.raises(mmproxy.ShardError, match=r"nope\.tar: cannot be read: No such file or directory"):
         list(ds.loader(image_server, num_workers=0))
 
@@ -401,6 +329,88 @@ def test_too_many_skipped_is_an_error_with_counts_and_reasons(tmp_path, image_se
     loader = ds.loader(image_server, num_workers=0)
     assert sum(len(b["__key__"]) for b in loader) == 20
     assert loader.skipped.skipped == 10 and loader.skipped.by_kind == {"bad header": 10}
+
+
+# -- shards count as shards ------------------------------------------------------------------------
+
+GOOD_SHARDS = (0, 2, 5, 7, 10, 12, 15, 17)  # 8 of 20, 4 for each of two workers (unshuffled)
+
+
+def _mostly_unreadable(root, bad=None, per_shard=30):
+    """20 shards of ``per_shard`` label-only samples; those not in GOOD_SHARDS (or those in
+    ``bad``) are damaged: cut inside a header, or not a tar at all. Returns their pattern."""
+    for s in range(20):
+        path = root / f"m-{s:03d}.tar"
+        write_tar(path, [{"__key__": f"m{s:02d}{i:02d}", "cls": str(i)} for i in range(per_shard)])
+        if (s not in GOOD_SHARDS) if bad is None else (s in bad):
+            path.write_bytes(path.read_bytes()[:700] if s % 2 else b"<html>404</html>" * 50)
+    return str(root / "m-{000..019}.tar")
+
+
+@pytest.mark.parametrize("mode", ["plain", "resampled", "epoch_length"])
+def test_most_shards_unreadable_fails_the_epoch_though_few_samples_were_skipped(tmp_path,
+                                                                               image_server, mode):
+    """12 of 20 shards unreadable while the 8 others deliver 240 samples (12 records against 252
+    would be under 10%): 60% of the shards gone is a SkipLimitError naming the share and the
+    first shards with their reasons."""
+    extra = {"plain": {}, "resampled": {"resampled": True, "epoch_length": 60},
+             "epoch_length": {"epoch_length": 60}}[mode]
+    ds = MultiModalDataset(_mostly_unreadable(tmp_path), {"label": ("cls", int)}, batch_size=4,
+                           on_error="skip", shuffle_shards=False, **extra)
+    with pytest.raises(mmproxy.SkipLimitError) as raised:
+        for _ in ds.loader(image_server, num_workers=2):
+            pass
+    text = str(raised.value)
+    share = re.match(r"^(\d+) unreadable shard\(s\) of the (\d+) tried this epoch \((\d+\.\d)%\), "
+                     r"more than max_skipped=10\.0%", text)
+    assert share is not None, text
+    assert float(share[3]) > 30
+    if mode == "plain":  # (with a quota a worker stops once it has its batches)
+        assert share.groups() == ("12", "20", "60.0")
+        assert "the first 3 of 12 shards:" in text
+    assert re.search(r"\n    \S+/m-0\d\d\.tar: unreadable shard: ReadError: ", text), text
+
+
+def test_a_few_unreadable_shards_pass_and_are_counted_against_the_shards_tried(tmp_path,
+                                                                              image_server):
+    """1 of 20 shards unreadable (5%) is under the 10% limit, in every epoch of persistent
+    workers (whose next epoch's first batch is made ahead)."""
+    ds = MultiModalDataset(_mostly_unreadable(tmp_path, bad={3}), {"label": ("cls", int)},
+                           batch_size=4, on_error="skip")
+    loader = ds.loader(image_server, num_workers=2, persistent_workers=True)
+    for _ in range(2):
+        assert sum(len(b["label"]) for b in loader) == 19 * 30
+        report = loader.skipped
+        assert (report.shards, report.shards_tried, report.samples_skipped) == (1, 20, 0)
+        assert not any(k.startswith("__shards") for b in [report] for k in vars(b))
+
+
+@pytest.mark.parametrize("resumed_workers", [2, 3])
+def test_the_shards_tried_are_counted_once_across_a_resume(tmp_path, image_server,
+                                                           resumed_workers):
+    """Shards read again on resume (the one being read, the shuffle buffer's) are not tried
+    again: the resumed epoch's report has the uninterrupted one's counts, exact or elastic."""
+    urls = _mostly_unreadable(tmp_path, bad={3, 8}, per_shard=10)
+
+    def build(workers):
+        return MultiModalDataset(urls, {"label": ("cls", int)}, batch_size=4, shuffle_buffer=6,
+                                 on_error="skip", max_skipped=0.2
+                                 ).loader(image_server, num_workers=workers)
+
+    whole = build(2)
+    total = sum(len(b["label"]) for b in whole)
+    assert (total, whole.skipped.shards, whole.skipped.shards_tried) == (180, 2, 20)
+    for stop in (1, 7, 20):
+        first = build(2)
+        it = iter(first)
+        seen = sum(len(next(it)["label"]) for _ in range(stop))
+        state = first.state_dict()
+        it.close()
+        resumed = build(resumed_workers)
+        resumed.load_state_dict(state)
+        seen += sum(len(b["label"]) for b in resumed)
+        report = resumed.skipped
+        assert (seen, report.shards, report.shards_tried) == (180, 2, 20), stop
 
 
 # -- skip records are never lost ------------------------------------------------------------------
@@ -639,30 +649,90 @@ def test_header_checks_accept_unusual_but_decodable_files():
 
 
 def test_unreadable_shards_are_counted_apart_from_samples():
-    """A shard-level record (no sample key) counts once in ``skipped`` and in ``shards``; the
-    summary and the limit's message say so, and the count survives a save and a merge."""
-    from mmproxy.skips import SkipReport
+    """A shard record counts once in ``skipped`` and in ``shards``, never in the samples'
+    fraction; the shards' share (of the shards tried) has its own check, whose message names the
+    share and the first shards with their reasons; the counts survive a save and a merge."""
+    from mmproxy.skips import SkipKind, SkippedSample, SkipReport
 
     report = SkipReport(epoch=1)
-    report.add(8, [("s-0.tar", "k1", "bad header: x"), ("s-1.tar", "", "unreadable shard: cut")])
-    assert (report.delivered, report.skipped, report.shards) == (8, 2, 1)
+    report.add(8, [SkippedSample("s-0.tar", "k1", "bad header: x", SkipKind.BAD_HEADER),
+                   SkippedSample("s-1.tar", "", "unreadable shard: cut", SkipKind.UNREADABLE_SHARD)],
+               shards_tried=20)
+    assert (report.delivered, report.skipped, report.shards, report.shards_tried) == (8, 2, 1, 20)
     assert report.summary().splitlines()[0] == (
         "epoch 1: 8 samples delivered, 1 samples skipped and 1 unreadable shard(s), their unread "
         "samples not counted")
-    with pytest.raises(mmproxy.SkipLimitError, match=r"^1 samples and 1 unreadable shard\(s\) "
-                       r"skipped of 10 \(20\.0%, a shard counted as one sample\), more than"):
+    with pytest.raises(mmproxy.SkipLimitError, match=r"^1 of 9 samples skipped \(11\.1%\), more "
+                       r"than max_skipped=10\.0%"):
         report.check(0.1, final=True)
+    report.check(0.2, final=True)  # 1 of 9 samples, 1 of 20 shards: under 20%
+    report.add(4, [SkippedSample(f"m-{i}.tar", "", f"unreadable shard: HTTP 404 ({i})",
+                                 SkipKind.UNREADABLE_SHARD) for i in range(11)])
+    with pytest.raises(mmproxy.SkipLimitError) as raised:
+        report.check(0.2, final=True)
+    assert str(raised.value).startswith("12 unreadable shard(s) of the 20 tried this epoch (60.0%), "
+                                        "more than max_skipped=20.0%")
+    assert raised.value.summary.splitlines()[-4:] == [
+        "  the first 3 of 12 shards:", "    s-1.tar: unreadable shard: cut",
+        "    m-0.tar: unreadable shard: HTTP 404 (0)", "    m-1.tar: unreadable shard: HTTP 404 (1)"]
     state = report.state_dict()
-    assert SkipReport.from_state(state).shards == 1
-    assert SkipReport.merged([state, state], epoch=1).shards == 2
-    del state["shards"]  # a state saved before shards were counted
+    assert SkipReport.from_state(state).shards == 12
+    assert SkipReport.from_state(state).shards_tried == 20
+    merged = SkipReport.merged([state, state], epoch=1)
+    assert (merged.shards, merged.shards_tried) == (24, 40)
+    del state["shards"], state["tried"]  # a state saved before shards were counted
     assert SkipReport.from_state(state).shards == 0
+
+
+def test_the_shards_share_is_judged_mid_epoch_every_100_shards_tried():
+    """Before the epoch's end the share is judged only on 100 shards tried or more (damage is
+    often clustered: the first 2 of 5 shards missing says little about the other 995)."""
+    from mmproxy.skips import SHARD_CHECK_EVERY, SkipKind, SkippedSample, SkipReport
+
+    lost = SkippedSample("s.tar", "", "unreadable shard: gone", SkipKind.UNREADABLE_SHARD)
+    report = SkipReport()
+    report.add(100, [lost, lost], shards_tried=5)
+    report.check(0.1)  # 2 of 5, mid-epoch: not judged yet
+    with pytest.raises(mmproxy.SkipLimitError, match=r"^2 unreadable shard\(s\) of the 5 tried"):
+        report.check(0.1, final=True)
+    report = SkipReport()
+    report.add(1000, [lost] * 11, shards_tried=SHARD_CHECK_EVERY - 1)
+    report.check(0.1)
+    report.add(10, [], shards_tried=1)
+    with pytest.raises(mmproxy.SkipLimitError, match=r"^11 unreadable shard\(s\) of the 100 tried"):
+        report.check(0.1)
+
+
+def test_skip_kinds_are_enum_members_that_survive_pickling_and_old_states():
+    """A record's kind is a :class:`SkipKind`, the counts come from it (not from the reason's
+    words), records cross processes pickled, and a state saved before records had kinds (three
+    fields each) loads with the kinds its reasons name."""
+    import pickle
+
+    from mmproxy.skips import SkipKind, SkippedSample, SkipReport
+
+    odd = SkippedSample("s.tar", "k", "bad header? no: the user's own words")  # a user's own
+    assert odd.kind is SkipKind.OTHER
+    assert pickle.loads(pickle.dumps(odd)) == odd and pickle.loads(pickle.dumps(odd)).kind is SkipKind.OTHER
+    report = SkipReport()
+    report.add(1, [odd, SkippedSample("s.tar", "j", "whatever", SkipKind.BAD_HEADER)])
+    assert report.by_kind == {SkipKind.OTHER: 1, SkipKind.BAD_HEADER: 1} == {"other": 1, "bad header": 1}
+    assert "1 x bad header; first: s.tar, sample 'j': whatever" in report.summary()
+    assert mmproxy.SkipKind is SkipKind
+    old = {"epoch": 2, "delivered": 5, "skipped": 2, "shards": 1, "by_kind": {"missing field": 1,
+           "unreadable shard": 1}, "first": [("a.tar", "k", "missing field 'jpg'"),
+                                             ("b.tar", "", "unreadable shard: cut")],
+           "records": [("a.tar", "k", "missing field 'jpg'"), ("b.tar", "", "unreadable shard: cut")]}
+    loaded = SkipReport.from_state(old)
+    assert [r.kind for r in loaded.records] == [SkipKind.MISSING_FIELD, SkipKind.UNREADABLE_SHARD]
+    assert loaded.by_kind == {SkipKind.MISSING_FIELD: 1, SkipKind.UNREADABLE_SHARD: 1}
+    assert SkipReport.from_state(loaded.state_dict()).records == loaded.records
 
 
 def test_an_empty_shard_is_reported_as_empty_not_as_unreadable(good_shard, image_server, tmp_path):
     """A shard holding no files counts in ``shards`` like an unreadable one, and the summary and
     the limit's message say which is which (they called both unreadable)."""
-    from mmproxy.skips import SkipReport
+    from mmproxy.skips import SkipKind, SkippedSample, SkipReport
 
     empty, cut = tmp_path / "empty-000.tar", tmp_path / "cut-000.tar"
     empty.write_bytes(bytes(10240))  # a tar of no files: only the end-of-archive blocks
@@ -677,10 +747,13 @@ def test_an_empty_shard_is_reported_as_empty_not_as_unreadable(good_shard, image
     assert report.summary().splitlines()[0] == (
         f"epoch {report.epoch}: 12 samples delivered, 0 samples skipped and 1 unreadable and 1 "
         "empty shard(s), their unread samples not counted")
+    assert report.shards_tried == 3
     only_empty = SkipReport(epoch=3)
-    only_empty.add(3, [(str(empty), "", "empty shard: it holds no files")])
+    only_empty.add(3, [SkippedSample(str(empty), "", "empty shard: it holds no files",
+                                     SkipKind.EMPTY_SHARD)], shards_tried=4)
     assert "0 samples skipped and 1 empty shard(s)," in only_empty.summary()
-    with pytest.raises(mmproxy.SkipLimitError, match=r"^0 samples and 1 empty shard\(s\) skipped of 4"):
+    with pytest.raises(mmproxy.SkipLimitError, match=r"^1 empty shard\(s\) of the 4 tried this "
+                       r"epoch \(25\.0%\)"):
         only_empty.check(0.1, final=True)
     merged = SkipReport.merged([report.state_dict(), only_empty.state_dict()], epoch=3)
     assert merged.shards_text() == "1 unreadable and 2 empty shard(s)"

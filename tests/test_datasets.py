@@ -197,8 +197,8 @@ def test_bad_samples_skipped_counted_and_the_batch_still_made(bad_shards, image_
         for img, i in zip(batch["image"], batch["label"].tolist()):
             assert abs(img[..., 0].float().mean().item() - color(i)) < 4
     assert sorted(labels) == [0, 1, 3, 5, 7]
-    assert sorted(k for _, k, _ in skipped) == ["s0002", "s0004", "s0006"]
-    reasons = {k: r for _, k, r in skipped}
+    assert sorted(r.key for r in skipped) == ["s0002", "s0004", "s0006"]
+    reasons = {r.key: r.reason for r in skipped}
     assert "signature" in reasons["s0002"] and "empty" in reasons["s0004"]
     assert "missing" in reasons["s0006"]
 
@@ -264,7 +264,7 @@ def test_truncated_shard_is_named_or_skipped(tmp_path, image_server):
     batches = list(ds.loader(image_server, num_workers=0))
     from_good = sorted(k for b in batches for u, k in zip(b["__url__"], b["__key__"]) if u == str(good))
     assert from_good == [f"s{i:04d}" for i in range(4)]  # the good shard whole, after the cut one
-    assert any("cut-000.tar" in url for b in batches for url, _, _ in b["__skipped__"])
+    assert any("cut-000.tar" in r.shard for b in batches for r in b["__skipped__"])
 
 
 def test_a_glob_of_local_shards_is_expanded_and_one_matching_nothing_is_an_error(image_shards):

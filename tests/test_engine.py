@@ -22,22 +22,49 @@ from datasets_for_tests import (
     TwoServerDataset,
     VarLenDataset,
 )
+from nvidia.dali import fn, pipeline_def, types
 from torch.utils.data import default_collate
 
 import mmproxy
-from mmproxy.testing import image_bytes, synth_image
+from mmproxy.testing import damage_jpeg, image_bytes, synth_image
 
 pytestmark = pytest.mark.timeout(120)
 
 
+def _public_modules() -> list[str]:
+    """Every module of the library (mmproxy, its datasets and pipelines) without an underscore in
+    its dotted name; not mmproxy.apps (the command line's applications, not an import API)."""
+    import pkgutil
+
+    names = []
+    for package in ("mmproxy", "mmproxy.datasets", "mmproxy.pipelines"):  # three folders
+        names.append(package)
+        for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+            private = any(part.startswith("_") for part in info.name.split("."))
+            if not private and not info.name.startswith("mmproxy.apps"):
+                names.append(info.name)
+    return sorted(set(names))
+
+
 def test_public_names_are_sorted_and_resolve():
-    for module in ("mmproxy", "mmproxy.errors", "mmproxy.refs", "mmproxy.server",
-                   "mmproxy.loader", "mmproxy.collate", "mmproxy.proxy", "mmproxy.pipelines",
-                   "mmproxy.datasets"):
+    modules = _public_modules()
+    assert {"mmproxy.protocols", "mmproxy.state", "mmproxy.datasets.checks",
+            "mmproxy.pipelines.video"} <= set(modules)
+    for module in modules:
         mod = importlib.import_module(module)
+        assert isinstance(getattr(mod, "__all__", None), list), f"{module} has no __all__"
         assert mod.__all__ == sorted(mod.__all__), module
+        assert len(set(mod.__all__)) == len(mod.__all__), module
         for name in mod.__all__:
-            assert getattr(mod, name) is not None
+            assert getattr(mod, name) is not None, f"{module}.{name}"
+    for name, module in mmproxy._WHERE.items():  # the lazy top level gives each module's object
+        assert getattr(mmproxy, name) is getattr(importlib.import_module(module), name), name
+    assert sorted(mmproxy._WHERE) == mmproxy.__all__
+    from mmproxy.errors import MmproxyError, StateError
+    from mmproxy.proxy import SampleSeeded
+
+    assert mmproxy.SampleSeeded is SampleSeeded and issubclass(mmproxy.StateError, MmproxyError)
+    assert StateError is mmproxy.StateError
 
 
 def test_manual_collate_positional_and_keyword(add_server):
@@ -131,6 +158,14 @@ def test_own_produce_data_leaves_other_servers_refs_alone(add_server, double_ser
     torch.testing.assert_close(out["view1"][:, 0], torch.arange(4.0) * 2)
 
 
+def test_produce_data_refuses_an_uncollated_proxy_output(add_server):
+    """As mmproxy.DataLoader does: a proxy output that was never collated is an error, not
+    something to hand back unchanged."""
+    s, _ = add_server.proxy(vec(1), vec(2))
+    with pytest.raises(mmproxy.CollateError, match="uncollated DALI sample reference"):
+        add_server.produce_data({"a": s})
+
+
 def test_variable_shapes_give_lists_or_padded_batches():
     with mmproxy.DALIServer(cpu(double_pipe)) as plain, \
             mmproxy.DALIServer(cpu(double_pipe), pad=True) as padded:
@@ -178,14 +213,16 @@ def test_batch_larger_than_pipeline_batch_size_raises_fast(add_server):
                                 num_workers=2)
     gc.collect()
     start = time.perf_counter()
-    with pytest.raises(mmproxy.BatchSizeError, match=r"addsub.*16 samples.*batch_size=8"):
+    with pytest.raises(mmproxy.BatchSizeError, match=r"'addsub': a batch of 16 samples "
+                                                     r"\(run .*\) is larger than the pipeline's "
+                                                     "batch_size=8"):
         next(iter(loader))
     assert time.perf_counter() - start < 10
 
 
 def test_pipeline_error_names_the_sample_and_the_server_stays_healthy():
     good = [image_bytes(synth_image(i)) for i in range(3)]
-    items = good + [b"not an image at all"] + good
+    items = good + [damage_jpeg(good[0], "garbage")] + good  # only the decoder can tell
     with mmproxy.DALIServer(cpu(decode_pipe, batch_size=4), name="img") as server:
         loader = mmproxy.DataLoader(server, BytesDataset(server.proxy, items), batch_size=4,
                                     num_workers=1)
@@ -199,6 +236,116 @@ def test_pipeline_error_names_the_sample_and_the_server_stays_healthy():
         out = server.produce_data(default_collate([server.proxy(np.frombuffer(g, np.uint8))
                                                    for g in good]))
         assert out.shape[0] == 3
+
+
+def _image_folder(root, damaged=None):
+    """A torchvision ImageFolder of 8 JPEGs read as bytes; ``damaged(bytes)`` rewrites the 6th."""
+    import torchvision
+
+    from mmproxy.testing import image_folder
+
+    image_folder(root, per_class=4)
+    files = sorted(p for p in root.rglob("*.jpg"))
+    if damaged is not None:
+        files[5].write_bytes(damaged(files[5].read_bytes()))
+    return files, lambda proxy, loader=_read_bytes: torchvision.datasets.ImageFolder(
+        str(root), transform=proxy, loader=loader)
+
+
+def _read_bytes(path):
+    return np.fromfile(path, np.uint8)
+
+
+def _decoded(path):
+    return np.zeros((12, 16, 3), np.uint8)  # what a transform that decodes would hand over
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_map_style_datasets_sample_is_named_by_its_index_and_file(tmp_path, workers):
+    """The seed's own path (ImageFolder(transform=server.proxy)): a sample the pipeline cannot
+    process is named as the dataset gave it, with why in words."""
+    files, folder = _image_folder(tmp_path, lambda data: damage_jpeg(data, "garbage"))
+    with mmproxy.DALIServer(cpu(decode_pipe, batch_size=8), name="img") as server:
+        dataset = folder(server.proxy)
+        assert dataset.samples[5][0] == str(files[5])
+        loader = mmproxy.DataLoader(server, dataset, batch_size=8, num_workers=workers)
+        assert loader.dataset.classes == dataset.classes  # the loader's view keeps its attributes
+        with pytest.raises(mmproxy.PipelineError) as caught:
+            next(iter(loader))
+    message = str(caught.value)
+    assert f"cannot process sample index 5, file {files[5]} (sample 5 of run" in message
+    assert "fn.decoders.image: the" in message and "nvImageCodec failure" not in message
+
+
+def test_decoded_arrays_are_refused_at_the_proxy_call(tmp_path):
+    _, folder = _image_folder(tmp_path)
+    with mmproxy.DALIServer(cpu(decode_pipe, batch_size=8), name="img") as server:
+        start = time.perf_counter()
+        with pytest.raises(mmproxy.ProxyArgumentError,
+                           match=r"'img', input 'x', sample index 0, file .*: the pipeline decodes "
+                                 r"this input and expects encoded images .*uint8 array of shape "
+                                 r"\(12, 16, 3\)"):
+            next(iter(mmproxy.DataLoader(server, folder(server.proxy, _decoded), batch_size=8,
+                                         num_workers=1)))
+        assert time.perf_counter() - start < 10  # at the call, not after searching the batch
+        with pytest.raises(mmproxy.ProxyArgumentError, match="got 5 bytes starting with b'hello'"):
+            server.proxy(b"hello")
+        out = server.produce_data(default_collate([server.proxy(_read_bytes(p)) for p in
+                                                   sorted(tmp_path.rglob("*.jpg"))[:2]]))
+        assert len(out) == 2
+
+
+@pytest.mark.parametrize("line,words", [
+    ("Failed to decode sample #0 : ", "the decoder could not decode the data, which is damaged"),
+    ("nvImageCodec failure: '#4'", "not an image of a format the decoder reads (nvImageCodec "
+                                   "status 4)"),
+    ("nvImageCodec failure: '#3'", "the image data is damaged"),
+    ("std::bad_alloc", "ran out of memory"),
+])
+def test_pipeline_errors_are_said_in_words(line, words):
+    from mmproxy._dali import summary
+
+    text = ("Critical error in pipeline:\nError in CPU operator `nvidia.dali.fn.decoders.image`,\n"
+            f"which was used in the pipeline definition with the following traceback:\n\n"
+            f"encountered:\n\n{line}\nCurrent pipeline object is no longer valid.")
+    said = summary(RuntimeError(text))
+    assert said.startswith("fn.decoders.image: ") and words in said, said
+    assert not said.rstrip().endswith(":")
+
+
+class _SeededNoise:
+    """Draws the pipeline's ``noise`` input from each sample's seed (a SampleRandom)."""
+
+    names = ("noise",)
+
+    def __call__(self, given, rng):
+        return {"noise": np.array([rng.random()], np.float32)}
+
+
+def test_sample_seeded_inputs_are_an_explicit_argument_of_the_server():
+    """SampleSeeded hands the server a pipeline with the inputs its proxy draws per sample: the
+    proxy takes only the others, and a sample's draw follows its seed, not its batch."""
+    from mmproxy.worker import sample_key
+
+    @pipeline_def
+    def noisy():
+        x = fn.external_source(name="x", no_copy=True, dtype=types.FLOAT)
+        return x + fn.external_source(name="noise", no_copy=True, dtype=types.FLOAT)
+
+    def outputs(order):
+        seeded = mmproxy.SampleSeeded(lambda: cpu(noisy), _SeededNoise())
+        with mmproxy.DALIServer(seeded, name="seeded") as server:
+            assert list(inspect.signature(server.proxy).parameters) == ["x"]
+            refs = []
+            for i in order:
+                with sample_key(f"s{i}", seed=100 + i):
+                    refs.append(server.proxy(np.zeros(1, np.float32)))
+            return dict(zip(order, server.produce_data(default_collate(refs))[:, 0].tolist()))
+
+    a, b = outputs([0, 1, 2, 3]), outputs([3, 1])
+    assert a[3] == b[3] and a[1] == b[1] and len(set(a.values())) == 4
+    with pytest.raises(TypeError, match="expected an NVIDIA DALI pipeline.*got SampleSeeded"):
+        mmproxy.DALIServer(lambda: mmproxy.SampleSeeded(cpu(noisy), _SeededNoise()))
 
 
 def test_dead_worker_raises_in_the_main_loop(double_server):
@@ -255,6 +402,20 @@ def test_collate_rejects_mixed_servers(add_server, double_server):
     refs = [add_server.proxy(vec(1), vec(1))[0], double_server.proxy(vec(1))]
     with pytest.raises(mmproxy.CollateError, match="different servers"):
         default_collate(refs)
+
+
+def test_a_reference_of_a_server_not_given_is_one_rule_with_one_error(add_server, double_server):
+    """A collate given its servers, and a loader given its servers, refuse a batch holding a
+    reference of another server the same way: CollateError, naming it and the known ones."""
+    samples = [TwoServerDataset(add_server.proxy, double_server.proxy)[i] for i in range(4)]
+    with pytest.raises(mmproxy.CollateError, match=r"server 'double', which this collate was not "
+                                                   r"given \(it has \['addsub'\]\)"):
+        mmproxy.Collate([add_server])(samples)
+    loader = mmproxy.DataLoader(add_server, TwoServerDataset(add_server.proxy, double_server.proxy),
+                                batch_size=4)
+    with pytest.raises(mmproxy.CollateError, match=r"server 'double', which this loader was not "
+                                                   r"given \(it has \['addsub'\]\)"):
+        next(iter(loader))
 
 
 @pytest.mark.gpu

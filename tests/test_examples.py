@@ -278,92 +278,6 @@ def test_ddp_profile_splits_gpu_time_by_who_launched_it(tmp_path):
                    "pipeline": 1.0, "pipeline_beside_train": 0.25, "idle": 1.0}
 
 
-def test_image_profile_reports_threads_and_gpu_use(tmp_path):
-    """benchmarks/image_profile.py on CPU: the bench's own report, and per system the frames the
-    sampler saw on each thread (the runner inside DALI's pipeline calls); dmon's columns are
-    averaged over each system's window only."""
-    out = run(["benchmarks/image_profile.py", "--json", str(tmp_path / "profile.json"), "--",
-               "--workload", "image", "--samples", "128", "--batch-size", "32", "--workers", "2",
-               "--threads", "1", "--epochs", "2", "--device", "cpu", "--systems",
-               "mmproxy,dali-reader", "--data-dir", str(tmp_path / "data"), "--json",
-               str(tmp_path / "bench.json")], tmp_path)
-    assert "mmproxy / this" in out and "== mmproxy#0" in out
-    report = json.loads((tmp_path / "profile.json").read_text())
-    assert list(report["systems"]) == ["mmproxy#0", "dali-reader#1"]
-    mmproxy, reader = (report["systems"][k]["threads"] for k in ("mmproxy#0", "dali-reader#1"))
-    assert mmproxy["runner"]["samples"] > 0 and "runner" not in reader
-    assert any(frame.startswith("dali/pipeline.py:") for frame in mmproxy["runner"]["top"])
-    assert any(frame.startswith("dali/pipeline.py:") for frame in reader["main"]["top"])
-    assert 0 < sum(mmproxy["runner"]["top"].values()) <= 1.001  # shares of its samples
-    gc_seen = report["systems"]["mmproxy#0"]["gc"]
-    assert set(gc_seen) == {"full_collections", "paused_ms", "longest_ms"}
-    assert report["freeze_gc"] is True
-    # 2 epochs of 4 batches, and the third epoch's first batch, which the workers prepare early
-    held = report["systems"]["mmproxy#0"]["dali_runs"]
-    assert held["runs"] == 9 and held["feed_ms"] > 0 and held["outputs_wait_ms"] > 0
-    assert abs(sum(held["share_of_time_with_runs_held"].values()) - 1) < 0.01
-    # the reader, by the same count: DALI's iterator holds its prefetched runs, gives one back
-    # a batch and schedules the next at once (a dozen lines of Python: well under a millisecond)
-    reader_held = report["systems"]["dali-reader#1"]["dali_runs"]
-    assert reader_held["runs"] == 7, reader_held  # its first batch was taken before the clock
-    assert reader_held["gap_median_ms"] < 5, reader_held
-    assert reader_held["share_of_time_with_runs_held"].get("2", 0) > 0.5
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from image_profile import GcPauses, Queued, _gpu_use
-    finally:
-        sys.path.pop(0)
-    import time
-
-    queued = Queued()  # two runs fed at 0 and 1; outputs back at 4 and 6; the next fed at 5
-    queued.feeds = [(-0.5, 0.0), (0.5, 1.0), (4.5, 5.0)]
-    queued.waits = [(1.0, 4.0), (5.0, 6.0)]
-    queued.events = [(0.0, 1, 7), (1.0, 1, 7), (4.0, -1, 7), (5.0, 1, 7), (6.0, -1, 7),
-                     (-1.0, 2, 8)]  # an earlier system's pipeline, left holding two runs
-    seen = queued.within(0.0, 6.0)
-    assert seen["share_of_time_with_runs_held"] == {"1": 0.333, "2": 0.667}  # 1 in 0-1 and 4-5
-    assert seen["gap_ms"] == seen["gap_median_ms"] == 1000.0
-    assert seen["runs"] == 2 and seen["outputs_wait_ms"] == 2000.0
-    later = queued.within(2.0, 6.0)  # two runs held already when the window opens
-    assert later["share_of_time_with_runs_held"] == {"1": 0.25, "2": 0.75}
-
-    pauses = GcPauses()  # only full collections count, each in the window where it started
-    for generation in (2, 0, 2):
-        pauses("start", {"generation": generation})
-        pauses("stop", {"generation": generation})
-    assert len(pauses.pauses) == 2
-    pauses.pauses[:] = [(10.0, 0.05), (12.0, 0.125)]
-    assert pauses.within(9.0, 11.0) == {"full_collections": 1, "paused_ms": 50.0, "longest_ms": 50.0}
-    assert pauses.within(9.0, 13.0)["paused_ms"] == 175.0
-    assert pauses.within(13.0, 14.0) == {"full_collections": 0, "paused_ms": 0.0, "longest_ms": 0.0}
-
-    base = time.mktime((2026, 11, 30, 23, 59, 58, 0, 0, -1))  # windows across midnight
-    lines = ["#Date       Time        gpu    sm   mem   enc   dec   jpg   ofa",
-             "#YYYYMMDD   HH:MM:SS    Idx     %     %     %     %     %     %",
-             " 20261130   23:59:59      0    40     3     0     0    60     0",
-             " 20261201   00:00:00      0    60     5     0     0    80     0",
-             " 20261201   00:00:01      0     -     -     -     -     -     -",
-             " 20261201   00:00:02      0    10     1     0     0    20     0"]
-    use = _gpu_use(lines, [("a", base, base + 3), ("b", base + 3, base + 4)])
-    assert use == {"a": {"seconds_sampled": 3, "sm": 50.0, "mem": 4.0, "jpg": 70.0, "dec": 0.0},
-                   "b": {"seconds_sampled": 1, "sm": 10.0, "mem": 1.0, "jpg": 20.0, "dec": 0.0}}
-
-
-def test_feed_probe_runs_the_graph_behind_the_reader_and_each_external_feed(tmp_path):
-    """benchmarks/feed_probe.py on CPU: every feed runs the same number of batches and reports a
-    rate (and the external feeds their feed_input time); the pinned feed needs a GPU."""
-    out = run(["benchmarks/feed_probe.py", "--cpu", "--data-dir", str(tmp_path / "data"),
-               "--samples", "128", "--batch", "32", "--threads", "1", "--warmup", "1",
-               "--iters", "3", "--rounds", "1", "--json", str(tmp_path / "probe.json")], tmp_path)
-    assert "round 1 views" in out
-    results = json.loads((tmp_path / "probe.json").read_text())["results"]
-    assert sorted(results) == ["contiguous", "reader", "tensorlist", "views"]
-    assert all(r[0]["img_per_s"] > 0 for r in results.values())
-    assert results["views"][0]["feed_ms"] > 0 and "feed_ms" not in results["reader"][0]
-    assert results["tensorlist"][0]["feed_ms"] > 0
-
-
 _PIN_SCRIPT = """
 import os, sys, threading
 from mmproxy.apps.bench.cpu import PinWorker, pin_threads
@@ -436,59 +350,96 @@ def test_bench_damage_reports_what_mmproxy_skipped(tmp_path):
     assert systems["mmproxy-damaged"]["samples"] == 60
 
 
-def test_engine_ab_times_the_reader_with_the_dataset_side_beside_it(tmp_path):
-    """benchmarks/engine_ab.py's beside systems: DALI's reader reads every sample of every epoch
-    while mmproxy's dataset side takes batches beside it, in this process and in a process of its
-    own (which must get as far as its workers: a daemon process cannot start them, and then the
-    reader would be timed with nothing beside it)."""
-    run(["benchmarks/engine_ab.py", "--workload", "image", "--samples", "256", "--workers", "2",
-         "--threads", "1", "--epochs", "2", "--batch-size", "16", "--data-dir",
-         str(tmp_path / "data"), "--systems", "dali-reader-beside-workers,dali-reader-beside-process",
-         "--json", str(tmp_path / "beside.json")], tmp_path)
-    systems = json.loads((tmp_path / "beside.json").read_text())["results"]["image"]["systems"]
-    assert sorted(systems) == ["dali-reader-beside-process", "dali-reader-beside-workers"]
-    for name, result in systems.items():
-        assert result["samples"] == 256 and len(result["epochs"]) == 2, name
-        # it loaded while the reader was timed, never more than paced: one batch for each of
-        # the reader's 2 x 16, and 8 let through ahead (on 2 cores it may lag behind the reader)
-        assert 0 < result["beside_batches"] <= 2 * 16 + 8, (name, result["beside_batches"])
-
-
-def test_engine_ab_runs_a_variant_next_to_mmproxy(tmp_path):
-    """benchmarks/engine_ab.py: the old list feed runs as a system of its own, every sample of
-    every epoch delivered, reported next to mmproxy with the ratio between them."""
-    out = run(["benchmarks/engine_ab.py", "--workload", "image", "--samples", "64", "--workers",
-               "1", "--threads", "1", "--epochs", "2", "--batch-size", "16", "--data-dir",
-               str(tmp_path / "data"), "--systems",
-               "mmproxy,mmproxy-list-feed,mmproxy-feed-ahead-depth4,dali-reader-depth4",
-               "--json", str(tmp_path / "ab.json")], tmp_path)
-    assert "mmproxy-list-feed" in out and "mmproxy-feed-ahead-depth4" in out
-    results = json.loads((tmp_path / "ab.json").read_text())
-    code = results["machine"]["mmproxy"]  # which code was measured, written with the figures
-    assert re.fullmatch(r"[0-9a-f]{12}", code["source"]) and re.fullmatch(r"[0-9a-f]{12}", code["commit"])
-    systems = results["results"]["image"]["systems"]
-    assert sorted(systems) == ["dali-reader-depth4", "mmproxy", "mmproxy-feed-ahead-depth4",
-                               "mmproxy-list-feed"]
-    assert all(s["samples"] == 64 and len(s["epochs"]) == 2 for s in systems.values())
-
+def test_benchmark_scripts_share_one_harness(tmp_path):
+    """benchmarks/_harness.py: the options every script takes, the median and range of repeated
+    measurements (ratios taken round by round), and the JSON with the settings, the date and the
+    machine and code measured; remote_bench.py runs on it end to end (local shards only)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import engine_ab
+        import _harness
     finally:
         sys.path.pop(0)
-    import numpy as np
+    args = _harness.parser("Measures a thing.\n\nMore text.", workers=15).parse_args(
+        ["--device", "cpu", "--data-dir", str(tmp_path / "d"), "--json", str(tmp_path / "o.json")])
+    assert (args.workers, args.threads, args.batch_size) == (15, 2, None)
+    assert _harness.setup(args) == (False, None, 64, tmp_path / "d")
+    assert _harness.ratios([2.0, 3.0, 1.0], [1.0, 2.0, 2.0]) == [2.0, 1.5, 0.5]
+    assert _harness.spread([2.0, 1.5, 0.5]) == {"median": 1.5, "range": [0.5, 2.0]}
+    with pytest.raises(ValueError, match="rounds must pair up"):
+        _harness.ratios([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="no measurements"):
+        _harness.spread([])
+    _harness.write_json(args.json, args, False, {"rates": [1.0]})
+    written = json.loads((tmp_path / "o.json").read_text())
+    assert written["settings"]["workers"] == 15 and written["rates"] == [1.0]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", written["date"]) and written["machine"]["gpu"] is None
+    assert re.fullmatch(r"[0-9a-f]{12}", written["machine"]["mmproxy"]["source"])
 
-    from mmproxy import _dali
+    out = tmp_path / "remote.json"
+    printed = run(["benchmarks/remote_bench.py", "--systems", "local", "--samples", "64",
+                   "--rounds", "2", "--workers", "1", "--threads", "1", "--batch-size", "16",
+                   "--device", "cpu", "--data-dir", str(tmp_path / "data"), "--json", str(out)],
+                  tmp_path)
+    assert "round 1: local" in printed
+    result = json.loads(out.read_text())
+    assert result["settings"]["rounds"] == 2 and result["machine"]["cpus"] > 0
+    assert result["systems"]["local"]["median_vs_local"] == 1.0
+    assert len(result["rates"]["local"]) == 2
 
-    arrays = [np.zeros(3, np.uint8)]
-    with engine_ab._list_feed():  # the variant feeds the list itself, and puts the feed back
-        assert _dali._tensor_list(arrays) == arrays
-    assert not isinstance(_dali._tensor_list(arrays), list)
-    from types import SimpleNamespace
 
-    from mmproxy import server
+def _readme_block(heading, language):
+    """The first ``language`` code block under README.md's ``heading``."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1]
+    return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
 
-    table = SimpleNamespace(name="t")
-    with engine_ab._feed_ahead():  # the variant's servers feed ahead; the others do not
-        assert server.Runner(None, table, set(), None, None).feed_ahead
-    assert not server.Runner(None, table, set(), None, None).feed_ahead
+
+def test_readme_setup_runs_the_demo_without_the_test_tools():
+    """README's first command installs the library alone and runs the demo (a user trying it does
+    not install moto, mypy, ruff...); the second adds the test extra and runs the tests. CI runs
+    these two lines as they are written."""
+    first, second = _readme_block("Set-up", "bash").strip().splitlines()
+    assert "pip install -c constraints.txt -e . &&" in first and "[test]" not in first
+    assert first.endswith("&& mmproxy demo")
+    assert 'pip install -c constraints.txt -e ".[test]"' in second
+    assert second.endswith("&& python -m pytest")
+    assert "README.md" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_tour_runs_on_shards_that_make_shards_wrote(tmp_path):
+    """The README's tour, as written but for sizes, on what `mmproxy make-shards` writes from an
+    image class-folder tree and from audio class folders: its shard names are the tour's."""
+    from mmproxy.testing import audio_bytes, demo_tokenizer, image_folder, synth_speech
+
+    image_folder(tmp_path / "photos", per_class=8)
+    for label in ("yes", "no"):
+        (tmp_path / "clips" / label).mkdir(parents=True)
+        for i in range(8):
+            (tmp_path / "clips" / label / f"{i}.flac").write_bytes(
+                audio_bytes(synth_speech(i, 0.3 + 0.1 * i, 16000), 16000, "FLAC"))
+    run(["-m", "mmproxy.cli", "make-shards", str(tmp_path / "photos"), str(tmp_path / "shards")],
+        tmp_path)
+    run(["-m", "mmproxy.cli", "make-shards", "--kind", "audio-label", str(tmp_path / "clips"),
+         str(tmp_path / "speech")], tmp_path)
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*.tar")) == ["shard-000000.tar"]
+    assert sorted(p.name for p in (tmp_path / "speech").glob("*.tar")) == ["shard-000000.tar"]
+
+    code = _readme_block("A short tour", "python")
+    for pattern in ("shards/shard-{000000..000099}.tar", "speech/shard-{000000..000009}.tar"):
+        assert f'"{pattern}"' in code
+        folder = pattern.split("/")[0]
+        code = code.replace(f'"{pattern}"', repr(str(tmp_path / folder / "shard-{000000..000000}.tar")))
+    tokenizer = demo_tokenizer(tmp_path / "tokenizer")
+    code = code.replace('"openai/clip-vit-base-patch32"', repr(tokenizer))
+    code = re.sub(r"batch_size=\d+", "batch_size=4", code)
+    code = re.sub(r"num_workers=\d+", "num_workers=2", code)
+    # each loop's line naming the batch's fields prints their shapes instead
+    code, lines = re.subn(r"^(\s+)(batch\[.*?)\s+#.*$", r"\1print(*(tuple(t.shape) for t in (\2)))",
+                          code, flags=re.M)
+    assert lines == 2, code
+    script = tmp_path / "tour.py"
+    script.write_text(code)
+    out = run([str(script)], tmp_path).splitlines()
+    assert len(out) == 8, out  # 16 images, then 16 clips, in batches of 4
+    assert all(re.fullmatch(r"\(4, 3, 224, 224\) \(4, \d+\) \(4, \d+\)", line) for line in out[:4]), out
+    assert all(re.fullmatch(r"\(4, \d+\) \(4,\) \(4,\)", line) for line in out[4:]), out

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import stat
 import time
 from pathlib import Path
 
@@ -65,8 +64,8 @@ def test_fuzzed_media_are_skipped_or_named_never_crash(tmp_path, ext):
         skipped = loader.skipped.records  # with the batches' records and those that came alone
         # everything either came back or was skipped with its key, exactly once; a corruption the
         # header check cannot see is found by the server, which runs the rest of the batch
-        assert sorted(labels + [int(k[1:]) for _, k, _ in skipped]) == list(range(len(payloads)))
-        assert {"k002", "k004", "k005"} <= {k for _, k, _ in skipped}  # header, empty, wrong
+        assert sorted(labels + [int(r.key[1:]) for r in skipped]) == list(range(len(payloads)))
+        assert {"k002", "k004", "k005"} <= {r.key for r in skipped}  # header, empty, wrong
         assert server.state is mmproxy.ServerState.RUNNING
         assert time.perf_counter() - start < 60
 
@@ -79,7 +78,7 @@ def test_huge_declared_dimensions_never_reach_the_decoder(tmp_path):
                                max_skipped=0.5)
         batches = list(ds.loader(server, num_workers=0))
         assert sum(len(b["__key__"]) for b in batches) == 1
-        (reason,) = [r for b in batches for _, _, r in b["__skipped__"]]
+        (reason,) = [r.reason for b in batches for r in b["__skipped__"]]
         assert "100000x100000" in reason
 
 
@@ -277,10 +276,7 @@ def test_deterministic_noise_with_three_workers():
 
 # -- security -----------------------------------------------------------------------------------
 
-def test_shared_memory_and_socket_are_private(server):
-    mode = stat.S_IMODE(os.stat(server._sockdir).st_mode)
-    assert mode == 0o700
-    assert stat.S_IMODE(os.stat(server.proxy.address).st_mode) == 0o600
+def test_shared_memory_stays_empty(server):
     before = set(os.listdir("/dev/shm"))
     loader = mmproxy.DataLoader(server, KillingDataset(server.proxy, at=-1), batch_size=4,
                                 num_workers=2)
@@ -290,6 +286,66 @@ def test_shared_memory_and_socket_are_private(server):
     del loader
     gc.collect()
     assert set(os.listdir("/dev/shm")) <= before
+
+
+_LEAVE = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import mmproxy
+from conftest import add_sub_pipe, cpu
+from datasets_for_tests import AddDataset
+server = mmproxy.DALIServer(cpu(add_sub_pipe), name="left")
+server.start_thread()  # never stopped: no `with`, no stop_thread()
+for total, _, i in mmproxy.DataLoader(server, AddDataset(server.proxy, n=8), batch_size=4,
+                                      num_workers=2):
+    assert total.shape == (4, 3)
+if {kill}:
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("ending", ["normal exit", "SIGKILL"])
+def test_nothing_is_left_in_tmpdir(tmp_path, ending):
+    """A run whose server was never stopped, or that was killed, leaves nothing on disk: the
+    socket's address is in the abstract namespace."""
+    import subprocess
+    import sys
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = _LEAVE.format(tests=str(ROOT / "tests"), kill=ending == "SIGKILL")
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(tmp)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == (-9 if ending == "SIGKILL" else 0), done.stderr[-2000:]
+    assert not [p for p in tmp.iterdir() if "mmproxy" in p.name], list(tmp.iterdir())
+
+
+def test_datagrams_of_another_user_are_dropped(server):
+    """Anyone on the host may send to an abstract address: only this user's datagrams count."""
+    import warnings
+
+    from mmproxy import _transport
+
+    def send(run_id):
+        fd, files = _transport.pack(run_id, None, [None], [[np.ones(2, np.float32)]])
+        try:
+            _transport.send(server.proxy.address, [fd, *files], server.name)
+        finally:
+            os.close(fd)
+
+    listener = server._listener
+    listener._uid = os.getuid() + 1  # as if this process were another user
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        send("stranger:0")
+        time.sleep(0.5)
+    assert "stranger:0" not in server.table.runs
+    assert any("dropped a datagram sent by user id" in str(w.message) for w in caught)
+    listener._uid = os.getuid()
+    send("mine:0")
+    out = server.table.wait("mine:0").outputs[0]
+    assert out.tolist() == [[2.0, 2.0]]
+    _transport._clients.pop(server.proxy.address).close()  # this process's client socket
 
 
 def test_no_shell_command_is_built_anywhere():

@@ -3,9 +3,16 @@ and moto's standalone S3 server, reached by urllib and by the real S3 client (bo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -70,10 +77,10 @@ def s3(local):
 @pytest.fixture(autouse=True)
 def fresh_s3_state():
     """Each test starts with no kept connection and no bucket sent to boto3 by an earlier one."""
-    from mmproxy.datasets import _sources
+    from mmproxy.datasets import _s3_clients
 
-    _sources._clients.slow.clear()
-    _sources._clients.idle.clear()
+    _s3_clients.clients.slow.clear()
+    _s3_clients.clients.idle.clear()
 
 
 @pytest.fixture
@@ -140,36 +147,36 @@ def s3_endpoint(aws, endpoint, **more):
 def test_s3_gets_keep_their_connection_and_replace_a_closed_one(shard_dir, local, aws, caplog):
     """Presigned GETs reuse one kept-alive connection to the S3 endpoint; one the server closed
     while it was idle is replaced without a failure or a retry."""
-    from mmproxy.datasets import _sources
+    from mmproxy.datasets import _s3_clients
 
     with ShardServer(shard_dir.parent, keep_alive=0.3) as endpoint:
         idle = s3_endpoint(aws, endpoint)
         assert read_whole("s3://bucket/r-0.tar", retries=0) == Path(local[0]).read_bytes()
-        [kept] = _sources._clients.idle[idle]
+        [kept] = _s3_clients.clients.idle[idle]
         assert read_whole("s3://bucket/r-1.tar", retries=0) == Path(local[1]).read_bytes()
-        assert _sources._clients.idle[idle] == [kept]  # the same connection again
+        assert _s3_clients.clients.idle[idle] == [kept]  # the same connection again
         time.sleep(0.8)  # the server closes it
         with caplog.at_level(logging.WARNING):
             assert read_whole("s3://bucket/r-2.tar", retries=0) == Path(local[2]).read_bytes()
-        [fresh] = _sources._clients.idle[idle]
+        [fresh] = _s3_clients.clients.idle[idle]
         assert fresh is not kept and not caplog.records
         assert all("X-Amz-Signature=" in query for _, query in endpoint.queries)
 
 
 def test_s3_a_cut_body_never_goes_back_to_the_pool(shard_dir, local, aws):
     """A connection whose body ended early is dropped, not kept (nor kept twice)."""
-    from mmproxy.datasets import _sources
+    from mmproxy.datasets import _s3_clients
 
     with ShardServer(shard_dir.parent) as endpoint:
         idle = s3_endpoint(aws, endpoint)
         endpoint.fail("bucket/r-0.tar", Fault("cut", after=5000))
         with pytest.raises(RemoteError, match="connection closed at byte 5000"):
             read_whole("s3://bucket/r-0.tar", retries=0)
-        assert not _sources._clients.idle.get(idle)  # the cut connection was not kept
+        assert not _s3_clients.clients.idle.get(idle)  # the cut connection was not kept
         endpoint.fail("bucket/r-0.tar", Fault("cut", after=5000))
         got = read_whole("s3://bucket/r-0.tar", backoff=0.01)
         assert got == Path(local[0]).read_bytes() and endpoint.requests["bucket/r-0.tar"] == 3
-        [kept] = _sources._clients.idle[idle]  # the resumed GET's connection only
+        [kept] = _s3_clients.clients.idle[idle]  # the resumed GET's connection only
         assert read_whole("s3://bucket/r-1.tar", retries=0) == Path(local[1]).read_bytes()
 
 
@@ -239,6 +246,98 @@ def test_a_stall_hits_the_read_timeout_and_is_retried(local, http, image_server)
     assert http.requests["r-3.tar"] == 2
 
 
+@contextlib.contextmanager
+def silent_server():
+    """A server on 127.0.0.1 that accepts connections and never answers (as a stopped or hung
+    one does); yields its URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held, stop = [], threading.Event()
+
+    def accept():
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, name="silent-server", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for conn in held:
+            conn.close()
+        listener.close()
+
+
+QUICK = {"retries": 2, "backoff": 0.01, "connect_timeout": 0.5, "read_timeout": 60.0}
+
+
+def test_a_server_that_never_answers_is_named_within_seconds(image_server, caplog):
+    """No answer within connect_timeout: a warning per retry from the first second, and then a
+    RemoteError, a ShardError naming the shard (its URL redacted) or a skip record; the long
+    read_timeout (for a body that flows) is not waited for."""
+    with silent_server() as url:
+        shard = f"{url}/a.tar?X-Amz-Signature={SECRET}"
+        start, wall = time.monotonic(), time.time()
+        with caplog.at_level(logging.WARNING), pytest.raises(RemoteError) as raised:
+            read_whole(shard, **QUICK)
+        assert time.monotonic() - start < 5
+        assert re.fullmatch(r"no answer within 0\.5 s: the server takes connections but does not "
+                            r"answer \(gave up after 3 attempts\)", str(raised.value))
+        first = next(r for r in caplog.records if "retry 1 of 2" in r.getMessage())
+        assert first.created - wall < 2 and "no answer within 0.5 s" in first.getMessage()
+        assert SECRET not in caplog.text and "X-Amz-Signature=***" in caplog.text
+        fields = {"image": ("jpg", image_server.proxy)}
+        ds = MultiModalDataset([shard], fields, batch_size=4, remote=RemoteOptions(**QUICK))
+        with pytest.raises(mmproxy.ShardError, match=r"^shard http://127\.0\.0\.1:\d+/a\.tar\?"
+                           r"X-Amz-Signature=\*\*\*: cannot be read: .*no answer within 0\.5 s"):
+            list(ds.loader(image_server, num_workers=0))
+        assert time.monotonic() - start < 15
+
+
+def test_a_stopped_http_server_is_named_within_seconds(shard_dir, tmp_path):
+    """``python -m http.server`` stopped with SIGSTOP (the kernel still takes connections)."""
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1",
+                             "0"], cwd=shard_dir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        port = re.search(r"port (\d+)", proc.stdout.readline())[1]
+        url = f"http://127.0.0.1:{port}/r-0.tar"
+        assert read_whole(url, **QUICK) == (shard_dir / "r-0.tar").read_bytes()
+        os.kill(proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match=r"no answer within 0\.5 s: .*gave up after 3"):
+            read_whole(url, **QUICK)
+        assert time.monotonic() - start < 5
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_an_s3_endpoint_that_never_answers_is_named_within_seconds(aws):
+    with silent_server() as url:
+        aws({"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "AKIA-TEST",
+             "AWS_DEFAULT_REGION": "us-east-1"})
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match=r"no answer within 0\.5 s: .*gave up after 3"):
+            read_whole("s3://bucket/r-0.tar", **QUICK)
+        assert time.monotonic() - start < 5
+
+
+def test_the_defaults_give_up_on_a_server_that_stops_answering_within_two_minutes():
+    """Worst case with the defaults: the read under way stalls for read_timeout, each retry
+    waits connect_timeout for an answer, plus the backoffs (at their longest, no jitter)."""
+    options = RemoteOptions()
+    backoffs = sum(min(options.backoff * 2 ** k, 30.0) for k in range(options.retries))
+    worst = options.read_timeout + options.retries * options.connect_timeout + backoffs
+    assert options.give_up_after == worst < 120
+    assert options.connect_timeout <= 10  # the first warning comes within seconds
+    assert options.connect_timeout * 3 <= options.read_timeout
+
+
 def test_streaming_yields_samples_before_the_whole_shard(tmp_path):
     """The first sample arrives while the server still holds back the rest of the shard."""
     rng = np.random.default_rng(0)
@@ -291,6 +390,72 @@ def test_missing_shards_are_records_in_skip_mode(http, s3, aws, image_server):
     assert record.shard == "s3://bench/missing.tar" and "NoSuchKey" in record.reason
     with pytest.raises(mmproxy.ShardError, match="s3://bench/missing.tar: cannot be read"):
         run(["s3://bench/missing.tar"], image_server)
+
+
+def test_most_remote_shards_missing_fails_the_epoch_in_the_api_and_the_cli(tmp_path, image_server):
+    """8 of 20 shards on the server, 240 samples: the 12 missing ones (60% of the shards) fail
+    the epoch, named with their reasons, through the API and through ``mmproxy demo`` (exit 1,
+    not "skipped 0 samples and 12 unreadable shard(s)")."""
+    (tmp_path / "srv" / "mm").mkdir(parents=True)
+    for s in range(8):
+        write_tar(tmp_path / "srv" / "mm" / f"mm-{s:06d}.tar",
+                  [{"__key__": f"m{s}-{i:02d}", "jpg": image_bytes(synth_image(s * 30 + i, 48, 64)),
+                    "cls": str(i)} for i in range(30)])
+    head = (r"12 unreadable shard\(s\) of the 20 tried this epoch \(60\.0%\), more than "
+            r"(--max-skipped|max_skipped)=10\.0%")
+    with ShardServer(tmp_path / "srv") as server:
+        pattern = f"{server.url}/mm/mm-{{000000..000019}}.tar"
+        ds = MultiModalDataset(pattern, {"image": ("jpg", image_server.proxy),
+                                         "label": ("cls", int)}, batch_size=8, on_error="skip",
+                               remote=RemoteOptions(**FAST))
+        with pytest.raises(mmproxy.SkipLimitError, match=f"^{head}") as raised:
+            for _ in ds.loader(image_server, num_workers=2):
+                pass
+        assert re.search(r"the first 3 of 12 shards:\n    http://127\.0\.0\.1:\d+/mm/mm-0000\d\d"
+                         r"\.tar: unreadable shard: RemoteError: HTTP 404", str(raised.value))
+        env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="")
+        proc = subprocess.run([sys.executable, "-m", "mmproxy.cli", "demo", "--data", pattern,
+                               "--quiet", "--device", "cpu", "--batch-size", "8"], env=env,
+                              capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(f"mmproxy demo: error: {head}", proc.stderr), proc.stderr
+    assert "HTTP 404" in proc.stderr and "the first 3 of 12 shards:" in proc.stderr
+
+
+def test_an_s3_prefix_or_glob_is_listed_and_an_http_one_is_refused(s3, aws, image_server, http):
+    """``s3://BUCKET/PREFIX/`` names its .tar objects (not deeper ones, as a local folder's
+    ``*.tar``), a glob the keys it matches within its levels; what lists nothing, or a bucket
+    that is not there, is a ShardError naming the URL (not "NoSuchKey (HTTP 404)" per shard);
+    HTTP cannot list, and says so."""
+    import boto3
+    from mmproxy.datasets.shards import expand
+
+    urls, env = s3
+    aws(env)
+    client = boto3.client("s3")
+    for key in ("sub/x-0.tar", "sub/deeper/y-0.tar", "notes.txt"):
+        client.put_object(Bucket="bench", Key=key, Body=b"")
+    assert expand("s3://bench/") == expand("s3://bench") == expand("s3://bench/r-*.tar") == urls
+    assert expand("s3://bench/r-[12].tar") == urls[1:3]
+    assert expand("s3://bench/r-?.tar::s3://bench/sub/") == [*urls, "s3://bench/sub/x-0.tar"]
+    assert expand("s3://bench/*/x-*.tar") == ["s3://bench/sub/x-0.tar"]
+    assert expand("s3://bench/{sub,sub/deeper}/*.tar") == ["s3://bench/sub/x-0.tar",
+                                                           "s3://bench/sub/deeper/y-0.tar"]
+    with pytest.raises(mmproxy.ShardError, match=r"^no shard matches s3://bench/q-\*\.tar "
+                       r"\(nothing listed\)$"):
+        expand("s3://bench/q-*.tar")
+    with pytest.raises(mmproxy.ShardError, match=r"^no shard matches s3://bench/r-0\.tar/ "
+                       r"\(nothing listed; a prefix ending in / names its \.tar objects\)$"):
+        expand("s3://bench/r-0.tar/")
+    with pytest.raises(mmproxy.ShardError, match=r"^cannot list s3://nowhere/: S3 NoSuchBucket "
+                       r"\(HTTP 404\)"):
+        expand("s3://nowhere/")
+    [got], _ = run("s3://bench/", image_server, workers=2)
+    assert len(got) == N_SHARDS * PER_SHARD
+    for folder in (f"{http.url}/", f"{http.url}/r-*.tar"):
+        with pytest.raises(mmproxy.ShardError, match=r"names a folder or a glob, which HTTP cannot "
+                           r"list: folders and globs work for local paths and s3:// only"):
+            MultiModalDataset(folder, {"image": ("jpg", image_server.proxy)}, batch_size=4)
 
 
 def test_s3_client_retries_cuts_stalls_and_5xx(shard_dir, local, aws, image_server, caplog):
@@ -424,6 +589,42 @@ def test_cache_bound_is_respected_with_eviction(local, http, tmp_path):
     tiny = RemoteOptions(cache_dir=cache, cache_bytes=size // 2)  # too big for the cache:
     assert len(list(read_remote_tar(urls[1], tiny))) == PER_SHARD  # streamed past it
     assert http.requests["r-1.tar"] == 2 and cache_files(cache)[1] == []
+
+
+@pytest.fixture
+def unwritable_folder(tmp_path):
+    """A folder this process cannot write: a read-only one of ours, or (as root, whom
+    permissions do not stop) one of the kernel's."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.geteuid() == 0:
+        folder = Path("/sys/kernel")
+    try:
+        (folder / ".partial").mkdir()
+    except OSError:
+        yield folder
+    else:
+        pytest.skip(f"{folder} can be written here")
+    finally:
+        (tmp_path / "read-only").chmod(0o755)
+
+
+def test_cache_a_read_only_cache_folder_streams_past_it_with_one_warning(
+        local, http, s3, aws, image_server, unwritable_folder, caplog):
+    """Every shard is read (HTTP and S3), not every one "unreadable"; the warning names the
+    folder and why, once per process."""
+    [expected], _ = run(local, image_server)
+    opts = RemoteOptions(cache_dir=str(unwritable_folder), **FAST)
+    aws(s3[1])
+    with caplog.at_level(logging.WARNING):
+        for urls in (http_urls(http), s3[0]):
+            [got], loader = run(urls, image_server, remote=opts, on_error="skip")
+            assert same(got, expected) and loader.skipped.skipped == 0
+    warnings = [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"the shard cache {unwritable_folder} cannot be used (")
+    assert "streamed without it" in warnings[0]
 
 
 def test_cache_a_failed_download_leaves_nothing_and_frees_the_lock(http, tmp_path):

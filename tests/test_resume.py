@@ -445,6 +445,10 @@ def test_a_source_with_a_wrong_path_fails_instead_of_vanishing(text_sources, ser
     a, _ = text_sources
     sources = [Source(a, {"text": ("txt", bytes.decode)}),
                Source(str(tmp_path / "typo-{0..3}.tar"), {"text": ("json", _caption)}, name="B")]
+    with pytest.raises(FileNotFoundError, match=r"\(4 of the 4 that the urls of source 'B' names"):
+        MultiModalDataset(sources=sources, batch_size=50, on_error="skip")
+    for i in range(4):  # there, but not tars
+        (tmp_path / f"typo-{i}.tar").write_text("not a tar\n" * 100)
     ds = MultiModalDataset(sources=sources, batch_size=50, on_error="skip")
     with pytest.raises(mmproxy.ShardError, match="source 1's shards hold no samples"):
         for _ in ds.loader(server, num_workers=2):

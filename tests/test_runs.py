@@ -43,7 +43,7 @@ def test_server_and_run_transitions_are_checked():
     run = table.next(block=False, stop=threading.Event())
     assert run is not None and run.state is RunState.SCHEDULED
     table.finish(run, ("out",), None)
-    with pytest.raises(mmproxy.ServerStateError, match="cannot go from ready to failed"):
+    with pytest.raises(mmproxy.ServerStateError, match="run a: illegal transition ready -> failed"):
         table.fail_run(run, RuntimeError("late"))
 
 
@@ -123,6 +123,14 @@ def test_a_failed_server_fails_its_runs_and_stays_failed():
         table.accept(_request("b"))
 
 
-def test_a_batch_larger_than_the_pipeline_is_refused():
-    with pytest.raises(mmproxy.BatchSizeError, match="run big has 5 samples.*batch_size=4"):
-        _table().accept(_request("big", n=5))
+def test_a_batch_larger_than_the_pipeline_fails_its_run_alone():
+    """The one place the batch-size rule is checked: the run fails (its resolver raises), the
+    caller of accept (the listener thread) and the server carry on."""
+    table = _table()
+    table.accept(_request("big", n=5))
+    with pytest.raises(mmproxy.BatchSizeError, match=r"'t': a batch of 5 samples \(run big\) is "
+                                                     "larger than the pipeline's batch_size=4"):
+        table.wait("big")
+    assert table.state is ServerState.RUNNING and table.next(block=False, stop=threading.Event()) is None
+    table.accept(_request("fits", n=4))
+    assert table.next(block=False, stop=threading.Event()).id == "fits"

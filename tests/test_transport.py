@@ -13,7 +13,7 @@ from datasets_for_tests import grid, read_only
 from mmproxy.datasets._tar import members
 from mmproxy.datasets.shards import read_local_tar
 
-from mmproxy import _transport
+from mmproxy import _mappings, _transport
 
 
 def _tar(path, files, fmt):
@@ -97,11 +97,11 @@ def test_shard_bytes_travel_by_reference_and_arrive_intact(tmp_path):
 def test_a_worker_keeps_a_bounded_number_of_shards_registered(tmp_path):
     path = _tar(tmp_path / "s.tar", FILES[:2], tarfile.GNU_FORMAT)
     before = len(os.listdir("/proc/self/fd"))
-    views = [_registered_view(path) for _ in range(3 * _transport._MAX_FILES)]
+    views = [_registered_view(path) for _ in range(3 * _mappings.MAX_FILES)]
     first = np.frombuffer(views[0], np.uint8)[512:516]
     del views
     # A registered shard holds two descriptors (its mapping's and the one it is sent by).
-    assert len(os.listdir("/proc/self/fd")) - before <= 2 * _transport._MAX_FILES + 1
+    assert len(os.listdir("/proc/self/fd")) - before <= 2 * _mappings.MAX_FILES + 1
     # An evicted mapping's bytes are still correct: they are copied instead.
     fd, files = _transport.pack("run", None, [None], [[first]])
     try:
@@ -148,3 +148,24 @@ def test_a_tar_cut_inside_its_end_of_archive_zeros_is_read_whole(tmp_path):
     whole = list(members(memoryview(data)))
     end = whole[-1][1] + 512  # the last member's data padded, then the zero blocks
     assert list(members(memoryview(data[:end + 100]))) == whole
+
+
+def test_the_server_keeps_the_mappings_of_every_shard_in_flight(tmp_path):
+    # A loader's workers have many shards in flight (each worker's shuffle buffer spans several):
+    # a mapping dropped while its shard is still read is mapped again for the next batch, and
+    # unmapped again, batch after batch.
+    count = 200
+    assert _mappings.KEPT_FILES >= count
+    fds = []
+    for i in range(count):
+        path = tmp_path / f"shard-{i:04d}.tar"
+        path.write_bytes(bytes([i % 256]) * 4096)
+        fds.append(os.open(path, os.O_RDONLY))
+    try:
+        first = [_mappings.server_mapping(fd) for fd in fds]
+        again = [_mappings.server_mapping(fd) for fd in fds]
+        assert all(a is b for a, b in zip(first, again))
+        assert again[7][:1] == bytes([7])
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -15,7 +15,7 @@ from mmproxy.pipelines import decode_clip, video_pipeline
 from torch.utils.data import default_collate
 
 import mmproxy
-from mmproxy.testing import make_tokenizer, synth_video, video_bytes, write_tar
+from mmproxy.testing import faststart_mp4, make_tokenizer, synth_video, video_bytes, write_tar
 from mmproxy.worker import sample_key
 
 av = pytest.importorskip("av")
@@ -100,6 +100,31 @@ def test_centred_clips_match_pyav_frame_for_frame(decoder, codec):
     assert np.abs(_luma(clip.astype(float)) - _luma(expected)).mean() <= LUMA_TOLERANCE
     shifted = np.abs(clip[1:].astype(int) - frames[start + 1:start + 10:3, :, 16:80][:3]).mean()
     assert shifted > 2 * errors.max() + 1  # the comparison can tell a frame from its neighbour
+
+
+@pytest.mark.parametrize("decoder,codec", [("pyav", "h264"), ("dali", "vp9")])
+def test_eval_clips_are_cropped_where_torchvision_centre_crop_puts_them(decoder, codec):
+    """96x64 frames resized to 49x33 and cropped to 28: odd margins of 21 and 5, which
+    torchvision's CenterCrop rounds to 10 and 2 (halves to even). PyAV's frames, resized with
+    torchvision as the CPU pipeline does, give its crop exactly; DALI's decoder converts colours
+    differently, and one pixel off is clearly worse than its colour error."""
+    from torchvision.transforms import v2
+
+    data = _encode(codec)
+    with _server(decoder, size=28, resize_size=33) as server:
+        clip = _run(server, [data])[0]
+    start = (50 - 10) // 2
+    frames = torch.from_numpy(_reference(data)[start:start + 10:3]).permute(0, 3, 1, 2)
+    resized = v2.Resize(33, antialias=True)(frames)
+    assert [side - 28 for side in resized.shape[2:]] == [5, 21]
+    expected = v2.CenterCrop(28)(resized).permute(0, 2, 3, 1)
+    errors = [(clip.int() - expected.int()).abs().float().mean()]
+    for dy, dx in ((1, 0), (0, 1)):  # DALI's own rounding of crop_pos 0.5: one pixel down, right
+        shifted = resized[:, :, 2 + dy:30 + dy, 10 + dx:38 + dx].permute(0, 2, 3, 1)
+        errors.append((clip.int() - shifted.int()).abs().float().mean())
+    if decoder == "pyav":
+        assert errors[0] == 0, errors
+    assert errors[0] <= MEAN_TOLERANCE and min(errors[1:]) > 2 * errors[0], errors
 
 
 @pytest.mark.parametrize("codec,container,expect", [
@@ -252,6 +277,137 @@ def test_video_text_dataset_and_make_shards_from_a_folder(tmp_path):
     assert labels.samples == 6
 
 
+CUT = "the file ends before the frames its header promises"
+
+
+@pytest.fixture(scope="module")
+def cut_videos(tmp_path_factory):
+    """60-frame videos, whole and cut at 60% (an interrupted download), by name: H.264 in an MP4
+    whose index comes first (so the index survives the cut), VP9 in WebM, MJPEG in AVI."""
+    folder = tmp_path_factory.mktemp("cut")
+    frames = synth_video(7, 60)
+    whole = {"mp4": faststart_mp4(_encode("h264", seed=7, frames=60), folder),
+             "webm": video_bytes(frames, "libvpx-vp9", "webm"),
+             "avi": video_bytes(frames, "mjpeg", "avi")}
+    return {name: (data, data[:len(data) * 6 // 10]) for name, data in whole.items()}
+
+
+def _decodable(data):
+    """How many frames PyAV decodes from the start of ``data`` before the data runs out."""
+    count = 0
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            for _ in container.decode(video=0):
+                count += 1
+    except av.FFmpegError:
+        pass
+    return count
+
+
+@pytest.mark.parametrize("name", ["mp4", "webm", "avi"])
+def test_the_header_check_refuses_a_cut_video(cut_videos, name):
+    from mmproxy.datasets.checks import check_header
+
+    whole, cut = cut_videos[name]
+    assert check_header(name, whole) is None
+    assert check_header(name, whole + bytes(64)) is None  # zero padding after the end is harmless
+    for damaged in (cut, whole[:-1]):  # cut in the middle, or one byte short
+        assert CUT in check_header(name, damaged)
+    if name == "mp4":  # cut where the frames begin: only the index says frames are missing
+        index_only = whole[:whole.find(b"mdat") - 4]
+        assert "its index places the video's frames up to byte" in check_header(name, index_only)
+
+
+@pytest.mark.parametrize("name", ["mp4", "webm", "avi"])
+def test_decode_clip_never_makes_up_the_frames_a_cut_file_lacks(cut_videos, name):
+    """Straddling the cut, past it, or every frame: an error saying the file ends early; a clip
+    that lies before the cut is what the whole file gives."""
+    whole, cut = cut_videos[name]
+    frames, n = _reference(whole), _decodable(cut)
+    assert 20 < n < 50
+    assert np.array_equal(decode_clip(cut, n - 8, 4, 2), frames[n - 8:n:2])  # before the cut
+    fewer = "the file holds fewer frames than its header promises: " + (  # WebM: a duration
+        r"they end at 1\.\d\d s, its header declares 2\.40 s" if name == "webm" else
+        r"only \d\d of the 60 it lists can be read")
+    for start, stride in ((n - 2, 1), (n - 9, 3), (n + 3, 1)):  # straddling, straddling, past
+        with pytest.raises(ValueError, match=f"{fewer}.*the clip needs frames {start}-"):
+            decode_clip(cut, start, 4, stride)
+    with pytest.raises(ValueError, match=fewer):
+        decode_clip(cut, 0, None, 1)
+
+
+def test_frames_that_do_not_decode_are_an_error_not_a_shorter_video(cut_videos):
+    """Zeros over a twentieth of the frames' data: the sizes and index are intact (the header
+    check passes), the decoder fails there; clips before the damage decode."""
+    whole, _ = cut_videos["mp4"]
+    damaged = bytearray(whole)
+    damaged[len(whole) // 2:len(whole) * 11 // 20] = bytes(len(whole) * 11 // 20 - len(whole) // 2)
+    damaged = bytes(damaged)
+    from mmproxy.datasets.checks import check_header
+
+    assert check_header("mp4", damaged) is None
+    assert np.array_equal(decode_clip(damaged, 0, 4, 1), _reference(whole)[:4])
+    for start, frames in ((0, None), (31, 8)):
+        with pytest.raises(ValueError, match=r"frame \d+ of the 60 in the file does not decode"):
+            decode_clip(damaged, start, frames, 4)
+
+
+def test_a_video_that_is_short_by_its_header_repeats_its_last_frame(tmp_path):
+    """The one case where frames repeat: the header promises 20 frames and the file holds 20, so
+    a clip of 8 frames at stride 4 (29 frames) repeats the video's last frame past its end, with
+    either decoder."""
+    data = faststart_mp4(_encode("h264", seed=8, frames=20), tmp_path)
+    frames = _reference(data)
+    assert len(frames) == 20
+    assert np.array_equal(decode_clip(data, 0, 8, 4), frames[[0, 4, 8, 12, 16, 19, 19, 19]])
+    for decoder, video in (("pyav", data), ("dali", _encode("vp9", seed=8, frames=20))):
+        with _server(decoder, frames=8, stride=4) as server:
+            clip = _run(server, [video])[0].numpy()
+        reference = _reference(video)[[16, 19], :, 16:80]  # the 64x64 centre of a 96x64 video
+        assert np.abs(clip[4].astype(int) - reference[0]).mean() <= MEAN_TOLERANCE, decoder
+        for i in (5, 6, 7):
+            assert np.abs(clip[i].astype(int) - reference[1]).mean() <= MEAN_TOLERANCE, decoder
+
+
+@pytest.mark.parametrize("decoder,name,mode", [
+    ("pyav", "mp4", "train"), ("pyav", "mp4", "eval"), ("pyav", "mp4", "every_frame"),
+    ("dali", "webm", "eval"), ("dali", "avi", "eval"), ("dali", "avi", "every_frame")])
+def test_a_cut_video_is_refused_on_every_decoding_path(cut_videos, decoder, name, mode):
+    """Through the proxy without a dataset (no header check before it): training clips at twelve
+    seeds (whichever the start, also those straddling the cut), the centred evaluation clip
+    (frames 15-43 of 60, across the cut), every frame; DALI's decoders, fed a cut file, would
+    repeat their last frame or end the video early."""
+    whole, cut = cut_videos[name]
+    with _server(decoder, frames=8, stride=4, train=mode == "train",
+                 every_frame=mode == "every_frame") as server:
+        good = _run(server, [whole])
+        assert (good[0] if mode == "every_frame" else good).shape[1] in (8, 60)
+        for seed in range(12 if mode == "train" else 1):
+            with pytest.raises(ValueError, match=f"the video is truncated: {CUT}"):
+                _run(server, [cut], seeds=[seed])
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_cut_mp4_in_a_shard_is_a_damaged_sample_every_epoch(cut_videos, tmp_path, on_error):
+    whole, cut = cut_videos["mp4"]
+    samples = [{"__key__": f"clip{i}", "mp4": whole, "cls": "0"} for i in range(3)]
+    samples.insert(1, {"__key__": "clip-cut", "mp4": cut, "cls": "1"})
+    write_tar(tmp_path / "cut-0.tar", samples)
+    with _server("pyav", train=True, frames=8, stride=4) as server:
+        ds = video_label_dataset(str(tmp_path / "cut-0.tar"), server, batch_size=4,
+                                 on_error=on_error, max_skipped=None)
+        loader = ds.loader(server, num_workers=1)
+        if on_error == "raise":
+            with pytest.raises(mmproxy.SampleError, match=rf"cut-0\.tar, sample 'clip-cut'.*{CUT}"):
+                list(loader)
+            return
+        for _ in range(3):
+            keys = [k for batch in loader for k in batch["__key__"]]
+            assert keys == ["clip0", "clip1", "clip2"]
+            (record,) = loader.skipped.records
+            assert record.key == "clip-cut" and CUT in record.reason
+
+
 @pytest.mark.gpu
 def test_nvdec_decodes_h264_like_pyav():
     data = _encode("h264")
@@ -263,3 +419,196 @@ def test_nvdec_decodes_h264_like_pyav():
     start = (len(frames) - 10) // 2
     errors = np.abs(clip.astype(int) - frames[start:start + 10:3, :, 16:80]).mean(axis=(1, 2, 3))
     assert errors.max() <= MEAN_TOLERANCE, errors
+
+
+# -- NVDEC in the server (decoder="nvdec" / "mixed", PyNvVideoCodec) --------------------------
+
+
+class _BrokenDriver:
+    """Imports PyNvVideoCodec as it fails on a machine without the driver's video libraries."""
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.util
+
+        if name != "PyNvVideoCodec":
+            return None
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise RuntimeError("libnvidia-encode.so.1: cannot open shared object file: No such file")
+
+
+def test_nvdec_without_its_package_or_driver_says_what_to_do(monkeypatch):
+    import sys
+
+    from mmproxy.pipelines._nvdec import load_nvdec
+
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", None)
+    with pytest.raises(ImportError, match=r"PyNvVideoCodec: pip install 'mmproxy\[nvdec\]'"):
+        load_nvdec()
+    monkeypatch.delitem(sys.modules, "PyNvVideoCodec")
+    monkeypatch.setattr(sys, "meta_path", [_BrokenDriver(), *sys.meta_path])
+    with pytest.raises(RuntimeError, match="cannot load the NVIDIA driver's video libraries.*"
+                                           "PyNvVideoCodec said: libnvidia-encode.so.1"):
+        load_nvdec()
+    with pytest.raises(ValueError, match="decoder='nvdec' decodes on the GPU"):
+        video_pipeline(batch_size=2, decoder="nvdec", device="cpu")
+    auto = video_pipeline(batch_size=2, decoder="auto", device="cpu")
+    assert auto.sample_random.decode_in_worker  # no NVDEC: PyAV in the workers
+
+
+def test_the_nvdec_draw_sends_what_nvdec_decodes_and_decodes_the_rest_in_the_worker():
+    """H.264 in MP4 goes to the server as bytes and a start; VP9 in WebM (a container NVDEC's
+    decoder has no frame count for) is decoded here; the start, crop and flip are those the PyAV
+    path draws for the same seed, whichever decodes; ``cpu_share=1`` decodes every clip here."""
+    import random
+
+    from mmproxy.pipelines import ClipDraw
+
+    def draw(data, seed, **kw):
+        options = dict(input_name="videos", frames=4, stride=3, train=True, flip_probability=0.5,
+                       every_frame=False, cpu_decoder=False)
+        given = {"videos": np.frombuffer(data, np.uint8)}
+        return ClipDraw(**{**options, **kw})(given, random.Random(seed))
+
+    h264, vp9 = _encode("h264", frames=60), _encode("vp9", frames=60)
+    for seed in range(6):
+        pyav = draw(h264, seed, decode_in_worker=True)
+        sent = draw(h264, seed, decode_in_worker=False, nvdec=True)
+        assert "videos" not in sent and int(sent["start"]) >= 0
+        assert all(np.array_equal(sent[k], pyav[k]) for k in ("crop_x", "crop_y", "flip"))
+        assert np.array_equal(draw(h264, seed, decode_in_worker=False, nvdec=True,
+                                   cpu_share=1.0)["videos"], pyav["frames"])
+        here = draw(vp9, seed, decode_in_worker=False, nvdec=True)
+        assert np.array_equal(here["videos"], draw(vp9, seed, decode_in_worker=True)["frames"])
+    shared = [draw(h264, seed, decode_in_worker=False, nvdec=True, cpu_share=0.5)
+              for seed in range(40)]
+    assert 5 < sum("videos" in s for s in shared) < 35  # about half decoded here
+
+
+def test_a_codec_nvdec_lacks_without_pyav_is_refused_by_name(monkeypatch):
+    import random
+    import sys
+
+    from mmproxy.pipelines import ClipDraw
+
+    mjpeg = np.frombuffer(_encode("mjpeg"), np.uint8)
+    monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed
+    draw = ClipDraw("videos", 4, 3, False, 0.5, False, decode_in_worker=False, cpu_decoder=False,
+                    nvdec=True)
+    with pytest.raises(ValueError, match=r"MJPEG in avi video: NVDEC decodes only H.264, HEVC, "
+                                         r"VP8, VP9, AV1 in MP4/MOV files.*pip install av"):
+        draw({"videos": mjpeg}, random.Random(0))
+
+
+def _nvdec_ready():
+    if not torch.cuda.is_available():
+        return False
+    from mmproxy.pipelines._nvdec import nvdec_available
+
+    return nvdec_available()
+
+
+needs_nvdec = pytest.mark.skipif(not _nvdec_ready(), reason="needs CUDA and PyNvVideoCodec")
+
+
+def _gpu_server(decoder, **kw):
+    return _server(decoder, device="gpu", **kw)
+
+
+def _errors(a, b):
+    return np.abs(a.astype(int) - b.astype(int)).mean(axis=(1, 2, 3))
+
+
+@pytest.mark.gpu
+@needs_nvdec
+def test_nvdec_clips_match_pyav_frame_for_frame():
+    """Training clips at twelve seeds (the same start, crop and flip drawn for both decoders):
+    NVDEC's frames within the decoders' colour tolerance of PyAV's, and clearly farther from
+    the neighbouring frame (the same frame index means the same frame)."""
+    data = _encode("h264", frames=60)  # libx264's defaults: B-frames, so decode order differs
+    seeds = list(range(12))
+    with _gpu_server("pyav", train=True, batch_size=12) as pyav:
+        expected = _run(pyav, [data] * 12, seeds).cpu().numpy()
+    with _gpu_server("nvdec", train=True, batch_size=12, decode_threads=2) as nvdec:
+        clips = _run(nvdec, [data] * 12, seeds).cpu().numpy()
+    assert clips.shape == expected.shape == (12, 4, 64, 64, 3)
+    for clip, reference in zip(clips, expected):
+        errors = _errors(clip, reference)
+        assert errors.max() <= MEAN_TOLERANCE, errors
+        assert np.abs(_luma(clip.astype(float)) - _luma(reference)).mean() <= LUMA_TOLERANCE
+    frames = _reference(data)
+    start = (60 - 10) // 2
+    with _gpu_server("nvdec", batch_size=1) as nvdec:
+        centred = _run(nvdec, [data])[0].cpu().numpy()
+    errors = _errors(centred, frames[start:start + 10:3, :, 16:80])
+    shifted = _errors(centred, frames[start + 1:start + 11:3, :, 16:80])
+    assert errors.max() <= MEAN_TOLERANCE and shifted.min() > 2 * errors.max() + 1, (errors, shifted)
+
+
+@pytest.mark.gpu
+@needs_nvdec
+def test_many_clips_of_different_sizes_through_one_decoder():
+    """One decode thread, so one decoder re-pointed at every clip: sizes up and down (larger
+    than its first clip too), short clips past their end (the last frame repeated), VP9 in MP4,
+    and a VP9 clip smaller than NVDEC's VP9 minimum (128 pixels), which PyAV decodes instead."""
+    sizes = [(64, 96), (240, 320), (48, 64), (120, 160), (64, 96), (360, 640), (96, 128)]
+    videos = [video_bytes(synth_video(i, 40 if i % 3 else 9, h, w), "libx264", "mp4")
+              for i, (h, w) in enumerate(sizes)]
+    videos += [video_bytes(synth_video(9, 40, 144, 192), "libvpx-vp9", "mp4"),
+               video_bytes(synth_video(10, 40, 64, 96), "libvpx-vp9", "mp4")]
+    with _gpu_server("nvdec", batch_size=4, decode_threads=1, resize_size=64) as nvdec:
+        clips = [c for part in (videos[:4], videos[4:8], videos[8:])
+                 for c in _run(nvdec, part).cpu().numpy()]
+    with _gpu_server("pyav", batch_size=4, resize_size=64) as pyav:
+        expected = [c for part in (videos[:4], videos[4:8], videos[8:])
+                    for c in _run(pyav, part).cpu().numpy()]
+    assert len(clips) == len(expected) == 9
+    for i, (clip, reference) in enumerate(zip(clips, expected)):
+        assert _errors(clip, reference).max() <= MEAN_TOLERANCE, i
+
+
+def _bad_config(data):
+    """An MP4 whose H.264 configuration (the SPS and PPS in its avcC box) is garbage: the header
+    checks pass, and only the decoder can tell."""
+    at = data.find(b"avcC") + 4
+    return data[:at + 6] + bytes([0xFF] * 24) + data[at + 30:]
+
+
+@pytest.mark.gpu
+@needs_nvdec
+def test_nvdec_damaged_clips_are_skipped_and_named_rows_aligned(tmp_path):
+    good = [_encode("h264", seed=i, frames=30 + i) for i in range(6)]
+    samples = [{"__key__": f"clip{i}", "mp4": v, "cls": str(i)} for i, v in enumerate(good)]
+    samples.insert(2, {"__key__": "bad-config", "mp4": _bad_config(good[0]), "cls": "99"})
+    samples.insert(5, {"__key__": "bad-cut", "mp4": good[1][: len(good[1]) // 2], "cls": "99"})
+    write_tar(tmp_path / "v-0.tar", samples)
+    with _gpu_server("nvdec", train=True, batch_size=4) as server:
+        ds = video_label_dataset(str(tmp_path / "v-0.tar"), server, batch_size=4,
+                                 on_error="skip", max_skipped=None)
+        loader = ds.loader(server, num_workers=1)
+        keys, labels = [], []
+        for batch in loader:
+            assert batch["video"].shape[1:] == (4, 64, 64, 3) and batch["video"].is_cuda
+            keys += batch["__key__"]
+            labels += batch["label"].tolist()
+    assert keys == [f"clip{i}" for i in range(6)]
+    assert labels == list(range(6))  # every row still its own sample's
+    skipped = {r.key: r.reason for r in loader.skipped.records}
+    assert sorted(skipped) == ["bad-config", "bad-cut"]
+    assert "truncated" in skipped["bad-cut"] and "NVDEC" in skipped["bad-config"], skipped
+
+
+@pytest.mark.gpu
+@needs_nvdec
+def test_mixed_decoding_shares_the_clips_and_gives_pyav_clips():
+    data = [_encode("h264", seed=i, frames=50) for i in range(8)]
+    with _gpu_server("pyav", train=True, batch_size=8) as pyav:
+        expected = _run(pyav, data).cpu().numpy()
+    with _gpu_server("mixed", train=True, batch_size=8, cpu_share=0.5) as mixed:
+        clips = _run(mixed, data).cpu().numpy()
+    for clip, reference in zip(clips, expected):
+        assert _errors(clip, reference).max() <= MEAN_TOLERANCE

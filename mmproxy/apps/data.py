@@ -59,13 +59,9 @@ def first_sample_fields(shards: list[str]) -> tuple[str, list[str]]:
     first shard that has a sample. A damaged or empty local shard is passed over (the run reports
     it), up to 8 of them; a remote or ``pipe:`` shard that cannot be read stops the search (its
     retries would only be repeated)."""
-    from mmproxy.datasets.shards import is_local
+    from mmproxy.datasets.shards import is_local, require_files
 
-    missing = [s for s in shards if is_local(s) and not os.path.isfile(s)]
-    if missing:  # all of them, so no run (or comparison) goes on with part of the data
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise FileNotFoundError(f"no shard at {', '.join(missing[:3])}{more} ({len(missing)} of "
-                                f"the {len(shards)} that --data names)")
+    require_files(shards, "--data")  # all of them, so no run (or comparison) goes on with part
     problems = []
     for shard in shards[:_PROBED]:
         try:

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The one-GPU figures of BENCHMARKS.md: every run pinned to GPU 0 and cores 0-15 (one H200 and 16
+# cores). On an nvidia-h200-x2 machine (2x H200, 32 cores) that leaves cores 16-31 for the shard
+# servers of PART=remote; on an nvidia-h200 machine (16 cores) the pinning changes nothing and
+# PART=remote runs its servers on the loader's cores (SERVER_CPUS= empty).
+#   PART=image     mmproxy bench, 5 epochs x 3 interleaved runs on the bench's synthetic JPEGs
+#                  (SYSTEMS: mmproxy, DALI's reader, DALI's proxy with its defaults and with its
+#                  documentation's prefetch_queue_depth=2*workers; add torch for PyTorch workers)
+#   PART=photos    the same on shards of real photographs (benchmarks/photo_shards.py)
+#   PART=audio     mmproxy bench on 4,096 WAV clips, 5 epochs x 3 runs (SYSTEMS as for image)
+#   PART=video     benchmarks/video_bench.py on 512 H.264 clips of 596x336, every system
+#   PART=video-options  DALI's in-memory decoder with its build_index and affine options, against
+#                  PyAV in the workers and DALI's video reader
+#   PART=damage    mmproxy on a copy of the image shards with 1% of the JPEGs damaged (KIND:
+#                  truncate or corrupt), against the same shards clean
+#   PART=remote    benchmarks/remote_bench.py (rounds interleaved) with the HTTP and S3 servers on
+#                  cores 16-31 and on the loader's own cores; then mmproxy bench's remote systems
+#   PART=resume    benchmarks/resume_bench.py: first batch after a resume, sample-seeded crops
+#   PART=tests     the GPU tests (pytest -m gpu)
+# The JSON goes to $OUT (default /tmp/out); mmproxy bench writes it after every system, so a call
+# cut short keeps what it measured. Two H200s under DDP: benchmarks/multi_gpu.sh.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+one() { CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 timeout "$@"; }
+quiet() { grep -a -v -E "Index file not provided|^\s*$" | tail -"${1:-40}"; }
+bench() { python3 -m mmproxy.cli bench "$@"; }
+case "${PART:-image}" in
+image)  # a system's run costs ~30 s of start-up: 12 runs take ~6-8 minutes
+  one 540 bench --workload image --samples 16384 --workers 15 --threads 8 --data-dir /tmp/bench \
+    --epochs 5 --runs 3 --systems "${SYSTEMS:-mmproxy,dali-reader,dali-proxy,dali-proxy-seed}" \
+    --json "$out/image-systems.json" 2>&1 | quiet 12 ;;
+photos)
+  python3 benchmarks/photo_shards.py /tmp/photos --count 16384 2>&1 | tail -2
+  one 520 bench --data '/tmp/photos/photo-{0000..0255}.tar' --workers 15 --threads 8 --epochs 5 \
+    --runs 3 --systems "${SYSTEMS:-mmproxy,dali-reader,dali-proxy,dali-proxy-seed}" \
+    --json "$out/image-photographs.json" 2>&1 | quiet 12 ;;
+audio)  # --samples counts images: the audio workload writes a quarter as many clips
+  one 540 bench --workload audio --samples 16384 --workers 15 --threads 8 --data-dir /tmp/bench \
+    --epochs 5 --runs 3 --systems "${SYSTEMS:-mmproxy,dali-reader,dali-proxy,torch}" \
+    --json "$out/audio-systems.json" 2>&1 | quiet 12 ;;
+video)
+  one 540 python3 benchmarks/video_bench.py --clips 512 --resolution 596x336 --workers 15 \
+    --threads 8 --epochs 2 --data-dir /tmp/vbench \
+    --systems "${SYSTEMS:-mmproxy-pyav,torch,mmproxy-nvdec,dali-reader,dali-proxy}" \
+    --json "$out/video-systems.json" 2>&1 | quiet 12 ;;
+video-options)
+  one 280 python3 benchmarks/video_bench.py --clips 192 --resolution 596x336 --workers 15 \
+    --threads 8 --epochs 2 --data-dir /tmp/vbench --json "$out/video-decoder-options.json" \
+    --systems 'mmproxy-nvdec[build_index=False],mmproxy-nvdec[affine=False],mmproxy-nvdec[build_index=False,affine=False],mmproxy-nvdec,mmproxy-pyav,dali-reader' \
+    2>&1 | quiet 30 ;;
+damage)
+  kind=${KIND:-truncate}
+  one 400 bench --workload image --systems mmproxy,dali-reader --samples 16384 --workers 15 \
+    --threads 8 --epochs 4 --data-dir /tmp/bench --damage 0.01 --damage-kind "$kind" \
+    --json "$out/damage-$kind.json" 2>&1 | quiet 12 ;;
+remote)
+  servers=${SERVER_CPUS-16-31}
+  one 200 python3 benchmarks/remote_bench.py --systems http,s3 --samples 16384 --workers 15 \
+    --threads 8 --rounds 4 ${servers:+--server-cpus $servers} --data-dir /tmp/bench \
+    --json "$out/remote-interleaved-servers-apart.json" 2>&1 | quiet 8
+  one 150 python3 benchmarks/remote_bench.py --systems s3 --samples 16384 --workers 15 \
+    --threads 8 --rounds 4 --data-dir /tmp/bench \
+    --json "$out/remote-interleaved-servers-shared.json" 2>&1 | quiet 4
+  one 200 bench --workload image --samples 16384 --workers 15 --threads 8 --data-dir /tmp/bench \
+    --epochs 5 --runs 2 ${servers:+--server-cpus $servers} \
+    --systems mmproxy,mmproxy-http,mmproxy-s3,mmproxy-cached \
+    --json "$out/remote-bench.json" 2>&1 | quiet 8 ;;
+resume)
+  for i in 1 2; do
+    one 280 python3 benchmarks/resume_bench.py --samples 16384 --workers 15 --threads 8 --rounds 4 \
+      --data-dir /tmp/bench --json "$out/resume-$i.json" 2>&1 | quiet 6
+  done ;;
+tests)  # the GPU tests of the code at hand
+  one 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -8 ;;
+*) echo "PART must be image, photos, audio, video, video-options, damage, remote, resume or tests" >&2
+   exit 2 ;;
+esac

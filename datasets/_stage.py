@@ -1,0 +1,89 @@
+"""Stage: one step of the worker-side pipeline, a small object that owns its state.
+
+A :class:`~mmproxy.datasets.MultiModalDataset` worker runs a chain of stages, each over the one
+before it::
+
+    ShardPlan -> ShardReader -> ShuffleBuffer   (one chain per source)
+      -> SourceMixer -> FieldStage -> Batcher -> PositionStamp
+
+Every stage has ``state_dict()`` (a plain dict: its own values under the key constants of its
+class, its child's state nested under the child's name, and its ``version``) and
+``load_state_dict()``, which refuses another version, unknown keys and missing keys with a
+:class:`~mmproxy.errors.StateError` naming the stage; and ``remaining(state)``, the work that a
+state of it has left (for an elastic resume). Samples are named by their *address* (shard, index
+in the shard), so a state holds addresses, not bytes; a stage that loads buffered addresses reads
+those samples again from their shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from mmproxy.errors import StateError
+
+__all__ = ["VERSION_KEY", "Stage", "generator", "pack_addresses", "unpack_addresses"]
+
+VERSION_KEY = "version"
+
+
+class Stage:
+    """Base of the stages: the state's version and keys, checked in one place.
+
+    Subclasses set ``NAME`` (how errors name the stage), ``KEYS`` (their state's keys, children
+    included) and, when the meaning of their state changes, ``VERSION``.
+    """
+
+    NAME: ClassVar[str]
+    KEYS: ClassVar[tuple[str, ...]]
+    VERSION: ClassVar[int] = 1
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _pack(self, **values: Any) -> dict[str, Any]:
+        """The state with this stage's version; ``values`` are exactly its ``KEYS``."""
+        if set(values) != set(self.KEYS):
+            raise AssertionError(f"{self.NAME}: state keys {sorted(values)} are not {self.KEYS}")
+        return {VERSION_KEY: self.VERSION, **values}
+
+    @classmethod
+    def _unpack(cls, state: Any) -> Mapping[str, Any]:
+        """``state`` once checked: a mapping of this stage's version with exactly its keys."""
+        if not isinstance(state, Mapping):
+            raise StateError(f"the {cls.NAME} state is a {type(state).__name__}, not a dict")
+        if state.get(VERSION_KEY) != cls.VERSION:
+            raise StateError(f"the {cls.NAME} state is of version {state.get(VERSION_KEY)!r}; "
+                             f"this code reads version {cls.VERSION}")
+        unknown = sorted(set(state) - {VERSION_KEY, *cls.KEYS})
+        missing = sorted(set(cls.KEYS) - set(state))
+        if unknown or missing:
+            raise StateError(f"the {cls.NAME} state does not fit this dataset: unknown keys "
+                             f"{unknown}, missing keys {missing}")
+        return state
+
+
+def generator(*key: int) -> np.random.Generator:
+    """A random generator seeded by ``key`` (seed, epoch, source, rank, worker, ...): the same
+    draws wherever and whenever it is made with the same key."""
+    return np.random.Generator(np.random.PCG64(list(key)))
+
+
+def pack_addresses(addresses: Sequence[tuple[int, str, int]]) -> tuple[list[str], list[tuple]]:
+    """``(source, shard, index)`` addresses as a shard table and ``(source, shard number,
+    index)`` triples: each shard name is stored once."""
+    ids: dict[str, int] = {}
+    for _, url, _ in addresses:
+        ids.setdefault(url, len(ids))
+    return list(ids), [(source, ids[url], index) for source, url, index in addresses]
+
+
+def unpack_addresses(urls: Sequence[str], packed: Sequence[Sequence[int]]
+                     ) -> list[tuple[int, str, int]]:
+    """The addresses :func:`pack_addresses` packed."""
+    return [(int(source), urls[u], int(index)) for source, u, index in packed]

@@ -1,0 +1,76 @@
+"""Indexed samples: a map-style dataset whose samples are named for the proxy calls they make.
+
+:class:`mmproxy.DataLoader` hands torch this view of a map-style dataset. Each ``dataset[index]``
+then runs inside :func:`mmproxy.worker.sample_key`, in whichever worker (or the main process), so
+a proxy called there, e.g. as torchvision's ``transform=server.proxy``, names the sample in its
+runs: a message about a sample the pipeline cannot process, or an input the proxy refuses, says
+``index 5, file /data/train/cat/0005.jpg`` instead of a position in a batch. The index is what
+the loader's sampler passed; the file is known for torchvision's ``DatasetFolder`` (and so
+``ImageFolder``: ``samples[index][0]``) and for a ``torch.utils.data.Subset`` of one.
+
+A dataset with its own ``__getitems__`` (torch's batched fetching) is left as it is.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch.utils.data
+
+from mmproxy import _context
+
+__all__ = ["IndexedSamples", "indexed"]
+
+
+def _file_of(dataset: Any, index: Any) -> str | None:
+    """The file that sample ``index`` of ``dataset`` comes from, when the dataset says so."""
+    if isinstance(dataset, torch.utils.data.Subset):
+        return _file_of(dataset.dataset, dataset.indices[index])
+    folders = sys.modules.get("torchvision.datasets")  # loaded if the dataset is one of its
+    if folders is not None and isinstance(dataset, folders.DatasetFolder):
+        return str(dataset.samples[index][0])
+    return None
+
+
+class IndexedSamples(torch.utils.data.Dataset):
+    """``dataset`` (map-style), each sample fetched under its name (see the module docstring).
+
+    Its other attributes are the dataset's own (``loader.dataset.classes`` still works).
+
+    Args:
+        dataset: The dataset; also the attribute ``dataset``.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (while unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: Any) -> Any:
+        try:
+            file = _file_of(self.dataset, index)
+        except (IndexError, KeyError, TypeError):  # the dataset's own indexing says why
+            file = None
+        name = f"index {index}" + (f", file {file}" if file is not None else "")
+        with _context.sample_key(name):
+            return self.dataset[index]
+
+    def __repr__(self) -> str:
+        return f"IndexedSamples({self.dataset!r})"
+
+
+def indexed(dataset: Any) -> Any:
+    """``dataset`` as :class:`IndexedSamples` when it is map-style and fetched one sample at a
+    time; any other dataset as it is."""
+    if isinstance(dataset, (torch.utils.data.IterableDataset, IndexedSamples)):
+        return dataset
+    if getattr(type(dataset), "__getitems__", None) is not None:
+        return dataset
+    return IndexedSamples(dataset)

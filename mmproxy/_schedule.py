@@ -1,0 +1,63 @@
+"""Schedule: the runs whose inputs have arrived, and the order the runner takes them in.
+
+Without ``deterministic``, the oldest arrival goes first, except that the current epoch's runs
+go before the next epoch's early first batches (:mod:`mmproxy._epochs`). With it, runs go in the
+order the main loop claims them (the order it consumes batches), each once its inputs are here,
+so a seeded pipeline gives the same outputs run after run. It is guarded by the run table's lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from mmproxy._epochs import Epochs
+from mmproxy._run import Run
+
+__all__ = ["Schedule"]
+
+
+class Schedule:
+    """Arrived runs and claims of one server.
+
+    Args:
+        deterministic: Take runs in claimed order.
+        epochs: The server's loaders' epochs (to put early runs last).
+    """
+
+    def __init__(self, deterministic: bool, epochs: Epochs) -> None:
+        self.deterministic = deterministic
+        self._epochs = epochs
+        self._arrived: OrderedDict[str, Run] = OrderedDict()  # inputs here, not yet scheduled
+        self._claims: deque[str] = deque()  # the main loop's order
+
+    def arrived(self, run: Run) -> None:
+        self._arrived[run.id] = run
+
+    def is_claimed(self, run_id: str) -> bool:
+        return run_id in self._claims
+
+    def claim(self, run_id: str) -> None:
+        self._claims.append(run_id)
+
+    def forget(self, run_ids: set[str]) -> None:
+        """Drops runs that will never be run (a loader's abandoned epoch)."""
+        for run_id in run_ids:
+            self._arrived.pop(run_id, None)
+        self._claims = deque(c for c in self._claims if c not in run_ids)
+
+    def clear(self) -> None:
+        self._arrived.clear()
+        self._claims.clear()
+
+    def take(self) -> Run | None:
+        """The run to feed next, taken off the schedule, or None when none may go yet."""
+        if self.deterministic:
+            if self._claims and self._claims[0] in self._arrived:
+                return self._arrived.pop(self._claims.popleft())
+            return None
+        if not self._arrived:
+            return None
+        run = next((r for r in self._arrived.values() if not self._epochs.is_early(r.tag)),
+                   None) or next(iter(self._arrived.values()))
+        del self._arrived[run.id]
+        return run

@@ -1,0 +1,64 @@
+"""Protocols: the contracts between the loader, datasets, proxies and servers.
+
+Each is a runtime-checkable :class:`typing.Protocol`; the engine asks ``isinstance(obj,
+Protocol)``, never ``hasattr``. A dataset or a callable takes part by having the members named
+here; nothing needs to subclass them.
+
+- What :class:`mmproxy.DataLoader` asks of its dataset: :class:`ChecksLoader` (refuse a wrong
+  loader when it is made), :class:`LimitsSkips` (the loader judges the epoch's skip report),
+  :class:`Reshardable` (redistribute a saved epoch over other numbers of ranks and workers).
+- What makes a callable a server's proxy (:class:`Proxy`): a dataset sends a field through a
+  server when its function is one, and :class:`mmproxy.Collate` knows servers by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from mmproxy.state import LoaderState
+
+__all__ = ["ChecksLoader", "LimitsSkips", "Proxy", "Reshardable"]
+
+
+@runtime_checkable
+class ChecksLoader(Protocol):
+    """A dataset that checks the :class:`mmproxy.DataLoader` it is given, when the loader is made
+    (before any batch): e.g. a dataset that batches itself refuses a torch ``batch_size``."""
+
+    def check_loader(self, loader: Any) -> None:
+        """Raises for a loader this dataset cannot serve, saying why."""
+
+
+@runtime_checkable
+class LimitsSkips(Protocol):
+    """A dataset whose epochs the loader judges by their skip report (:mod:`mmproxy.skips`): an
+    epoch that delivers nothing raises, and so does one that skips more than ``max_skipped`` of
+    its samples (``None``: no limit on the fraction)."""
+
+    max_skipped: float | None
+
+
+@runtime_checkable
+class Reshardable(Protocol):
+    """A dataset that can finish a saved epoch on other numbers of ranks or workers (elastic
+    resume)."""
+
+    def reshard(self, saved: Sequence[LoaderState], *, rank: int, world: int,
+                workers: int) -> list[Any]:
+        """What each of ``workers`` workers of rank ``rank`` (of ``world``) starts from, given the
+        saved states of every rank: one dataset state per worker (the loader carries it to the
+        worker without reading it)."""
+
+
+@runtime_checkable
+class Proxy(Protocol):
+    """A server's proxy: a picklable callable that names its server (:class:`mmproxy.DALIProxy`).
+    Calling it in a worker returns references that the collate turns into a run on that server."""
+
+    server_uid: str
+    server_name: str
+
+    def __call__(self, *inputs: Any, **named: Any) -> Any:
+        """References to the server's outputs for one sample's inputs."""

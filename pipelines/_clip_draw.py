@@ -1,0 +1,108 @@
+"""Clip draw: the video pipeline's per-sample randomness, drawn in the worker from the sample's seed.
+
+A :class:`ClipDraw` (the :class:`~mmproxy.proxy.SampleRandom` of every ``video_pipeline``)
+reads the container header, refuses a codec the server's decoder cannot decode (by name),
+draws the clip's start frame, the crop position and the flip, and decodes the clip with PyAV
+where the frames are decoded in the worker.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import numpy as np
+from mmproxy.pipelines._nvdec import NVDEC_CODECS
+from mmproxy.pipelines._pyav import count_frames, decode_clip, pyav_installed
+
+if TYPE_CHECKING:
+    from mmproxy.datasets.checks import VideoInfo
+
+__all__ = ["CPU_CODECS", "ClipDraw", "clip_start"]
+
+CPU_CODECS = ("vp8", "vp9", "mjpeg")  # what DALI 2.4's CPU video decoder decodes
+_NAMES = {"h264": "H.264", "hevc": "HEVC", "av1": "AV1", "mpeg4": "MPEG-4", "vp8": "VP8",
+          "vp9": "VP9", "mjpeg": "MJPEG"}
+
+
+def clip_start(total: int | None, frames: int, stride: int, train: bool, rng: random.Random) -> int:
+    """The first frame of a clip of ``frames`` frames at ``stride`` in a video of ``total``
+    frames: uniform over the starts that fit (training), centred (evaluation), 0 if unknown."""
+    if not total:
+        return 0
+    room = max(0, total - ((frames - 1) * stride + 1))
+    return rng.randint(0, room) if train else room // 2
+
+
+class ClipDraw:
+    """The video pipeline's per-sample draws (a :class:`~mmproxy.proxy.SampleRandom`): the clip's
+    start frame (or, with ``decode_in_worker``, its decoded frames), the crop position and the
+    flip, from the sample's seed. Refuses a codec the server's decoder cannot decode, by name.
+
+    With ``nvdec`` the start is drawn as for DALI's decoder and the encoded clip goes to the
+    server's NVDEC decoder; a clip NVDEC cannot take (:data:`NVDEC_CODECS` in MP4/MOV) and, with
+    ``cpu_share``, that share of the others (one more draw, after the clip's), are decoded here
+    with PyAV and sent as frames instead.
+    """
+
+    def __init__(self, input_name: str, frames: int, stride: int, train: bool,
+                 flip_probability: float, every_frame: bool, decode_in_worker: bool,
+                 cpu_decoder: bool, nvdec: bool = False, cpu_share: float = 0.0) -> None:
+        self.input_name, self.frames, self.stride, self.train = input_name, frames, stride, train
+        self.flip_probability, self.every_frame = flip_probability, every_frame
+        self.decode_in_worker, self.cpu_decoder = decode_in_worker, cpu_decoder
+        self.nvdec, self.cpu_share = nvdec, cpu_share
+        place = ("frames",) if decode_in_worker else ("start",) if nvdec or not every_frame else ()
+        self.names = (*place, *(("crop_x", "crop_y") if train else ()), "flip")
+        self.arguments = (input_name,)
+
+    def __call__(self, given: dict[str, np.ndarray], rng: random.Random) -> dict[str, np.ndarray]:
+        from mmproxy.datasets.checks import video_cut, video_info
+
+        data = given[self.input_name].data.cast("B")
+        info = video_info(data)
+        cut = video_cut(data)  # a decoder would stop early, or repeat its last frame
+        if cut:
+            raise ValueError(f"the video {cut}")
+        if info is not None and self.cpu_decoder and info.codec not in (None, *CPU_CODECS):
+            raise ValueError(
+                f"{_NAMES.get(info.codec, info.codec)} video: DALI's CPU video decoder decodes "
+                f"only {', '.join(_NAMES[c] for c in CPU_CODECS)}; use "
+                "video_pipeline(decoder='pyav') (PyAV decodes it in the workers) or a GPU")
+        here = self.decode_in_worker or (self.nvdec and not _nvdec_takes(info))
+        if here and self.nvdec:
+            _need_pyav(info)
+        out: dict[str, np.ndarray] = {}
+        start = 0
+        if not self.every_frame:
+            start = clip_start(count_frames(data, info), self.frames, self.stride, self.train, rng)
+        if self.train:  # evaluation crops sit at the centre (the pipeline places them)
+            out["crop_x"] = np.array(rng.random(), np.float32)
+            out["crop_y"] = np.array(rng.random(), np.float32)
+        out["flip"] = np.array(self.train and rng.random() < self.flip_probability, np.int32)
+        if self.nvdec and not here and self.cpu_share > 0:
+            here = self.cpu_share >= 1 or rng.random() < self.cpu_share
+        if here:
+            decoded = decode_clip(data, start, None if self.every_frame else self.frames,
+                                  self.stride)
+            out[self.input_name if self.nvdec else "frames"] = decoded
+        if "start" in self.names:
+            out["start"] = np.array(start, np.int32)
+        return out
+
+
+def _nvdec_takes(info: VideoInfo | None) -> bool:
+    """Whether the server's NVDEC decoder takes this video (the codec in an MP4/MOV file)."""
+    return info is not None and info.container == "mp4" and info.codec in NVDEC_CODECS
+
+
+def _need_pyav(info: VideoInfo | None) -> None:
+    """Refuses, by codec and container, a video NVDEC does not take when PyAV is not here."""
+    if pyav_installed():
+        return
+    what = "an unknown kind of" if info is None else (
+        f"{_NAMES.get(info.codec or '', info.codec or 'unknown codec')} in {info.container}")
+    raise ValueError(
+        f"{what} video: NVDEC decodes only {', '.join(_NAMES[c] for c in NVDEC_CODECS)} in "
+        "MP4/MOV files, and the others are decoded in the workers by PyAV, which is not "
+        "installed: pip install av (or 'mmproxy[video]')")

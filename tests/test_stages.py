@@ -1,0 +1,165 @@
+"""Every stage of a dataset worker's chain saves and loads its own state.
+
+One test runs over every stage (torchdata.nodes' save/load check, in this project's terms): take
+N items from a stage, save its state, build the chain afresh, load the state into the same stage,
+and the items that follow are exactly those of an uninterrupted run (content included), for every
+N from 0 to past the end (so also in the middle of filling the shuffle buffer, while a batch is
+half full, and at the last item).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from mmproxy.datasets import MultiModalDataset, Source
+from mmproxy.datasets.fields import Processed
+from mmproxy.datasets.plan import Work
+from mmproxy.datasets.reader import Taken
+
+import mmproxy
+from mmproxy.skips import SkippedSample
+from mmproxy.testing import write_tar
+
+pytestmark = pytest.mark.timeout(120)
+
+LIMIT = 150  # items at most (resampled and endless stages never end)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Source A: 3 good shards, one of samples without text, a damaged and an empty one; B: 1.
+    The records pile up faster than a batch fills, so some go alone while a batch is half full
+    (and then a state holds the addresses of that batch's samples)."""
+    root = tmp_path_factory.mktemp("stages")
+    for s in range(3):
+        write_tar(root / f"a-{s}.tar", [{"__key__": f"a{s}-{k}", "txt": f"a {s} {k}"}
+                                        for k in range(7)])
+    write_tar(root / "a-3.tar", [{"__key__": f"a3-{k}", "cls": "1"} for k in range(5)])  # no .txt
+    (root / "a-4.tar").write_bytes(b"not a tar" * 200)
+    write_tar(root / "a-5.tar", [])
+    write_tar(root / "b-0.tar", [{"__key__": f"b0-{k}", "txt": f"b {k}"} for k in range(4)])
+    return [str(root / f"a-{s}.tar") for s in range(6)], [str(root / "b-0.tar")]
+
+
+TEXT = {"text": ("txt", bytes.decode)}
+
+CASES = {
+    "one source": dict(shuffle_buffer=5),
+    "no buffer, no partial batch": dict(shuffle_buffer=0, partial=False),
+    "two sources, restart": dict(mixed=True, shuffle_buffer=3, on_exhausted="restart"),
+    "two sources, epoch_length": dict(mixed=True, shuffle_buffer=3, epoch_length=6),
+    "resampled": dict(shuffle_buffer=4, resampled=True, epoch_length=5),
+}
+
+
+def _dataset(shards, mixed=False, **options):
+    a, b = shards
+    common = {"batch_size": 3, "seed": 9, "on_error": "skip", "max_skipped": None, **options}
+    if mixed:
+        return MultiModalDataset(sources=[Source(a, TEXT, 2, "A"), Source(b, TEXT, 1, "B")],
+                                 **common)
+    return MultiModalDataset(a, TEXT, **common)
+
+
+END = object()
+
+
+def _taking(stage):
+    got = stage.take()
+    return END if got is None else got
+
+
+def _next(stage):
+    return next(stage, END)
+
+
+def _plan_step(plan):
+    work = plan.current()
+    if work is None:
+        return END
+    plan.advance()
+    return work
+
+
+# stage name -> (where it sits in a chain, how to take its next item)
+STAGES = {
+    "shard plan": (lambda c: c.batcher.fields.mixer.buffers[0].reader.plan, _plan_step),
+    "shard reader": (lambda c: c.batcher.fields.mixer.buffers[0].reader, _taking),
+    "shuffle buffer": (lambda c: c.batcher.fields.mixer.buffers[0], _taking),
+    "source mixer": (lambda c: c.batcher.fields.mixer, _next),
+    "fields": (lambda c: c.batcher.fields, _next),
+    "batcher": (lambda c: c.batcher, _next),
+    "position stamp": (lambda c: c, _next),
+}
+
+
+def _described(item):
+    """An item as plain values, content included (bytes read while their shard is mapped)."""
+    if isinstance(item, Taken):
+        raw = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in item.raw.items()}
+        return ("taken", item.url, item.index, raw)
+    if isinstance(item, Processed):
+        return ("processed", item.source, item.url, item.index, item.sample)
+    if isinstance(item, (Work, SkippedSample)):
+        return tuple(item)
+    if isinstance(item, tuple):  # the mixer's (source, Taken)
+        return tuple(_described(x) for x in item)
+    return item  # a batch: lists of keys, texts and records
+
+
+def _run(stage, step, limit):
+    out = []
+    while len(out) < limit:
+        item = step(stage)
+        if item is END:
+            break
+        out.append(_described(item))
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("name", list(STAGES))
+def test_every_stage_resumes_where_its_state_was_saved(shards, name, case):
+    where, step = STAGES[name]
+
+    def build():
+        return where(_dataset(shards, **CASES[case])._chain(1, 0, 1, rank=0, world=1))
+
+    whole = _run(build(), step, LIMIT)
+    assert len(whole) > 3
+    half_full: set[int] = set()
+    for n in range(len(whole) + 1):  # 0, mid-buffer, the last item, past the end: every one
+        stage = build()
+        first = _run(stage, step, n)
+        state = pickle.loads(pickle.dumps(stage.state_dict()))
+        if name == "shuffle buffer" and n == 3 and CASES[case]["shuffle_buffer"]:
+            assert state["held"], "the state is saved while the buffer holds samples"
+        if name == "batcher" and state["batch"]:
+            half_full.add(n)
+        again = build()
+        again.load_state_dict(state)
+        assert first + _run(again, step, LIMIT - n) == whole, f"after {n} items"
+    if name == "batcher" and case == "one source":
+        assert half_full, "some state is saved while a batch is being filled"
+
+
+def test_the_chain_carries_records_of_damaged_shards_and_samples(shards):
+    items = list(_dataset(shards, **CASES["one source"])._chain(1, 0, 1, rank=0, world=1))
+    records = [r for batch in items for r in batch["__skipped__"]]
+    assert sorted(r.reason.split(":")[0] for r in records) == [
+        "empty shard", *["missing field 'txt' (the sample has ['cls'])"] * 5, "unreadable shard"]
+    assert sum(len(batch.get("__key__", [])) for batch in items) == 21
+    assert any(batch.keys() == {"__skipped__", "__shards_tried__"} for batch in items[:-1])  # records alone
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_a_stage_refuses_a_state_of_another_stage(shards, name):
+    where, _ = STAGES[name]
+    chain = _dataset(shards, **CASES["one source"])._chain(1, 0, 1, rank=0, world=1)
+    others = [where(chain).state_dict()]
+    wrong = {**others[0], "version": 99}
+    with pytest.raises(mmproxy.StateError, match="of version 99"):
+        where(chain).load_state_dict(wrong)
+    with pytest.raises(mmproxy.StateError, match=r"unknown keys \['surprise'\]"):
+        where(chain).load_state_dict({**others[0], "surprise": 1})
