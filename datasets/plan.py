@@ -71,13 +71,17 @@ def check_shares(urls: Sequence[str], *, rank: int, world: int, workers: int,
         raise ShardError(
             f"rank {rank} of {world} has {len(mine)} shards{where} for {workers} workers; "
             "with several sources every worker needs shards of each source (or its share "
-            f"of the weights would go to the others): use at most {len(mine)} workers, or "
+            f"of the weights would go to the others): use at most {_workers(len(mine))}, or "
             "more (smaller) shards")
     if own_shards and len(mine) < workers:
         raise ShardError(
             f"rank {rank} of {world} has {len(mine)} shards{where} for {workers} workers, "
             "and with epoch_length every worker needs shards of its own; use at most "
-            f"{len(mine)} workers, more (smaller) shards, or resampled=True")
+            f"{_workers(len(mine))}, more (smaller) shards, or resampled=True")
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker" + ("" if n == 1 else "s")
 
 
 def shard_plan(urls: Sequence[str], layout: Layout, *, source: int, shuffle: bool,

@@ -89,13 +89,15 @@ def _load_folder(folder: str) -> Any:
 def load_tokenizer(tokenizer: Any) -> Any:
     """A ``transformers`` tokenizer: ``tokenizer`` itself, or one loaded with ``AutoTokenizer``.
 
-    A string or path is a folder holding a saved tokenizer when such a folder exists, else a
-    Hugging Face Hub name: taken from the local cache when it is there, downloaded otherwise. With
+    A string or path is a folder holding a saved tokenizer when such a folder exists, or a file
+    of one (``tokenizer.json`` and the others of ``TOKENIZER_FILES``: its folder is loaded;
+    another ``.json`` file: loaded as a ``tokenizers`` file), else a Hugging Face Hub name: taken
+    from the local cache when it is there, downloaded otherwise. With
     ``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``), or when the Hub cannot be reached
     within :data:`HUB_CHECK_SECONDS`, a name missing from the cache fails at once.
 
     Raises:
-        ValueError: ``tokenizer`` is None or not a tokenizer, or the folder holds none.
+        ValueError: ``tokenizer`` is None or not a tokenizer, or the folder or file holds none.
         FileNotFoundError: No such folder, and no such name in the cache or on the Hub.
     """
     if tokenizer is None:
@@ -104,7 +106,7 @@ def load_tokenizer(tokenizer: Any) -> Any:
                          "tokenizer.json), or a Hugging Face Hub name")
     if isinstance(tokenizer, os.PathLike):
         tokenizer = os.fspath(tokenizer)
-        if not os.path.isdir(tokenizer):
+        if not os.path.exists(tokenizer):
             raise FileNotFoundError(f"tokenizer folder {tokenizer!r} does not exist")
     if not isinstance(tokenizer, str):
         if not callable(tokenizer) or not hasattr(tokenizer, "pad_token_id"):
@@ -113,8 +115,11 @@ def load_tokenizer(tokenizer: Any) -> Any:
         return tokenizer
     if os.path.isdir(tokenizer):
         return _load_folder(tokenizer)
+    if os.path.isfile(tokenizer):
+        return _load_file(tokenizer)
     if not _REPO_ID.fullmatch(tokenizer) or tokenizer.endswith((".json", ".txt", ".model")):
-        raise FileNotFoundError(f"tokenizer folder {tokenizer!r} does not exist (and it is not a "
+        what = "file" if tokenizer.endswith((".json", ".txt", ".model")) else "folder"
+        raise FileNotFoundError(f"tokenizer {what} {tokenizer!r} does not exist (and it is not a "
                                 f"Hugging Face Hub name); {_HOW}")
     from transformers import AutoTokenizer
 
@@ -134,6 +139,23 @@ def load_tokenizer(tokenizer: Any) -> Any:
     except (OSError, ValueError) as err:
         raise FileNotFoundError(f"{missing}, nor downloadable ({_first_line(err)}); "
                                 f"{_HOW}") from err
+
+
+def _load_file(path: str) -> Any:
+    """A tokenizer from one of its files: the folder for a file of a saved one, else a
+    ``tokenizers`` JSON file."""
+    if os.path.basename(path) in TOKENIZER_FILES:
+        return _load_folder(os.path.dirname(path) or ".")
+    if not path.endswith(".json"):
+        raise ValueError(f"tokenizer {path!r} is a file, but not a tokenizer's: give the folder of "
+                         f"a saved tokenizer (holding one of {', '.join(TOKENIZER_FILES)}) or a "
+                         "tokenizer.json file")
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        return PreTrainedTokenizerFast(tokenizer_file=path)
+    except Exception as err:  # noqa: BLE001 - tokenizers raises its own kinds for a bad file
+        raise ValueError(f"tokenizer file {path!r} cannot be loaded: {_first_line(err)}") from err
 
 
 class Tokenize:

@@ -7,11 +7,13 @@ folder they are kept in. Nothing is downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
 import tarfile
-from collections.abc import Iterable, Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,8 @@ import numpy as np
 
 __all__ = ["WORDS", "audio_bytes", "cache_dir", "caption", "damage_jpeg", "demo_shards",
            "demo_tokenizer", "faststart_mp4", "image_bytes", "image_folder", "make_tokenizer",
-           "synth_image", "synth_speech", "synth_video", "video_bytes", "write_tar"]
+           "synth_image", "synth_speech", "synth_video", "video_bytes", "write_tar",
+           "writing_cache"]
 
 WORDS = ("a red circle on a blue field", "green stripes over a yellow sky",
          "a small square in the corner", "waves of orange and purple light",
@@ -30,6 +33,26 @@ def cache_dir() -> Path:
     """mmproxy's cache folder: ``$XDG_CACHE_HOME/mmproxy``, else ``~/.cache/mmproxy``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "mmproxy"
+
+
+@contextlib.contextmanager
+def writing_cache(where: str | os.PathLike[str]) -> Iterator[None]:
+    """Writing under ``where``: an ``OSError`` there (a read-only or full disk, no permission)
+    says, when ``where`` is in :func:`cache_dir`, where that folder comes from and how to move it
+    (``XDG_CACHE_HOME``); elsewhere it goes on as it is."""
+    try:
+        yield
+    except OSError as err:
+        cache = cache_dir()
+        if not Path(where).is_relative_to(cache):
+            raise
+        base = os.environ.get("XDG_CACHE_HOME")
+        origin = f"$XDG_CACHE_HOME/mmproxy (XDG_CACHE_HOME={base})" if base else (
+            "~/.cache/mmproxy, as XDG_CACHE_HOME is not set")
+        what = f"{err.filename}: " if err.filename else ""
+        raise type(err)(f"cannot write to mmproxy's cache folder {cache}: {what}"
+                        f"{err.strerror or err}; that folder is {origin}: set XDG_CACHE_HOME to a "
+                        "writable folder") from err
 
 
 def caption(i: int) -> str:
@@ -107,10 +130,19 @@ def video_bytes(frames: np.ndarray, codec: str = "libx264", container: str = "mp
                 gop: int = 12, crf: int = 18) -> bytes:
     """Encodes RGB frames with PyAV (``codec``: libx264, libvpx-vp9, mjpeg, mpeg4, ...;
     ``container``: mp4, webm, avi, ...); a key frame every ``gop`` frames."""
+    # through a file, not a BytesIO: an interrupt raised in FFmpeg's callbacks into Python is lost
+    with tempfile.TemporaryDirectory(prefix="mmproxy-video-") as folder:
+        path = os.path.join(folder, f"clip.{container}")
+        _encode_video(path, frames, codec, container, fps, gop, crf)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def _encode_video(path: str, frames: np.ndarray, codec: str, container: str, fps: int, gop: int,
+                  crf: int) -> None:
     import av
 
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=container) as out:
+    with av.open(path, "w", format=container) as out:
         stream: Any = out.add_stream(codec, rate=fps)
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
@@ -125,7 +157,6 @@ def video_bytes(frames: np.ndarray, codec: str = "libx264", container: str = "mp
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)
-    return buf.getvalue()
 
 
 def faststart_mp4(data: bytes, folder: str | os.PathLike[str]) -> bytes:
@@ -178,52 +209,76 @@ def audio_bytes(signal: np.ndarray, rate: int, fmt: str = "WAV") -> bytes:
         return buf.getvalue()
     import soundfile as sf
 
-    sf.write(buf, signal, rate, format=fmt, subtype={"FLAC": "PCM_16", "OGG": "VORBIS"}[fmt])
-    return buf.getvalue()
+    # through a file, not a BytesIO: libsndfile would call back into Python to write, and an
+    # interrupt (Ctrl-C) raised in such a callback is printed and lost
+    with tempfile.TemporaryFile() as f:
+        sf.write(f.fileno(), signal, rate, format=fmt, closefd=False,
+                 subtype={"FLAC": "PCM_16", "OGG": "VORBIS"}[fmt])
+        f.seek(0)
+        return f.read()
 
 
 def write_tar(path: str | os.PathLike[str], samples: Iterable[dict[str, Any]]) -> int:
     """Writes WebDataset samples (``{"__key__": ..., "jpg": bytes, "cls": 3, ...}``) to a tar,
-    atomically: a reader (or another process writing the same shard) never sees half of it."""
+    atomically: a reader (or another process writing the same shard) never sees half of it, and
+    an error or an interrupt leaves nothing behind."""
+    from mmproxy._parts import part_path
+
     count = 0
-    part = f"{os.fspath(path)}.part-{os.getpid()}"
-    with tarfile.open(part, "w") as tar:
-        for sample in samples:
-            key = sample["__key__"]
-            for ext, value in sample.items():
-                if ext.startswith("__"):
-                    continue
-                data = value if isinstance(value, bytes) else str(value).encode()
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                info.mode = 0o644
-                tar.addfile(info, io.BytesIO(data))
-            count += 1
-    os.replace(part, path)
+    part = part_path(path)
+    try:
+        with tarfile.open(part, "w") as tar:
+            for sample in samples:
+                key = sample["__key__"]
+                for ext, value in sample.items():
+                    if ext.startswith("__"):
+                        continue
+                    data = value if isinstance(value, bytes) else str(value).encode()
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    info.mode = 0o644
+                    tar.addfile(info, io.BytesIO(data))
+                count += 1
+        os.replace(part, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part)
+        raise
     return count
 
 
 def demo_shards(samples: int = 128, per_shard: int = 16,
-                folder: str | os.PathLike[str] | None = None, video: bool = False) -> str:
+                folder: str | os.PathLike[str] | None = None, video: bool = False,
+                on_write: Callable[[Path], None] | None = None) -> str:
     """Writes (once) the demo's multi-modal shards: per sample a JPEG, its :func:`caption`, FLAC
     speech and a label (``cls``), and with ``video`` an H.264 clip (``mp4``, 2 s, needs PyAV);
-    keys ``demo000000`` on. Returns their brace pattern.
+    keys ``demo000000`` on. Returns their brace pattern. Shards half-written by a process that
+    ended are removed; those already whole are kept.
 
     Args:
         samples: How many samples.
         per_shard: Samples per shard.
         folder: Where; default ``cache_dir()/demo/shards-SAMPLES-PER_SHARD[-video]``.
         video: Add a video field.
+        on_write: Called with the folder once, before the first shard is written (not when every
+            shard is there already).
     """
+    from mmproxy._parts import remove_stale_parts
+
     name = f"shards-{samples}-{per_shard}" + ("-video" if video else "")
     where = Path(folder or cache_dir() / "demo" / name)
-    where.mkdir(parents=True, exist_ok=True)
     shards = (samples + per_shard - 1) // per_shard
-    for s in range(shards):
-        path = where / f"demo-{s:04d}.tar"
-        if not path.exists():
-            write_tar(path, (_demo_sample(i, video)
-                             for i in range(s * per_shard, min(samples, (s + 1) * per_shard))))
+    missing = [s for s in range(shards) if not (where / f"demo-{s:04d}.tar").exists()]
+    if missing:
+        with writing_cache(where):
+            where.mkdir(parents=True, exist_ok=True)
+            remove_stale_parts(where)
+            if on_write is not None:
+                on_write(where)
+            for s in missing:
+                write_tar(where / f"demo-{s:04d}.tar", (
+                    _demo_sample(i, video)
+                    for i in range(s * per_shard, min(samples, (s + 1) * per_shard))))
     return str(where / f"demo-{{0000..{shards - 1:04d}}}.tar")
 
 
@@ -270,12 +325,19 @@ def demo_tokenizer(folder: str | os.PathLike[str] | None = None) -> str:
     """A tiny tokenizer trained on the synthetic captions, made once in ``folder`` (default
     ``cache_dir()/demo/tokenizer``); processes making it at the same time (ranks) all get one
     whole copy. Returns the folder, for :func:`mmproxy.datasets.load_tokenizer`."""
+    from mmproxy._parts import part_path, remove_stale_parts
+
     where = Path(folder or cache_dir() / "demo" / "tokenizer")
     if not (where / "tokenizer.json").exists():
-        part = where.with_name(f"{where.name}.part-{os.getpid()}")
-        make_tokenizer(part, [caption(i) for i in range(10 * len(WORDS))])
-        try:
-            part.rename(where)  # atomic; refused if another process's copy is already there
-        except OSError:
-            shutil.rmtree(part, ignore_errors=True)
+        part = Path(part_path(where))
+        with writing_cache(where):
+            remove_stale_parts(where.parent)
+            try:
+                make_tokenizer(part, [caption(i) for i in range(10 * len(WORDS))])
+                part.rename(where)  # atomic; refused if another process's copy is already there
+            except OSError:
+                if not (where / "tokenizer.json").exists():
+                    raise
+            finally:
+                shutil.rmtree(part, ignore_errors=True)
     return str(where)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -18,10 +20,18 @@ import torch
 import torchaudio
 from conftest import cpu_image_server
 from mmproxy.datasets import Tokenize, image_text_dataset, load_tokenizer, make_shards
+from mmproxy.datasets.writer import OutputExistsError, Reason, WrittenShards
 
 import mmproxy
 from mmproxy import cli
-from mmproxy.testing import audio_bytes, image_bytes, make_tokenizer, synth_speech, write_tar
+from mmproxy.testing import (
+    audio_bytes,
+    image_bytes,
+    make_tokenizer,
+    synth_image,
+    synth_speech,
+    write_tar,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 HINT = "(run with --debug for the traceback)"
@@ -63,17 +73,70 @@ def test_a_folder_with_shards_is_refused_and_overwrite_replaces_exactly_them(tmp
     src, out = image_folder(tmp_path / "src", per_class=2), tmp_path / "out"
     first = make_shards(src, out, max_count=1)
     assert [Path(p).name for p in first] == [f"shard-00000{i}.tar" for i in range(4)]
-    (out / "other-000000.tar").write_bytes(b"another set")  # another prefix: not ours to touch
-    with pytest.raises(FileExistsError, match=r"already holds 6 files.*--overwrite"):
+    (out / "notes.txt").write_text("not a shard")  # not ours to touch
+    with pytest.raises(OutputExistsError,
+                       match=r"already holds a shard set \(6 files: .*\); pass overwrite=True"):
         make_shards(src, out, max_count=4)
     assert len(list(out.glob("shard-*.tar"))) == 4  # refused before touching anything
 
     again = make_shards(src, out, max_count=4, overwrite=True)
     assert list(again) == [str(out / "shard-000000.tar")]  # exactly what was written
     assert sorted(p.name for p in out.iterdir()) == ["classes.json", "manifest.jsonl",
-                                                     "other-000000.tar", "shard-000000.tar"]
+                                                     "notes.txt", "shard-000000.tar"]
     assert len(members(again[0])) == again.samples == 4
     assert len((out / "manifest.jsonl").read_text().splitlines()) == 4
+
+
+def test_overwrite_with_another_prefix_replaces_the_old_set(tmp_path):
+    """The old set's shards stayed beside the new ones while classes.json and manifest.jsonl
+    described only the new set: a run on the folder read both, the old with the wrong labels."""
+    src, out = image_folder(tmp_path / "src", per_class=2), tmp_path / "out"
+    make_shards(src, out, max_count=1, prefix="old")
+    (src / "bird").mkdir()  # another class: the old set's labels no longer hold
+    (src / "bird" / "0.png").write_bytes(solid(5))
+    new = make_shards(src, out, max_count=10, prefix="new", overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["classes.json", "manifest.jsonl",
+                                                     "new-000000.tar"]
+    assert list(new) == [str(out / "new-000000.tar")] and new.samples == 5
+
+    # .tar files no set written there names are refused, overwrite or not, and named
+    (out / "mine.tar").write_bytes(b"someone's shard")
+    for overwrite in (False, True):
+        with pytest.raises(FileExistsError, match=r"holds 1 \.tar file\(s\) of no shard set "
+                           r"written there \(mine\.tar: .*move them away"):
+            make_shards(src, out, prefix="new", overwrite=overwrite)
+    assert sorted(p.name for p in out.iterdir()) == ["classes.json", "manifest.jsonl",
+                                                     "mine.tar", "new-000000.tar"]
+
+
+def test_an_interrupted_or_failed_make_shards_leaves_the_old_set_and_no_parts(tmp_path,
+                                                                             monkeypatch):
+    import mmproxy.datasets.writer as writer
+
+    src, out = image_folder(tmp_path / "src", per_class=3), tmp_path / "out"
+    make_shards(src, out, max_count=2)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls = []
+
+    def interrupted(ext, data):
+        calls.append(ext)
+        if len(calls) == 4:  # inside the second new shard
+            raise KeyboardInterrupt
+        return None
+
+    monkeypatch.setattr(writer, "check_header", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        make_shards(src, out, max_count=3, prefix="new", overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # a part file of a process that has ended is removed by the next run; another's stays
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    host = os.uname().nodename
+    stale, alive = out / f"x-000000.tar.part-{host}-{dead}", out / f"x-000000.tar.part-{host}-1"
+    stale.write_bytes(b"half"), alive.write_bytes(b"half")
+    monkeypatch.undo()
+    make_shards(src, out, overwrite=True)
+    assert not stale.exists() and alive.exists()
 
 
 def test_cli_refuses_then_overwrites_and_reports_the_count_written(tmp_path, capsys):
@@ -82,7 +145,9 @@ def test_cli_refuses_then_overwrites_and_reports_the_count_written(tmp_path, cap
     assert f"wrote 6 samples in 3 shards to {out}" in capsys.readouterr().out
     assert cli.main(["make-shards", str(src), str(out), "--max-count", "100"]) == 1
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("mmproxy make-shards: error: ") and "--overwrite" in err[0]
+    assert err[0] == (f"mmproxy make-shards: error: {out} already holds a shard set (5 files: "
+                      "classes.json, manifest.jsonl, shard-000000.tar, ...); add --overwrite to "
+                      "replace it, or write to an empty folder")
     assert err[1:] == [HINT]
     assert cli.main(["make-shards", str(src), str(out), "--max-count", "100", "--overwrite"]) == 0
     assert f"wrote 6 samples in 1 shard to {out}" in capsys.readouterr().out
@@ -119,7 +184,7 @@ def test_left_out_and_guessed_files_are_reported(tmp_path):
     (src / "cat" / "0.txt").write_text("a cat")
     (src / "loose.png").write_bytes(solid(30))                       # no .txt, no class folder
     (src / "captioned.jpg").write_bytes(solid(50, "JPEG"))
-    (src / "captioned.txt").write_text("a loose image with a caption")
+    (src / "captioned.txt").write_text("\ufeffa loose image with a caption")  # a UTF-8 BOM
     (src / "cat" / "anim.gif").write_bytes(solid(60, "GIF"))         # a format not read
     (src / "notes.txt").write_text("no image beside me")
     (src / "dog_house" / "broken.jpg").write_bytes(b"not a jpeg at all")
@@ -132,16 +197,78 @@ def test_left_out_and_guessed_files_are_reported(tmp_path):
     assert set(reasons) == {"loose.png", "cat/anim.gif", "notes.txt", "dog_house/broken.jpg",
                             "dog_house/empty.png"}
     assert "no caption" in reasons["loose.png"]
-    assert ".gif" in reasons["cat/anim.gif"] and ".bmp" in reasons["cat/anim.gif"]
+    assert reasons["cat/anim.gif"] == "not an image file this writer reads (.gif)"
     assert "no image" in reasons["notes.txt"]
-    assert "JPG signature" in reasons["dog_house/broken.jpg"]
+    assert reasons["dog_house/broken.jpg"] == ("holds none of the image formats this writer reads "
+                                               "(it starts with b'not a jp')")
     assert "empty" in reasons["dog_house/empty.png"]
     summary = written.summary()
     assert "3 guessed from the class folder's name" in summary and "left out: 5 files" in summary
-    assert "cat/anim.gif: not an image file" in summary
+    assert "1 x not a format this writer reads (.gif 1; it reads .bmp .jpeg .jpg .png" in summary
     sources = {json.loads(r)["source"] for r in Path(written.manifest).read_text().splitlines()}
     assert sources == {"captioned.jpg", "cat/0.png", "cat/1.png", "dog_house/0.png",
                        "dog_house/1.png"}
+    captions = {s["src"]: s["txt"] for s in members(written[0]).values()}
+    assert captions[b"captioned.jpg"] == b"a loose image with a caption"  # the BOM dropped
+
+
+def test_the_report_groups_left_out_files_by_reason_with_examples_of_each(tmp_path):
+    """603 left-out files were listed as their first 10, all .svg, hiding the empty, truncated
+    and text-as-.jpg ones; and "... and 1 more" stood where the one file would fit."""
+    src = tmp_path / "src"
+    (src / "art").mkdir(parents=True)
+    for i in range(600):
+        (src / "art" / f"{i:03d}.svg").write_text("<svg/>")
+    for name in ("a.xcf", "b.xcf", "c.xcf"):
+        (src / "art" / name).write_bytes(b"gimp")
+    (src / "art" / "good.png").write_bytes(solid(9))
+    for name in ("e1.jpg", "e2.jpg", "e3.jpg", "e4.jpg"):  # four: all listed, no "and 1 more"
+        (src / "art" / name).write_bytes(b"")
+    jpeg = image_bytes(synth_image(1))
+    (src / "art" / "cut.jpg").write_bytes(jpeg[:len(jpeg) // 2])
+    (src / "art" / "readme.jpg").write_text("this is text")
+    written = make_shards(src, tmp_path / "out")
+    lines = written.summary().splitlines()
+    at = lines.index("  left out: 609 files, by reason:")
+    assert lines[at + 1:] == [
+        "    603 x not a format this writer reads (.svg 600, .xcf 3; it reads .bmp .jpeg .jpg "
+        ".png .tif .tiff .webp)",
+        "      art/000.svg", "      art/001.svg", "      art/002.svg", "      ... and 600 more",
+        "    4 x is empty",
+        "      art/e1.jpg", "      art/e2.jpg", "      art/e3.jpg", "      art/e4.jpg",
+        "    1 x is truncated (no end-of-image marker after its image data)",
+        "      art/cut.jpg",
+        "    1 x holds none of the image formats this writer reads (it starts with b'this is ')",
+        "      art/readme.jpg",
+        f"  manifest (key -> shard, source file): {tmp_path / 'out' / 'manifest.jsonl'}"]
+    assert lines[:2] == [f"wrote 1 sample in 1 shard to {tmp_path / 'out'}",
+                         f"  read them as: {tmp_path / 'out' / 'shard-000000.tar'}"]
+    assert {item.reason for item in written.files_left_out} == {
+        Reason.FORMAT, Reason.EMPTY, Reason.CONTENT, Reason.DAMAGED}
+
+
+def test_a_file_is_stored_under_the_extension_of_its_content(tmp_path):
+    """A PNG named .jpg was kept as "jpg" while a WAV named .flac was refused: one rule, the
+    content decides, for images, audio and video alike."""
+    src = tmp_path / "src"
+    (src / "speech").mkdir(parents=True)
+    wav = audio_bytes(synth_speech(1, 0.2), 16000)
+    (src / "speech" / "a.flac").write_bytes(wav)
+    (src / "speech" / "b.flac").write_bytes(audio_bytes(synth_speech(2, 0.2), 16000, "FLAC"))
+    audio = make_shards(src, tmp_path / "audio", kind="audio-label")
+    assert audio.samples == 2 and not audio.left_out
+    assert audio.renamed == [("speech/a.flac", "wav")]
+    by_src = {s["src"]: s for s in members(audio[0]).values()}
+    assert by_src[b"speech/a.flac"]["wav"] == wav and "flac" in by_src[b"speech/b.flac"]
+    assert "    speech/a.flac: WAV data, stored as .wav" in audio.summary().splitlines()
+
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "p.jpg").write_bytes(solid(7, "PNG"))
+    (images / "p.txt").write_text("a png in disguise")
+    shards = make_shards(images, tmp_path / "img")
+    assert shards.renamed == [("p.jpg", "png")]
+    assert set(next(iter(members(shards[0]).values()))) == {"png", "txt", "src"}
 
 
 def test_audio_needs_a_class_folder_and_other_files_are_left_out(tmp_path):
@@ -284,9 +411,22 @@ def test_mmproxy_errors_interrupts_and_bugs(tmp_path, capsys, monkeypatch):
     assert cli.main(args) == 130
     assert capsys.readouterr().err.splitlines() == ["mmproxy make-shards: interrupted"]
 
-    fail(TypeError("a bug in mmproxy"))  # not the user's doing: the whole traceback
-    with pytest.raises(TypeError, match="a bug"):
-        cli.main(args)
+    # a package an option needs, missing: what to install, in one line
+    fail(ModuleNotFoundError("No module named 'av'", name="av"))
+    assert cli.main(args) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "mmproxy make-shards: error: needs av, which is not installed: pip install "
+        "'mmproxy[video]'", HINT]
+
+    # not the user's doing: one line saying so too, the traceback with --debug
+    fail(TypeError("a bug in mmproxy"))
+    assert cli.main(args) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "mmproxy make-shards: error: TypeError: a bug in mmproxy (unexpected: please report it, "
+        "with the traceback --debug prints)", HINT]
+    assert cli.main([*args, "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "TypeError: a bug" in err
 
 
 def test_argparse_errors_still_exit_2(capsys):
@@ -306,16 +446,20 @@ def test_argparse_errors_still_exit_2(capsys):
 
 
 def test_demo_on_image_only_shards_uses_the_image_server_and_says_audio_is_missing(tmp_path):
+    """The fields line names every extension read (it said "image (png)", the first sample's,
+    while the JPEGs were read too)."""
     src = image_folder(tmp_path / "src", per_class=5)
-    written = make_shards(src, tmp_path / "out", max_count=5)
+    (src / "cat" / "9.jpg").write_bytes(solid(90, "JPEG"))
+    written = make_shards(src, tmp_path / "out", max_count=6)
     proc = run_cli(["demo", "--data", str(tmp_path / "out" / "shard-{000000..000001}.tar"),
                     "--batch-size", "4", "--workers", "2", "--device", "cpu"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout
-    assert "batches:" not in proc.stderr  # no progress bar in a pipe
-    assert "fields image (png), text (txt), label (cls); missing: audio (no flac/wav/ogg)" in out
+    assert "epoch 1/1" not in proc.stderr  # no progress bar in a pipe
+    assert ("fields image (jpg/jpeg/png/webp/bmp/tif/tiff), text (txt/caption), label (cls); "
+            "missing: audio (no flac/wav/ogg)") in out
     counts = dict(re.findall(r"^  (\w+) +(\d+) samples +[\d.]+ samples/s", out, re.M))
-    assert counts == {"image": "10", "text": "10", "label": "10"} and written.samples == 10
+    assert counts == {"image": "11", "text": "11", "label": "11"} and written.samples == 11
     assert "server 'audio'" not in out and "skipped 0 samples" in out
 
 
@@ -439,6 +583,26 @@ def test_a_folder_without_a_tokenizer_and_a_missing_folder(tmp_path):
         assert Tokenize(given, 8, "longest")({"text": ["a red circle"]})["input_ids"].shape[0] == 1
 
 
+def test_a_tokenizer_file_is_loaded_not_called_a_missing_folder(tmp_path):
+    """``--tokenizer tok/tokenizer.json`` was "tokenizer folder ... does not exist"."""
+    import shutil
+
+    folder = Path(make_tokenizer(tmp_path / "tok"))
+    for given in (str(folder / "tokenizer.json"), folder / "tokenizer.json"):
+        tokenizer = load_tokenizer(given)  # its folder: the pad token of its config too
+        assert tokenizer.pad_token == "[PAD]" and tokenizer("a red circle")["input_ids"]
+    shutil.copy(folder / "tokenizer.json", tmp_path / "mine.json")  # a lone tokenizers file
+    assert load_tokenizer(str(tmp_path / "mine.json"))("a red circle")["input_ids"]
+    (tmp_path / "notes.md").write_text("hello")
+    with pytest.raises(ValueError, match=r"notes\.md' is a file, but not a tokenizer's"):
+        load_tokenizer(str(tmp_path / "notes.md"))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"tokenizer file .*bad\.json' cannot be loaded"):
+        load_tokenizer(str(tmp_path / "bad.json"))
+    with pytest.raises(FileNotFoundError, match=r"tokenizer file .*tokenizer\.json' does not exist"):
+        load_tokenizer(str(tmp_path / "gone" / "tokenizer.json"))
+
+
 NAME = "mmproxy-tests/no-such-tokenizer-7f3c"
 
 
@@ -541,7 +705,27 @@ def test_bench_summary_says_when_an_epoch_is_too_short_to_time_and_when_mmproxy_
     out = capsys.readouterr().out
     assert "352295.1 samples/s   mmproxy / this = n/a" in out
     notes = [line.split()[0] for line in out.splitlines() if "too few to time" in line]
-    assert notes == ["image"] and "4 batch(es) an epoch are too few" in out
+    assert notes == ["image"] and "4 batches an epoch are too few" in out
+
+    # the batches each system counted: 2 workers made 2 partial batches of 64 samples
+    # where "64 / 64" gave "1 batch(es)"
+    measured = {"samples": 64, "batch_size": 64, "systems": {
+        "mmproxy": {"samples_per_s": 10.0, "samples": 64, "batches": 2}}}
+    print_summary({"machine": {"gpu": None}, "results": {"image": measured}}, 1)
+    out = capsys.readouterr().out
+    assert "image      note: 2 batches an epoch are too few" in out
+    assert "mmproxy bench (CPU, 1 worker): " in out  # not "1 workers"
+
+
+def test_the_bench_says_each_systems_result_in_words():
+    """It printed each system's raw result dict."""
+    from mmproxy.apps.bench.report import system_line
+
+    result = {"samples_per_s": 73.27, "epochs": [31.4, 73.3, 70.1], "samples": 16, "batches": 1,
+              "skipped": {"samples": 2, "shards": 0}, "cpu_ms_per_batch": {"workers": 55.0}}
+    assert system_line(result) == ("      73.3 samples/s (best epoch; epochs 31.4 (warm-up), "
+                                   "73.3, 70.1); 16 samples in 1 batch an epoch; skipped 2 samples")
+    assert system_line({"error": "not run: no GPU"}) == "not run: no GPU"
 
 
 def test_the_bench_names_the_commit_from_the_checkouts_git_folder(tmp_path):
@@ -614,3 +798,344 @@ def test_the_bench_pytorch_reference_decodes_every_audio_format_make_shards_writ
                                      .mean(axis=1))
         resampled = torchaudio.functional.resample(reference, rate, 16000)
         assert torch.corrcoef(torch.stack([x, resampled]))[0, 1] > 0.9
+
+
+# interrupts ----------------------------------------------------------------------------------
+
+
+def _interrupted_demo(tmp_path, cache, wait_for, delays, args=()):
+    """Runs the demo in a session of its own, waits for a line of its output, then sends SIGINT
+    to its whole process group (as a terminal's Ctrl-C does) after each of ``delays``."""
+    import selectors
+
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache), CUDA_VISIBLE_DEVICES="",
+               PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "mmproxy.cli", "demo", "--quiet",
+                             "--samples", "256", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    out, deadline = b"", time.monotonic() + 120
+    with selectors.DefaultSelector() as sel:  # unbuffered reads: select sees every byte
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while wait_for.encode() not in out and time.monotonic() < deadline:
+            if sel.select(timeout=1):
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                out += chunk
+    assert wait_for.encode() in out, out
+    for delay in delays:
+        time.sleep(delay)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+    try:
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    # a Ctrl-C in the last moments of the interpreter's exit, once its handlers are gone, ends
+    # the process by the signal: a shell shows 130 for both
+    return (130 if proc.returncode == -signal.SIGINT else proc.returncode,
+            (out + rest).decode(), err.decode())
+
+
+@pytest.mark.parametrize("delays", [[0.0], [0.4], [1.5], [0.5, 0.05], [1.0, 0.4]])
+def test_an_interrupt_while_the_demo_writes_its_set_ends_it_in_one_line(tmp_path, delays):
+    """Ctrl-C while the demo writes its synthetic set (once, twice): exit code 130, one line, no
+    traceback, no half-written shard left; a later run reuses the whole shards and writes the
+    rest. A Ctrl-C was swallowed by a soundfile callback (the demo ran on, rc 0) and left
+    demo-0000.tar.part-PID files."""
+    cache = tmp_path / "cache"
+    code, out, err = _interrupted_demo(tmp_path, cache, "writing 256 synthetic samples", delays)
+    assert code == 130, (out, err)
+    assert err.strip().splitlines() == ["mmproxy demo: interrupted"], err
+    folder = cache / "mmproxy" / "demo"
+    assert not [p for p in folder.rglob("*") if ".part-" in p.name]
+    for shard in folder.rglob("*.tar"):  # every shard there is whole
+        with tarfile.open(shard) as tar:
+            assert len(tar.getnames()) == 4 * 64  # 64 samples of 4 fields
+
+
+@pytest.mark.parametrize("delays", [[0.0], [1.0], [0.3, 0.3]])
+def test_an_interrupt_while_the_demo_streams_ends_it_in_one_line(tmp_path, delays):
+    cache = tmp_path / "cache"
+    assert run_cli(["demo", "--samples", "256", "--quiet", "--epochs", "1"],
+                   tmp_path).returncode == 0  # the set and the tokenizer, made once
+    code, out, err = _interrupted_demo(tmp_path, cache, "pipelines", delays, ["--epochs", "50"])
+    assert code == 130, (out, err)
+    assert err.strip().splitlines() == ["mmproxy demo: interrupted"], err
+    assert "Traceback" not in out
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # cffi's print
+def test_an_interrupt_that_library_code_swallows_still_ends_with_130(capsys, monkeypatch):
+    """A Ctrl-C raised inside a callback from C (here libsndfile writing to a Python file
+    object) is printed by cffi and lost: the command ran on and the CLI exited 0."""
+    import mmproxy.datasets as datasets
+    import soundfile as sf
+
+    class Interrupting:  # a file whose first write receives the Ctrl-C
+        def __init__(self):
+            self.data, self.interrupted = bytearray(), False
+
+        def write(self, data):
+            if not self.interrupted:
+                self.interrupted = True
+                signal.raise_signal(signal.SIGINT)
+            self.data += data
+            return len(data)
+
+        def seek(self, offset, whence=0):
+            return len(self.data)
+
+        def tell(self):
+            return len(self.data)
+
+    def make_shards(*args, **kwargs):
+        sf.write(Interrupting(), np.zeros(800, np.float32), 8000, format="WAV")
+        return WrittenShards("image-text", [])  # it ran on to the end
+
+    monkeypatch.setattr(datasets, "make_shards", make_shards)
+    assert cli.main(["make-shards", "a", "b"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "mmproxy make-shards: interrupted"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+
+
+def test_a_second_interrupt_while_the_program_exits_prints_no_traceback(tmp_path):
+    """The first Ctrl-C ends the command; a second one while the interpreter exits (its atexit
+    work: stopping workers, joining threads) printed a long traceback."""
+    script = tmp_path / "prog.py"
+    script.write_text(
+        "import atexit, sys, time\n"
+        "import mmproxy.datasets as datasets\n"
+        "from mmproxy import cli\n"
+        "atexit.register(time.sleep, 20)  # slow work at exit\n"
+        "def make_shards(*args, **kwargs):\n"
+        "    raise KeyboardInterrupt  # the first Ctrl-C\n"
+        "datasets.make_shards = make_shards\n"
+        "sys.argv = ['mmproxy', 'make-shards', 'a', 'b']\n"
+        "sys.exit(cli.main())\n")
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stderr.readline() == "mmproxy make-shards: interrupted\n"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        err = proc.stderr.read()
+        assert proc.wait(timeout=10) == 130
+    finally:
+        proc.kill()
+    assert err == ""
+
+
+# CLI texts -----------------------------------------------------------------------------------
+
+
+def test_the_kind_suggested_fits_the_tree_and_is_worded_for_the_cli(tmp_path, capsys):
+    """Videos in class folders (no captions): --kind video-label fits, not video-text; the CLI
+    says --kind and --overwrite, the function kind= and overwrite=True."""
+    from mmproxy.datasets.writer import NoMediaError
+
+    src = tmp_path / "src"
+    for label in ("cats", "dogs"):
+        (src / label).mkdir(parents=True)
+        (src / label / "0.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    with pytest.raises(NoMediaError, match=r"no image files to write .*; it holds video files: "
+                       r"use kind='video-label'$"):
+        make_shards(src, tmp_path / "out")
+    assert cli.main(["make-shards", str(src), str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.splitlines()[0].endswith(
+        "; it holds video files: use --kind video-label")
+    (src / "cats" / "0.txt").write_text("a cat")  # captions: the text kind
+    assert cli.main(["make-shards", str(src), str(tmp_path / "out"), "--kind", "audio-label"]) == 1
+    assert capsys.readouterr().err.splitlines()[0].endswith("use --kind video-text")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["demo", "--epochs", "0"], "argument --epochs: must be at least 1, got 0"),
+    (["demo", "--samples", "0"], "argument --samples: must be at least 1, got 0"),
+    (["demo", "--workers", "-1"], "argument --workers: must be at least 0, got -1"),
+    (["demo", "--max-skipped", "1.5"], "argument --max-skipped: must be from 0 to 1, got 1.5"),
+    (["bench", "--runs", "two"], "argument --runs: expected a whole number, got 'two'"),
+    (["make-shards", "a", "b", "--max-count", "0"], "argument --max-count: must be at least 1, "
+     "got 0"),
+    (["make-shards", "a", "b", "--max-size", "0"], "argument --max-size: must be more than 0, "
+     "got 0"),
+])
+def test_values_out_of_range_are_refused_by_the_parser(args, message, capsys):
+    """``--epochs 0`` ran nothing and passed; ``--samples 0`` named missing shards of a --data
+    never given; make-shards said "max_count and max_size must be positive"."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"mmproxy {args[0]}: error: {message}"
+
+
+def test_version_and_an_option_whose_package_is_missing(tmp_path, capsys, monkeypatch):
+    """``--plot`` without matplotlib ran the whole bench, then a ModuleNotFoundError traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"mmproxy {mmproxy.__version__}\n"
+
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    ran = []
+    monkeypatch.setattr("mmproxy.apps.bench.run", lambda args: ran.append(args) or 0)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--plot", str(tmp_path / "p.png")])
+    assert exit_info.value.code == 2 and not ran
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "mmproxy bench: error: --plot needs matplotlib, which is not installed: pip install "
+        "'mmproxy[plot]'")
+
+
+def test_the_demo_says_it_writes_its_set_only_when_it_does_and_shows_a_bar_with_a_total(tmp_path):
+    """"writing 256 synthetic samples ... (once)" was printed on every run; the progress bar
+    had no total and no epoch. Under a terminal it shows "epoch 1/2" and "64/64"."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    args = ["demo", "--samples", "64", "--batch-size", "16", "--device", "cpu"]
+    first = run_cli([*args, "--quiet"], tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "mmproxy demo: writing 64 synthetic samples" in first.stdout
+    primary, secondary = pty.openpty()  # stderr a terminal: the bar is shown
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # its width
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen([sys.executable, "-m", "mmproxy.cli", *args, "--epochs", "2"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=secondary, text=True)
+    os.close(secondary)
+    bar = b""
+    with contextlib.suppress(OSError):  # EIO once the child has closed its end
+        while chunk := os.read(primary, 4096):
+            bar += chunk
+    os.close(primary)
+    out = proc.communicate(timeout=200)[0]
+    assert proc.returncode == 0, bar.decode(errors="replace")[-2000:]
+    assert "writing" not in out  # the set is there: nothing is written
+    text = bar.decode(errors="replace")
+    assert re.search(r"epoch 1/2: 100%.*64/64", text) and re.search(r"epoch 2/2: 100%.*64/64",
+                                                                      text), text[-2000:]
+
+
+def test_a_cache_that_cannot_be_written_is_named_with_xdg_cache_home(tmp_path):
+    """A read-only cache gave "[Errno 30] Read-only file system: ..." and nothing more."""
+    (tmp_path / "file").write_text("not a folder")
+    proc = subprocess.run([sys.executable, "-m", "mmproxy.cli", "demo", "--quiet"], cwd=ROOT,
+                          env=dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "file" / "cache")),
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 1
+    assert re.match(rf"mmproxy demo: error: cannot write to mmproxy's cache folder "
+                    rf"{re.escape(str(tmp_path / 'file' / 'cache' / 'mmproxy'))}: .*Not a directory; "
+                    r"that folder is \$XDG_CACHE_HOME/mmproxy \(XDG_CACHE_HOME=.*\): set "
+                    "XDG_CACHE_HOME to a writable folder$", proc.stderr.splitlines()[0]), proc.stderr
+
+
+def test_demo_captions_lose_a_byte_order_mark():
+    from mmproxy.apps.demo import _text
+
+    assert _text("\ufeffa caption \n".encode()) == "a caption"
+
+
+# bench workloads -----------------------------------------------------------------------------
+
+
+def _bench(tmp_path, *args):
+    out = tmp_path / "bench.json"
+    proc = run_cli(["bench", "--epochs", "2", "--workers", "1", "--device", "cpu", "--json",
+                    str(out), "--data-dir", str(tmp_path / "data"), *args], tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())["results"]
+
+
+def test_the_bench_has_a_video_workload(tmp_path):
+    """mmproxy's video pipeline (PyAV in the workers on CPU) beside PyTorch workers decoding with
+    PyAV; DALI's reader says why it does not run on CPU."""
+    proc, results = _bench(tmp_path, "--workload", "video", "--samples", "128", "--batch-size",
+                           "4", "--systems", "mmproxy,torch,dali-reader")
+    systems = results["video"]["systems"]
+    for name in ("mmproxy", "torch"):
+        assert systems[name]["samples"] == 8 and systems[name]["samples_per_s"] > 0, systems[name]
+    assert systems["dali-reader"]["error"].startswith("not run: DALI decodes H.264 on a GPU only")
+    assert re.search(r"^\[video\] mmproxy +[\d.]+ samples/s \(best epoch; epochs ", proc.stdout,
+                     re.M), proc.stdout
+
+
+def test_the_bench_on_your_video_and_flac_shards(tmp_path):
+    """``--data`` of videos said "name one with --field", then refused ``--field mp4``; the
+    PyTorch reference failed on FLAC and OGG shards as if they were damaged."""
+    from mmproxy.testing import synth_video, video_bytes
+
+    clips = tmp_path / "clips" / "waves"
+    clips.mkdir(parents=True)
+    for i in range(4):
+        (clips / f"{i}.mp4").write_bytes(video_bytes(synth_video(i, 40, 64, 96)))
+    make_shards(tmp_path / "clips", tmp_path / "videos", kind="video-label", max_count=2)
+    for field in ([], ["--field", "mp4"]):
+        proc, results = _bench(tmp_path, "--data", str(tmp_path / "videos"), "--batch-size", "2",
+                               "--systems", "mmproxy,torch", *field)
+        video = results["video"]
+        assert video["field"] == ("mp4" if field else "mp4;mov;webm;mkv;avi")
+        assert {name: s["samples"] for name, s in video["systems"].items()} == {"mmproxy": 4,
+                                                                               "torch": 4}
+    speech = tmp_path / "speech"
+    for label, fmt in (("yes", "FLAC"), ("no", "OGG")):
+        (speech / label).mkdir(parents=True)
+        for i in range(3):
+            (speech / label / f"{i}.{fmt.lower()}").write_bytes(
+                audio_bytes(synth_speech(i, 0.5, 22050), 22050, fmt))
+    make_shards(speech, tmp_path / "audio", kind="audio-label")
+    _, results = _bench(tmp_path, "--data", str(tmp_path / "audio"), "--batch-size", "2",
+                        "--systems", "mmproxy,torch")
+    assert {name: s.get("samples") for name, s in results["audio"]["systems"].items()} == {
+        "mmproxy": 6, "torch": 6}
+
+
+# decoder noise -------------------------------------------------------------------------------
+
+
+def test_decoder_warnings_are_counted_and_every_other_line_goes_through(capfd):
+    from mmproxy.apps.noise import DecoderWarnings
+
+    with DecoderWarnings() as noise:
+        os.write(2, b"Corrupt JPEG data: 2 extraneous bytes before marker 0xd9\n")
+        print("a line of Python's own", file=sys.stderr)
+        subprocess.run([sys.executable, "-c", "import os; os.write(2, b'Premature end of JPEG "
+                        "file\\nSegmentation fault in a child\\n')"], check=True)
+        os.write(2, b"Corrupt JPEG data: 2 extraneous bytes before marker 0xd9\n")
+    err = capfd.readouterr().err
+    assert err.splitlines() == ["a line of Python's own", "Segmentation fault in a child"]
+    assert noise.counts == {"Corrupt JPEG data: 2 extraneous bytes before marker 0xd9": 2,
+                            "Premature end of JPEG file": 1}
+    assert noise.summary() == [
+        "decoder warnings kept off stderr (the files decoded): 3",
+        "  2 x Corrupt JPEG data: 2 extraneous bytes before marker 0xd9",
+        "  1 x Premature end of JPEG file"]
+
+
+def test_the_demo_summarises_decoder_noise_instead_of_printing_it(tmp_path):
+    """"Corrupt JPEG data: ..." lines from DALI's decoder threads filled stderr."""
+    jpeg = image_bytes(synth_image(3, 96, 128))
+    noisy = jpeg[:-2] + b"\x00\x00\x00\xff\xd9"  # decodes, with a warning from libjpeg
+    # (the random-crop decoder stops where its crop ends: about one file in four gets as far as
+    # the warning)
+    write_tar(tmp_path / "a.tar", [{"__key__": f"k{i}", "jpg": noisy, "cls": 1}
+                                   for i in range(48)])
+    proc = run_cli(["demo", "--data", str(tmp_path / "a.tar"), "--batch-size", "8",
+                    "--workers", "1", "--device", "cpu", "--quiet"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Corrupt JPEG" not in proc.stderr, proc.stderr
+    found = re.search(r"^  decoder warnings kept off stderr \(the files decoded\): (\d+)\n"
+                      r"    (\d+) x Corrupt JPEG data: \d+ extraneous bytes before marker 0xd9$",
+                      proc.stdout, re.M)
+    assert found and found[1] == found[2], proc.stdout
+    debug = run_cli(["demo", "--data", str(tmp_path / "a.tar"), "--batch-size", "8",
+                     "--workers", "1", "--device", "cpu", "--quiet", "--debug"], tmp_path)
+    assert "Corrupt JPEG data: " in debug.stderr  # --debug: every line, as it comes
+    assert "decoder warnings" not in debug.stdout

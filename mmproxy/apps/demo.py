@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 import time
 from typing import Any
 
 from mmproxy.apps.data import expand_data, first_sample_fields
+from mmproxy.apps.noise import DecoderWarnings
 
 __all__ = ["run"]
 
@@ -23,28 +23,31 @@ def run(args: argparse.Namespace) -> int:
     """Runs the demo; returns the exit code."""
     from mmproxy.datasets.recipes import AUDIO_EXTS, IMAGE_EXTS, VIDEO_EXTS
     from mmproxy.pipelines import resolve_device
-    from mmproxy.testing import cache_dir, demo_shards
+    from mmproxy.testing import demo_shards
+
+    def writing(where: Any) -> None:
+        print(f"mmproxy demo: writing {args.samples} synthetic samples (image, caption, audio, "
+              f"label{', video' if args.video else ''}) to {where}; later runs reuse them",
+              flush=True)
 
     if args.data:
         urls = expand_data(args.data)
     else:
-        print(f"mmproxy demo: writing {args.samples} synthetic samples (image, caption, audio, "
-              f"label{', video' if args.video else ''}) to {cache_dir() / 'demo'} (once)")
         urls = expand_data(demo_shards(args.samples,
                                         max(1, min(64, args.samples // (2 * max(1, args.workers)))),
-                                        video=args.video))
+                                        video=args.video, on_write=writing))
     first, exts = first_sample_fields(urls)
     wanted = {"image": IMAGE_EXTS, "audio": AUDIO_EXTS, "video": VIDEO_EXTS, "text": "txt;caption",
               "label": "cls"}
-    found = {name: [e for e in spec.split(";") if e in exts] for name, spec in wanted.items()}
-    used = [name for name in wanted if found[name]]
+    used = [name for name, spec in wanted.items() if set(spec.split(";")) & set(exts)]
     if not {"image", "audio", "video"} & set(used):
         raise ValueError(f"the first sample of {first} has no image ({IMAGE_EXTS}), audio "
                          f"({AUDIO_EXTS}) or video ({VIDEO_EXTS}) field, only {', '.join(exts)}; "
                          "the demo needs one")
-    print(f"mmproxy demo: fields {', '.join(f'{n} ({found[n][0]})' for n in used)}; missing: "
-          + (", ".join(f"{n} (no {wanted[n].replace(';', '/')})" for n in wanted if n not in used)
-             or "none") + f" (from the first sample of {first})")
+    read = {name: spec.replace(";", "/") for name, spec in wanted.items()}  # every one is read
+    print(f"mmproxy demo: fields {', '.join(f'{n} ({read[n]})' for n in used)}; missing: "
+          + (", ".join(f"{n} (no {read[n]})" for n in wanted if n not in used) or "none")
+          + f" (from the first sample of {first})")
     gpu, _ = resolve_device(args.device)
     workers = min(args.workers, len(urls))  # every worker needs a shard of its own
     print(f"mmproxy demo: {'GPU' if gpu else 'CPU'} pipelines, {workers} worker{'' if workers == 1 else 's'}"
@@ -53,11 +56,16 @@ def run(args: argparse.Namespace) -> int:
           + (", ".join(urls) if len(urls) <= 3 else f"{urls[0]}, ..., {urls[-1]}"))
     servers = _servers(args, used)
     dataset = _dataset(args, urls, {name: wanted[name] for name in used}, servers)
+    noise = DecoderWarnings()  # --debug: every line the decoders print, as it comes
     with contextlib.ExitStack() as stack:
+        if not args.debug:
+            stack.enter_context(noise)
         for server in servers.values():
             stack.enter_context(server)
         _stream(args, dataset.loader(list(servers.values()), num_workers=workers), used, servers,
-                gpu)
+                gpu, noise.terminal)
+    for line in noise.summary():
+        print("  " + line)
     return 0
 
 
@@ -102,11 +110,11 @@ def _dataset(args: argparse.Namespace, urls: list[str], exts: dict[str, str],
 
 
 def _text(data: bytes) -> str:
-    return data.decode().strip()
+    return data.decode("utf-8-sig").strip()  # a byte-order mark is no part of a caption
 
 
 def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dict[str, Any],
-            gpu: bool) -> None:
+            gpu: bool, terminal: Any) -> None:
     """Runs the epochs, counting samples per field, then prints the summary."""
     import torch
     from tqdm import tqdm
@@ -118,12 +126,20 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
              "text": lambda b: b["input_ids"].shape[0], "label": lambda b: len(b["label"])}
     counts = dict.fromkeys(used, 0)
     reports = []  # each epoch's skip report: samples and whole shards, with the reasons
-    bar = not args.quiet and sys.stderr.isatty()  # no bar fragments in a log file
+    bar = not args.quiet and terminal.isatty()  # no bar fragments in a log file
+    total = None if args.data else args.samples  # else known after the first epoch
     start = time.perf_counter()
-    for _ in range(args.epochs):
-        for batch in tqdm(loader, desc="batches", unit="batch", disable=not bar):
-            for name in counts:
-                counts[name] += sizes[name](batch)
+    for epoch in range(args.epochs):
+        delivered = 0
+        with tqdm(desc=f"epoch {epoch + 1}/{args.epochs}", total=total, unit="sample",
+                  disable=not bar, file=terminal) as progress:
+            for batch in loader:
+                for name in counts:
+                    counts[name] += sizes[name](batch)
+                n = sizes[used[0]](batch)
+                delivered += n
+                progress.update(n)
+        total = total or delivered
         reports.append(loader.skipped)
     if gpu:
         torch.cuda.synchronize()

@@ -10,8 +10,12 @@ __all__ = ["run"]
 def run(args: argparse.Namespace) -> int:
     """Writes the shards (see :func:`mmproxy.datasets.make_shards`) and prints what was written."""
     from mmproxy.datasets import make_shards
+    from mmproxy.datasets.writer import NoMediaError, OutputExistsError
 
-    written = make_shards(args.source, args.output, kind=args.kind, max_count=args.max_count,
-                          max_size=args.max_size, prefix=args.prefix, overwrite=args.overwrite)
+    try:
+        written = make_shards(args.source, args.output, kind=args.kind, max_count=args.max_count,
+                              max_size=args.max_size, prefix=args.prefix, overwrite=args.overwrite)
+    except (NoMediaError, OutputExistsError) as err:  # said with the command's options
+        raise err.for_cli() from None
     print(written.summary())
     return 0

@@ -7,7 +7,7 @@ import os
 import platform
 from typing import Any
 
-__all__ = ["add_ratios", "error_line", "machine", "plot", "print_summary"]
+__all__ = ["add_ratios", "error_line", "machine", "plot", "print_summary", "system_line"]
 
 
 def machine(gpu: bool) -> dict[str, Any]:
@@ -111,13 +111,33 @@ def add_ratios(results: dict[str, dict[str, Any]]) -> None:
             if damaged.get("sustained_samples_per_s") else None)
 
 
+def system_line(result: dict[str, Any]) -> str:
+    """One system's result in words: its best rate, each epoch's (the first warms up), the
+    samples and batches of an epoch, what it skipped; or why it did not run."""
+    if "samples_per_s" not in result:
+        return str(result.get("error", "no result"))
+    epochs = result.get("epochs") or []
+    each = (f"; epochs {epochs[0]:.1f} (warm-up), {', '.join(f'{r:.1f}' for r in epochs[1:])}"
+            if len(epochs) > 1 else "")
+    skipped = result.get("skipped") or {}
+    lost = ", ".join(f"{skipped[k]} {k}" for k in ("samples", "shards") if skipped.get(k))
+    return (f"{result['samples_per_s']:10.1f} samples/s (best epoch{each}); "
+            f"{_count(result.get('samples', 0), 'sample')} in "
+            f"{_count(result.get('batches', 0), 'batch')} an epoch"
+            + (f"; skipped {lost}" if lost else ""))
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "es" if word.endswith("ch") else "s")
+
+
 _FEW_BATCHES = 20  # fewer batches an epoch than this: the rates say little
 
 
 def print_summary(out: dict[str, Any], workers: int) -> None:
     """Throughput per workload and system, and mmproxy's ratio to each."""
     gpu = out["machine"]["gpu"]
-    print(f"\nmmproxy bench ({'GPU ' + str(gpu) if gpu else 'CPU'}, {workers} workers): "
+    print(f"\nmmproxy bench ({'GPU ' + str(gpu) if gpu else 'CPU'}, {_count(workers, 'worker')}): "
           "throughput, and mmproxy's ratio to each system")
     width = max((len(n) for r in out["results"].values() for n in r["systems"]), default=15)
     for kind, r in out["results"].items():
@@ -132,11 +152,14 @@ def print_summary(out: dict[str, Any], workers: int) -> None:
                       f"mmproxy / this = {'n/a' if ratio is None else f'{ratio:.2f}'}{spread}")
             else:
                 print(f"  {kind:10s} {name:{width}s} {s['error']}")
-        batches = -(-(r.get("samples") or 0) // (r.get("batch_size") or 1))
+        counted = [s["batches"] for s in r["systems"].values() if s.get("batches")]
+        batches = (r["systems"].get("mmproxy", {}).get("batches") or min(counted, default=0)
+                   or -(-(r.get("samples") or 0) // (r.get("batch_size") or 1)))  # as measured
         if 0 < batches < _FEW_BATCHES:
-            print(f"  {kind:10s} note: {batches} batch(es) an epoch are too few to time: start-up "
-                  "is most of each epoch (a DALI reader's first batches are ready before its "
-                  f"clock starts); use at least {_FEW_BATCHES}")
+            print(f"  {kind:10s} note: {_count(batches, 'batch')} an epoch "
+                  f"{'is' if batches == 1 else 'are'} too few to time: start-up is most of each "
+                  "epoch (a DALI reader's first batches are ready before its clock starts); use "
+                  f"at least {_FEW_BATCHES}")
 
 
 def plot(out: dict[str, Any], path: str) -> None:

@@ -22,7 +22,14 @@ from typing import Any
 
 from mmproxy.apps.bench.cpu import pin_threads
 from mmproxy.apps.bench.memory import memory
-from mmproxy.apps.bench.report import add_ratios, error_line, machine, plot, print_summary
+from mmproxy.apps.bench.report import (
+    add_ratios,
+    error_line,
+    machine,
+    plot,
+    print_summary,
+    system_line,
+)
 from mmproxy.apps.bench.shards import write_shards
 from mmproxy.apps.bench.systems import WORKLOADS, Setup, select
 
@@ -93,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                     damaged = damaged or _damage(result)
                 runs.setdefault(system.name, []).append(result)
                 print(f"[{workload}]{f' run {number + 1}' if args.runs > 1 else ''} "
-                      f"{system.name:15s} {result}", flush=True)
+                      f"{system.name:15s} {system_line(result)}", flush=True)
                 # after every system: a run cut short (a time limit, a crash) keeps what it measured
                 out["results"][workload] = _workload(args, setup, runs)
                 Path(args.json).write_text(json.dumps(out, indent=2))
@@ -103,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
         if apart:
             pin_threads(apart[1])
         out["memory"] = memory(setup, args.memory_epochs)
-        print("[memory]", out["memory"])
+        for row in out["memory"]["per_epoch"]:
+            print(f"[memory] epoch {row['epoch']}: resident {row['rss_mb']} MB, /dev/shm "
+                  f"{row['dev_shm_mb']} MB, shared memory {row['shmem_mb']} MB, runs held by the "
+                  f"server {row['server_runs_held']}")
     Path(args.json).write_text(json.dumps(out, indent=2))
     print_summary(out, args.workers)
     if args.plot:
@@ -169,42 +179,44 @@ def _run_ratios(results: dict[str, dict[str, Any]], runs: dict[str, list[dict[st
                 "range": [round(min(ratios), 3), round(max(ratios), 3)], "runs": len(ratios)}
 
 
+_BATCH = {"image": (256, 64), "audio": (64, 32), "video": (32, 8)}  # (on a GPU, on CPU)
+
+
 def _user_setup(args: argparse.Namespace, folder: Path, gpu: bool,
                 device_id: int | None) -> Setup:
     """Your shards (``--data``): the heavy field is ``--field`` (an extension, or several joined
-    by ``;``), else every image or audio extension, whichever family the first sample has, so a
-    set of JPEGs and PNGs is read whole; the workload follows from it."""
+    by ``;``), else every image, audio or video extension, whichever family the first sample
+    has, so a set of JPEGs and PNGs is read whole; the workload follows from it."""
     from mmproxy.apps.data import expand_data, first_sample_fields
-    from mmproxy.datasets.recipes import AUDIO_EXTS, IMAGE_EXTS
+    from mmproxy.datasets.recipes import AUDIO_EXTS, IMAGE_EXTS, VIDEO_EXTS
 
     paths = expand_data(args.data)
     first, exts = first_sample_fields(paths)
-    images, audio = IMAGE_EXTS.split(";"), AUDIO_EXTS.split(";")
+    families = {"image": IMAGE_EXTS, "audio": AUDIO_EXTS, "video": VIDEO_EXTS}
+    of = {ext: family for family, spec in families.items() for ext in spec.split(";")}
     if args.field:
         named = [e.strip().lower() for e in args.field.split(";") if e.strip()]
-        if not named or not (set(named) <= set(images) or set(named) <= set(audio)):
-            raise ValueError(f"--field {args.field!r} is neither image ({IMAGE_EXTS}) nor audio "
-                             f"({AUDIO_EXTS}) extensions")
+        if not named or len({of.get(e) for e in named}) != 1 or named[0] not in of:
+            raise ValueError(f"--field {args.field!r} is neither image ({IMAGE_EXTS}), audio "
+                             f"({AUDIO_EXTS}) nor video ({VIDEO_EXTS}) extensions (of one of them)")
         if not set(named) & set(exts):
             raise ValueError(f"the first sample of {first} has no {args.field!r} field (it has "
                              f"{', '.join(exts)}); --field names a field of your samples")
-        field = ";".join(named)
+        field, workload = ";".join(named), of[named[0]]
     else:
-        kind = next((e for e in exts if e in images + audio), None)
-        if kind is None:
-            raise ValueError(f"the first sample of {first} has no image or audio field (it has "
-                             f"{', '.join(exts)}); name one with --field")
-        field = AUDIO_EXTS if kind in audio else IMAGE_EXTS
-    workload = "audio" if field.split(";")[0] in audio else "image"
-    batch = args.batch_size or ((64 if workload == "audio" else 256) if gpu else
-                                (32 if workload == "audio" else 64))
+        workload = next((of[e] for e in exts if e in of), "")
+        if not workload:
+            raise ValueError(f"the first sample of {first} has no image, audio or video field "
+                             f"(it has {', '.join(exts)}); name one with --field")
+        field = families[workload]
+    batch = args.batch_size or _BATCH[workload][0 if gpu else 1]
     print(f"mmproxy bench: your data, {len(paths)} shard(s), field {field!r} ({workload} "
           "workload)", flush=True)
     return Setup(args, workload, paths, folder, gpu, device_id, batch, field=field)
 
 
 def _samples(args: argparse.Namespace, workload: str) -> int:
-    return args.samples // 4 if workload == "audio" else args.samples
+    return max(1, args.samples // {"audio": 4, "video": 16}.get(workload, 1))
 
 
 def _setup(args: argparse.Namespace, workload: str, folder: Path, gpu: bool,
@@ -212,10 +224,11 @@ def _setup(args: argparse.Namespace, workload: str, folder: Path, gpu: bool,
     """The workload's shards (written once), batch size and, for image-text, tokenizer."""
     from mmproxy.testing import demo_tokenizer
 
-    audio = workload == "audio"
-    batch = args.batch_size or ((64 if audio else 256) if gpu else (32 if audio else 64))
+    if workload == "video":
+        import av  # noqa: F401  (the clips are written and decoded with PyAV: said when missing)
+    batch = args.batch_size or _BATCH.get(workload, _BATCH["image"])[0 if gpu else 1]
     paths = ([] if workload == "machinery" else
-             write_shards(folder, "audio" if audio else "image", _samples(args, workload),
-                          args.workers))
+             write_shards(folder, workload if workload in ("audio", "video") else "image",
+                          _samples(args, workload), args.workers))
     tokenizer = demo_tokenizer(folder / "tokenizer") if workload == "image-text" else None
     return Setup(args, workload, paths, folder, gpu, device_id, batch, tokenizer)

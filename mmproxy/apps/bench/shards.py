@@ -1,7 +1,9 @@
-"""Bench shards: the synthetic image and audio shards every system reads, some JPEGs damaged.
+"""Bench shards: the synthetic image, audio and video shards every system reads, some JPEGs
+damaged.
 
 Images are ~45 KB JPEGs of 500x375 with a caption and a label, like the reference workload; audio
-clips are 44.1 kHz WAV of 2-10 s with a label. Shards are written once per folder, in parallel
+clips are 44.1 kHz WAV of 2-10 s with a label; videos are H.264 MP4 clips of 2 s (50 frames,
+160x120, a key frame every 12) with a label. Shards are written once per folder, in parallel
 processes, and reused by later runs.
 """
 
@@ -23,22 +25,26 @@ def is_damaged(i: int, damage: float) -> bool:
 
 def write_shards(folder: str | os.PathLike[str], kind: str, count: int, workers: int = 1,
                  damage: float = 0.0, damage_kind: str = "truncate") -> list[str]:
-    """Writes (once) ``count`` synthetic samples of ``kind`` ("image" or "audio") as shards of 64
+    """Writes (once) ``count`` synthetic samples of ``kind`` ("image", "audio" or "video") as shards of 64
     under ``folder/KIND-COUNT/``, smaller shards when 64 would leave one of ``workers`` without
     one; returns their paths. With ``damage``, that fraction of the images is damaged
     (:func:`mmproxy.testing.damage_jpeg` of ``damage_kind``), spread evenly over the shards, in a
     folder of its own."""
     from concurrent.futures import ProcessPoolExecutor
 
+    from mmproxy._parts import remove_stale_parts
+    from mmproxy.testing import writing_cache
+
     per_shard = min(64, max(1, count // max(1, workers)))
     name = f"{kind}-{count}" if per_shard == 64 else f"{kind}-{count}-by{per_shard}"
     where = Path(folder) / (name + (f"-{damage_kind}{damage:g}" if damage else ""))
-    where.mkdir(parents=True, exist_ok=True)
     jobs = [(str(where / f"{kind}-{s:04d}.tar"), kind, s * per_shard, min(count, (s + 1) * per_shard),
              damage, damage_kind) for s in range(math.ceil(count / per_shard))]
     if all(os.path.exists(job[0]) for job in jobs):
         return [job[0] for job in jobs]
-    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+    with writing_cache(where), ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        where.mkdir(parents=True, exist_ok=True)
+        remove_stale_parts(where)
         return list(pool.map(_write_shard, jobs))
 
 
@@ -59,8 +65,20 @@ def _write_shard(job: tuple[str, str, int, int, float, str]) -> str:
 
 
 def _sample(kind: str, i: int, damage: float, damage_kind: str) -> dict[str, Any]:
-    from mmproxy.testing import audio_bytes, caption, damage_jpeg, image_bytes, synth_image, synth_speech
+    from mmproxy.testing import (
+        audio_bytes,
+        caption,
+        damage_jpeg,
+        image_bytes,
+        synth_image,
+        synth_speech,
+        synth_video,
+        video_bytes,
+    )
 
+    if kind == "video":
+        return {"__key__": f"{i:07d}", "mp4": video_bytes(synth_video(i, 50, 120, 160), crf=23),
+                "cls": str(i % 10)}
     if kind == "image":
         jpeg = image_bytes(synth_image(i, 375, 500))
         if is_damaged(i, damage):

@@ -4,16 +4,19 @@
 system             what loads the data                          workloads
 =================  ===========================================  ===============================
 mmproxy            DALIServer + MultiModalDataset (workers      image, audio, image-text,
-                   send bytes, the server runs the pipeline)    machinery
+                   send bytes, the server runs the pipeline;    video, machinery
+                   video: the workers decode with PyAV on CPU)
 mmproxy-damaged    mmproxy on a copy of the image shards with   image (with ``--damage``; runs
                    ``--damage`` of the JPEGs damaged            after mmproxy)
-torch              PIL decode + torchvision v2 (torchaudio for  image, audio
-                   audio) in the workers
+torch              PIL decode + torchvision v2 (soundfile and   image, audio, video
+                   torchaudio for audio, PyAV and torchvision
+                   for video) in the workers
 torch-tensor       torchvision.io.decode_jpeg + v2              image
 dali-proxy         DALI's own proxy                             image, audio, machinery
 dali-proxy-seed    DALI's proxy with its documentation's        image, audio, machinery
                    setting: prefetch_queue_depth=2*workers
-dali-reader        fn.readers.webdataset, no Python             image, audio, image-text
+dali-reader        fn.readers.webdataset, no Python (video:     image, audio, image-text,
+                   fn.decoders.video, on a GPU only)            video
 mmproxy-http       mmproxy on the shards served over HTTP by a  image, audio, image-text
                    local server process
 mmproxy-s3         ... by a local S3-compatible server (moto)   image, audio, image-text
@@ -34,13 +37,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from mmproxy.apps.bench.pipes import proxied_pipeline, reader_pipeline
+from mmproxy.apps.bench.pipes import FRAMES, RESIZE, SIZE, STRIDE, proxied_pipeline, reader_pipeline
 from mmproxy.apps.bench.shards import write_shards
 from mmproxy.apps.bench.timing import time_epochs
 from mmproxy.apps.bench.workers import (
     ProxyCall,
     TinySamples,
     TorchImage,
+    TorchVideo,
     WdsSamples,
     pad_collate,
     torch_audio,
@@ -48,7 +52,7 @@ from mmproxy.apps.bench.workers import (
 
 __all__ = ["SYSTEMS", "WORKLOADS", "Setup", "System", "select"]
 
-WORKLOADS = ("image", "audio", "image-text", "machinery")
+WORKLOADS = ("image", "audio", "image-text", "video", "machinery")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +84,12 @@ class Setup:
 
     @property
     def modality(self) -> str:
-        """The heavy field: "audio" for the audio workload, else "image"."""
-        return "audio" if self.workload == "audio" else "image"
+        """The heavy field: "audio" or "video" for those workloads, else "image"."""
+        return self.workload if self.workload in ("audio", "video") else "image"
 
     @property
     def ext(self) -> str:
-        return self.field or ("wav" if self.modality == "audio" else "jpg")
+        return self.field or {"audio": "wav", "video": "mp4"}.get(self.modality, "jpg")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,12 +146,13 @@ def _stop_workers(loader: Any) -> None:
 def _torch(setup: Setup, decoder: str) -> dict[str, Any]:
     import torch
 
-    image = setup.modality == "image"
+    transform: Callable[[bytes], Any] = (
+        TorchImage(decoder) if setup.modality == "image" else torch_audio
+        if setup.modality == "audio" else TorchVideo(FRAMES, STRIDE, SIZE, RESIZE))
     loader = torch.utils.data.DataLoader(
-        WdsSamples(setup.paths, setup.ext, TorchImage(decoder) if image else torch_audio),
-        batch_size=setup.batch, num_workers=setup.args.workers,
-        collate_fn=None if image else pad_collate, pin_memory=setup.gpu, persistent_workers=True,
-        worker_init_fn=worker_init(setup))
+        WdsSamples(setup.paths, setup.ext, transform), batch_size=setup.batch,
+        num_workers=setup.args.workers, collate_fn=pad_collate if setup.modality == "audio" else None,
+        pin_memory=setup.gpu, persistent_workers=True, worker_init_fn=worker_init(setup))
     try:
         return time_epochs(lambda: (_on_device(b, setup.gpu) for b in loader), setup.args.epochs,
                            setup.gpu)
@@ -165,6 +170,9 @@ def reader_batches(setup: Setup, prefetch: int = 2) -> Any:
 
 
 def _dali_reader(setup: Setup, prefetch: int = 2) -> dict[str, Any]:
+    if setup.modality == "video" and not setup.gpu:
+        return {"error": "not run: DALI decodes H.264 on a GPU only (its CPU video decoder has "
+                "no H.264)"}
     return time_epochs(reader_batches(setup, prefetch), setup.args.epochs, setup.gpu)
 
 
@@ -249,13 +257,13 @@ def _remote(name: str, setup: Setup) -> dict[str, Any]:
 SYSTEMS: dict[str, System] = {system.name: system for system in (
     System("mmproxy", frozenset(WORKLOADS), _mmproxy),
     System("mmproxy-damaged", frozenset({"image"}), _mmproxy_damaged, needs_damage=True),
-    System("torch", frozenset({"image", "audio"}), partial(_torch, decoder="pil")),
+    System("torch", frozenset({"image", "audio", "video"}), partial(_torch, decoder="pil")),
     System("torch-tensor", frozenset({"image"}), partial(_torch, decoder="tensor")),
     System("dali-proxy", frozenset({"image", "audio", "machinery"}), _dali_proxy,
            dali_without_checks=True),
     System("dali-proxy-seed", frozenset({"image", "audio", "machinery"}),
            partial(_dali_proxy, seed_setting=True), dali_without_checks=True),
-    System("dali-reader", frozenset({"image", "audio", "image-text"}), _dali_reader,
+    System("dali-reader", frozenset({"image", "audio", "image-text", "video"}), _dali_reader,
            has_workers=False, dali_without_checks=True),
     *(System(name, frozenset({"image", "audio", "image-text"}), partial(_remote, name))
       for name in ("mmproxy-http", "mmproxy-s3", "mmproxy-cached")),

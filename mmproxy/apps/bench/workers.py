@@ -1,5 +1,6 @@
 """What the bench's systems run in DataLoader workers: raw samples of the shards, plain PyTorch's
-transforms (torchvision, torchaudio: the ``torch`` systems), and proxy calls (DALI's proxy)."""
+transforms (torchvision, torchaudio, PyAV: the ``torch`` systems), and proxy calls (DALI's
+proxy)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from mmproxy.pipelines import IMAGENET_MEAN, IMAGENET_STD
 
-__all__ = ["ProxyCall", "TinySamples", "TorchImage", "WdsSamples", "pad_collate", "torch_audio"]
+__all__ = ["ProxyCall", "TinySamples", "TorchImage", "TorchVideo", "WdsSamples", "pad_collate",
+           "torch_audio"]
 
 
 class WdsSamples(torch.utils.data.IterableDataset):
@@ -99,6 +101,37 @@ def torch_audio(data: bytes) -> torch.Tensor:
     signal, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     x = torch.from_numpy(signal.mean(axis=1))
     return torchaudio.functional.resample(x, rate, 16000)
+
+
+class TorchVideo:
+    """The video pipeline's ops in PyTorch: PyAV decodes ``frames`` frames at ``stride`` from a
+    random start (seeking to the key frame before it), torchvision resizes the shorter side to
+    ``resize``, then a random ``size`` crop, a flip, normalized, as float32 CTHW."""
+
+    def __init__(self, frames: int, stride: int, size: int, resize: int) -> None:
+        self.frames, self.stride, self.size, self.resize = frames, stride, size, resize
+        self.mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD).view(3, 1, 1, 1)
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        import random
+
+        from torchvision.transforms.v2 import functional as F
+
+        from mmproxy.datasets.checks import video_info
+        from mmproxy.pipelines.video import clip_start, decode_clip
+
+        rng = random.Random()
+        info = video_info(data)
+        start = clip_start(info.frames if info else None, self.frames, self.stride, True, rng)
+        clip = torch.from_numpy(decode_clip(data, start, self.frames, self.stride))
+        clip = F.resize(clip.permute(0, 3, 1, 2), self.resize, antialias=True)  # TCHW
+        h, w = clip.shape[-2:]
+        y, x = rng.randint(0, h - self.size), rng.randint(0, w - self.size)
+        clip = clip[..., y:y + self.size, x:x + self.size]
+        if rng.random() < 0.5:
+            clip = clip.flip(-1)
+        return (clip.permute(1, 0, 2, 3).float() - self.mean) / self.std
 
 
 def pad_collate(items: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,120 @@
+"""Written shards: what :func:`~mmproxy.datasets.make_shards` wrote and left out, and its summary."""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from collections import Counter
+from pathlib import Path
+from typing import NamedTuple
+
+__all__ = ["LeftOut", "Reason", "WrittenShards"]
+
+
+class Reason(enum.Enum):
+    """Why a file of the source was left out: the groups of :meth:`WrittenShards.summary`."""
+
+    FORMAT = "not a format this writer reads"
+    CONTENT = "holds none of the formats this writer reads"
+    EMPTY = "empty"
+    DAMAGED = "damaged (the header check refused it)"
+    NO_CAPTION = "no caption: no .txt beside it and no class folder to take one from"
+    CAPTION = "its caption cannot be used"
+    NO_LABEL = "no label: not in a class folder"
+    LONE_CAPTION = "a caption with no file beside it"
+    HIDDEN = "hidden file or folder"
+
+
+class LeftOut(NamedTuple):
+    """A file not written: its ``path`` relative to the source, ``why`` in words, its ``reason``."""
+
+    path: str
+    why: str
+    reason: Reason
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _listed(items: list[str], limit: int) -> list[str]:
+    """``items``, or the first ``limit`` and how many more (never "and 1 more")."""
+    if len(items) <= limit + 1:
+        return items
+    return [*items[:limit], f"... and {len(items) - limit} more"]
+
+
+class WrittenShards(list[str]):
+    """What :func:`make_shards` wrote: the list of the shard paths, in order, and a summary.
+
+    Attributes:
+        kind: What was written (see :func:`make_shards`).
+        reads: The suffixes of the files of that kind the writer reads.
+        samples: Samples written.
+        captions_from_txt: Images whose caption is the ``.txt`` file beside them.
+        captions_from_folder: Images whose caption was guessed from their class folder's name.
+        renamed: ``(path relative to the source, extension stored)`` for every file whose content
+            is another format than its name says, stored as what it holds.
+        files_left_out: A :class:`LeftOut` for every file not written, in name order.
+        manifest: Path of ``manifest.jsonl`` (key, shard, source file, caption origin).
+    """
+
+    def __init__(self, kind: str, reads: list[str]) -> None:
+        super().__init__()
+        self.kind, self.reads = kind, reads
+        self.samples = self.captions_from_txt = self.captions_from_folder = 0
+        self.renamed: list[tuple[str, str]] = []
+        self.files_left_out: list[LeftOut] = []
+        self.manifest = ""
+
+    @property
+    def left_out(self) -> list[tuple[str, str]]:
+        """``(path relative to the source, why)`` for every file not written."""
+        return [(f.path, f.why) for f in self.files_left_out]
+
+    @property
+    def pattern(self) -> str:
+        """The brace pattern of the shards written, for the datasets and ``--data``."""
+        if len(self) < 2:
+            return self[0] if self else ""
+        first, last = (re.fullmatch(r"(.*-)(\d+)\.tar", path) for path in (self[0], self[-1]))
+        assert first is not None and last is not None  # the writer names them so
+        return f"{first[1]}{{{first[2]}..{last[2]}}}.tar"
+
+    def summary(self, examples: int = 3) -> str:
+        """A few lines for people: counts, the pattern to read the shards with, then the files
+        left out, grouped by reason, with up to ``examples`` of each."""
+        folder = os.path.dirname(self[0]) if self else "nowhere"
+        lines = [f"wrote {_plural(self.samples, 'sample')} in {_plural(len(self), 'shard')} to "
+                 f"{folder}"]
+        if self:
+            lines.append(f"  read them as: {self.pattern}")
+        if self.captions_from_txt or self.captions_from_folder:
+            lines.append(f"  captions: {self.captions_from_txt} from .txt files, "
+                         f"{self.captions_from_folder} guessed from the class folder's name")
+        if self.renamed:
+            lines.append(f"  stored under the extension of their content: "
+                         f"{_plural(len(self.renamed), 'file')}")
+            lines += [f"    {item}" for item in _listed(
+                [f"{path}: {ext.upper()} data, stored as .{ext}" for path, ext in self.renamed],
+                examples)]
+        lines.append(f"  left out: {_plural(len(self.files_left_out), 'file')}"
+                     + (", by reason:" if self.files_left_out else ""))
+        groups: dict[Reason, list[LeftOut]] = {}
+        for item in self.files_left_out:
+            groups.setdefault(item.reason, []).append(item)
+        for reason, items in sorted(groups.items(), key=lambda group: -len(group[1])):
+            same = len({item.why for item in items}) == 1  # then said once, in the heading
+            head = items[0].why if same else reason.value
+            if reason is Reason.FORMAT:  # how many of each suffix
+                suffixes = Counter(Path(item.path).suffix.lower() or "no suffix" for item in items)
+                head = (f"{reason.value} ({', '.join(f'{s} {n}' for s, n in suffixes.most_common())}"
+                        f"; it reads {' '.join(self.reads)})")
+            lines.append(f"    {len(items)} x {head}")
+            shown = [item.path if same or reason is Reason.FORMAT else f"{item.path}: {item.why}"
+                     for item in items]
+            lines += [f"      {line}" for line in _listed(shown, examples)]
+        if self.manifest:
+            lines.append(f"  manifest (key -> shard, source file): {self.manifest}")
+        return "\n".join(lines)
