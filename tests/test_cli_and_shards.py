@@ -111,7 +111,7 @@ def test_overwrite_with_another_prefix_replaces_the_old_set(tmp_path):
 
 def test_an_interrupted_or_failed_make_shards_leaves_the_old_set_and_no_parts(tmp_path,
                                                                              monkeypatch):
-    import mmproxy.datasets.writer as writer
+    import mmproxy.datasets._source_files as source_files
 
     src, out = image_folder(tmp_path / "src", per_class=3), tmp_path / "out"
     make_shards(src, out, max_count=2)
@@ -124,7 +124,7 @@ def test_an_interrupted_or_failed_make_shards_leaves_the_old_set_and_no_parts(tm
             raise KeyboardInterrupt
         return None
 
-    monkeypatch.setattr(writer, "check_header", interrupted)
+    monkeypatch.setattr(source_files, "check_header", interrupted)
     with pytest.raises(KeyboardInterrupt):
         make_shards(src, out, max_count=3, prefix="new", overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

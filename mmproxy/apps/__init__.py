@@ -11,3 +11,5 @@ Each app has a ``run(args)`` taking the parsed command line (:mod:`mmproxy.cli` 
 returning the exit code. Apps import the engine (``mmproxy``, ``mmproxy.datasets``,
 ``mmproxy.pipelines``, ``mmproxy.testing``); the engine never imports an app.
 """
+
+__all__: list[str] = []  # the apps are its modules: ``mmproxy.apps.NAME``

@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from typing import IO, Any
 
-__all__ = ["WARNING", "DecoderWarnings"]
+__all__ = ["DecoderWarnings", "WARNING"]
 
 # libjpeg's warnings (jerror.h, JWRN_*: the image is decoded) and libpng's
 WARNING = re.compile(

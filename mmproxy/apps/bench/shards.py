@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_damaged", "written_shards", "write_shards"]
+__all__ = ["is_damaged", "write_shards", "written_shards"]
 
 
 def is_damaged(i: int, damage: float) -> bool:

@@ -50,7 +50,7 @@ from mmproxy.apps.bench.workers import (
     torch_audio,
 )
 
-__all__ = ["SYSTEMS", "WORKLOADS", "Setup", "System", "select"]
+__all__ = ["SYSTEMS", "Setup", "System", "WORKLOADS", "select"]
 
 WORKLOADS = ("image", "audio", "image-text", "video", "machinery")
 

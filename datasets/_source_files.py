@@ -1,0 +1,145 @@
+"""Source files: what :func:`~mmproxy.datasets.make_shards` finds in a source folder, and what each
+file holds.
+
+:func:`plan` walks the folder in name order and pairs each media file of the kind with its
+caption (the ``.txt`` beside it, else its class folder's name) and its class; :func:`sniff` tells
+the format a file holds from its first bytes (a PNG named ``.jpg`` is a PNG) and checks its
+header. Files that cannot be written are returned as :class:`~mmproxy.datasets.writer.LeftOut`
+with their reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+from ._written import LeftOut, Reason
+from .checks import SIGNATURES, check_header, video_info
+
+__all__ = ["AUDIO_SUFFIXES", "IMAGE_SUFFIXES", "KINDS", "Kind", "Planned", "VIDEO_SUFFIXES",
+           "other_kind", "plan", "sniff"]
+
+# suffix read -> extension written (one name per format); the recipes read every one of them
+IMAGE_SUFFIXES = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp", ".bmp": "bmp",
+                  ".tif": "tiff", ".tiff": "tiff"}
+AUDIO_SUFFIXES = {".flac": "flac", ".wav": "wav", ".ogg": "ogg"}
+VIDEO_SUFFIXES = {".mp4": "mp4", ".m4v": "mp4", ".mov": "mov", ".webm": "webm", ".mkv": "mkv",
+                  ".avi": "avi"}
+Kind = Literal["image-text", "audio-label", "video-text", "video-label"]
+# kind -> (the media it reads, what they are called, whether each needs a caption)
+KINDS: dict[str, tuple[dict[str, str], str, bool]] = {
+    "image-text": (IMAGE_SUFFIXES, "image", True),
+    "audio-label": (AUDIO_SUFFIXES, "audio", False),
+    "video-text": (VIDEO_SUFFIXES, "video", True),
+    "video-label": (VIDEO_SUFFIXES, "video", False),
+}
+_FORMATS = {"image": ("jpg", "png", "webp", "bmp", "tiff"), "audio": ("flac", "wav", "ogg")}
+_CONTAINERS = {"mp4": ("mp4", "mov"), "matroska": ("mkv", "webm"), "avi": ("avi",)}
+
+
+class Planned(NamedTuple):
+    """A media file to write, with its caption and class."""
+
+    path: Path
+    rel: str  # relative to the source, with "/"
+    named: str  # the extension its name gives
+    class_name: str | None
+    caption: str | None
+    origin: str | None  # "txt" | "folder" | None (audio)
+
+
+def _caption(path: Path, class_name: str | None) -> tuple[str | None, str, Reason | None]:
+    """(caption, origin "txt" | "folder", None), or (None, why there is none, the reason)."""
+    txt = path.with_suffix(".txt")
+    if txt.is_file():
+        try:
+            text = txt.read_text(encoding="utf-8-sig").strip()  # a BOM is no part of a caption
+        except UnicodeDecodeError:
+            return None, f"its caption {txt.name} is not UTF-8 text", Reason.CAPTION
+        if text:
+            return text, "txt", None
+        return None, f"its caption {txt.name} is empty", Reason.CAPTION
+    if class_name is not None:
+        return class_name.replace("_", " "), "folder", None
+    return None, Reason.NO_CAPTION.value, Reason.NO_CAPTION
+
+
+def plan(source: Path, output: Path, kind: str, left_out: list[LeftOut]) -> list[Planned]:
+    """The files to write, in name order; the others go to ``left_out`` with the reason."""
+    suffixes, media, captioned = KINDS[kind]
+    what = {"image": "an image", "audio": "an audio", "video": "a video"}[media]
+    out_dir = output.resolve()
+    planned: list[Planned] = []
+    captions: list[Path] = []
+    stems: set[Path] = set()  # of every media file found, written or not
+    for path in sorted(source.rglob("*")):
+        if not path.is_file() or out_dir in path.resolve().parents:
+            continue
+        rel = path.relative_to(source)
+        suffix = path.suffix.lower()
+        class_name = rel.parts[0] if len(rel.parts) > 1 else None  # ImageFolder: top folder
+        if any(part.startswith(".") for part in rel.parts):
+            left_out.append(LeftOut(rel.as_posix(), Reason.HIDDEN.value, Reason.HIDDEN))
+        elif suffix in suffixes:
+            stems.add(path.with_suffix(""))
+            caption, origin, reason = (_caption(path, class_name) if captioned
+                                       else (None, None, None))
+            if reason is not None:
+                left_out.append(LeftOut(rel.as_posix(), str(origin), reason))
+            elif not captioned and class_name is None:
+                left_out.append(LeftOut(rel.as_posix(), Reason.NO_LABEL.value, Reason.NO_LABEL))
+            else:
+                planned.append(Planned(path, rel.as_posix(), suffixes[suffix], class_name,
+                                        caption, origin))
+        elif captioned and suffix == ".txt":
+            captions.append(path)
+        else:
+            left_out.append(LeftOut(rel.as_posix(), f"not {what} file this writer reads "
+                                    f"({suffix or 'no suffix'})", Reason.FORMAT))
+    for path in captions:
+        if path.with_suffix("") not in stems:
+            left_out.append(LeftOut(path.relative_to(source).as_posix(),
+                                    f"a caption with no {media} beside it", Reason.LONE_CAPTION))
+    left_out.sort(key=lambda item: item.path)
+    return planned
+
+
+def _stored_ext(media: str, named: str, data: bytes) -> str | None:
+    """The extension of the format ``data`` holds, among ``media``'s formats: ``named`` (the
+    one its name gives) when it holds that one; None when it holds none of them."""
+    if media == "video":
+        info = video_info(data)
+        family = _CONTAINERS.get(info.container, ()) if info else ()
+        return named if named in family else next(iter(family), None)
+    if SIGNATURES[named](data[:16]):
+        return named
+    return next((ext for ext in _FORMATS[media] if SIGNATURES[ext](data[:16])), None)
+
+
+def sniff(item: Planned, media: str, data: bytes) -> tuple[str, LeftOut | None]:
+    """(the extension to store ``item`` under, or why it is left out)."""
+    if not data:
+        return "", LeftOut(item.rel, "is empty", Reason.EMPTY)
+    ext = _stored_ext(media, item.named, data)
+    if ext is None:
+        return "", LeftOut(item.rel, f"holds none of the {media} formats this writer reads (it "
+                           f"starts with {data[:8]!r})", Reason.CONTENT)
+    problem = check_header(ext, data)
+    if problem is not None:
+        return "", LeftOut(item.rel, f"{problem}" if ext == item.named
+                           else f"{ext.upper()} data that {problem}", Reason.DAMAGED)
+    return ext, None
+
+
+def other_kind(source: Path, media: str) -> str | None:
+    """A kind whose files ``source`` holds instead of ``media`` ones: for files in class folders
+    with no caption beside them, the label kind."""
+    files = {p.relative_to(source) for p in source.rglob("*") if p.is_file()}
+    for kind, (suffixes, other, captioned) in KINDS.items():
+        found = [f for f in files if f.suffix.lower() in suffixes]
+        if other == media or not found:
+            continue
+        labelled = all(len(f.parts) > 1 and f.with_suffix(".txt") not in files for f in found)
+        if not (captioned and labelled and f"{other}-label" in KINDS):
+            return kind
+    return None
