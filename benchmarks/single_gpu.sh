@@ -8,9 +8,12 @@
 #                  documentation's prefetch_queue_depth=2*workers; add torch for PyTorch workers)
 #   PART=photos    the same on shards of real photographs (benchmarks/photo_shards.py)
 #   PART=audio     mmproxy bench on 4,096 WAV clips, 5 epochs x 3 runs (SYSTEMS as for image)
-#   PART=video     benchmarks/video_bench.py on 512 H.264 clips of 596x336, every system
+#   PART=video     benchmarks/video_bench.py on 512 H.264 clips of 596x336: PyAV in the workers,
+#                  PyTorch workers, DALI's in-memory decoder, DALI's reader and proxy
 #   PART=video-options  DALI's in-memory decoder with its build_index and affine options, against
 #                  PyAV in the workers and DALI's video reader
+#   PART=nvdec     benchmarks/video_bench.py on 256 clips of 596x336, one system a call: NVDEC in
+#                  the server (12 decode threads, then 4, 8, 16, 24), PyTorch workers
 #   PART=damage    mmproxy on a copy of the image shards with 1% of the JPEGs damaged (KIND:
 #                  truncate or corrupt), against the same shards clean
 #   PART=remote    benchmarks/remote_bench.py (rounds interleaved) with the HTTP and S3 servers on
@@ -43,13 +46,21 @@ audio)  # --samples counts images: the audio workload writes a quarter as many c
 video)
   one 540 python3 benchmarks/video_bench.py --clips 512 --resolution 596x336 --workers 15 \
     --threads 8 --epochs 2 --data-dir /tmp/vbench \
-    --systems "${SYSTEMS:-mmproxy-pyav,torch,mmproxy-nvdec,dali-reader,dali-proxy}" \
+    --systems "${SYSTEMS:-mmproxy-pyav,torch,mmproxy-dali,dali-reader,dali-proxy}" \
     --json "$out/video-systems.json" 2>&1 | quiet 12 ;;
 video-options)
   one 280 python3 benchmarks/video_bench.py --clips 192 --resolution 596x336 --workers 15 \
     --threads 8 --epochs 2 --data-dir /tmp/vbench --json "$out/video-decoder-options.json" \
-    --systems 'mmproxy-nvdec[build_index=False],mmproxy-nvdec[affine=False],mmproxy-nvdec[build_index=False,affine=False],mmproxy-nvdec,mmproxy-pyav,dali-reader' \
+    --systems 'mmproxy-dali[build_index=False],mmproxy-dali[affine=False],mmproxy-dali[build_index=False,affine=False],mmproxy-dali,mmproxy-pyav,dali-reader' \
     2>&1 | quiet 30 ;;
+nvdec)  # one system a call: PyTorch's workers crash when they run after NVDEC in one process
+  v() { one 150 python3 benchmarks/video_bench.py --clips 256 --resolution 596x336 --workers 15 \
+          --threads 8 --epochs 3 --data-dir /tmp/vbench "$@" 2>&1 | grep -a "clips/s"; }
+  v --decode-threads 12 --systems mmproxy-nvdec --json "$out/video-596x336-nvdec.json"
+  v --systems torch --json "$out/video-596x336-torch.json"
+  for n in 4 8 16 24; do
+    v --decode-threads "$n" --systems mmproxy-nvdec --json "$out/video-596x336-nvdec-threads$n.json"
+  done ;;
 damage)
   kind=${KIND:-truncate}
   one 400 bench --workload image --systems mmproxy,dali-reader --samples 16384 --workers 15 \
@@ -74,6 +85,6 @@ resume)
   done ;;
 tests)  # the GPU tests of the code at hand
   one 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -8 ;;
-*) echo "PART must be image, photos, audio, video, video-options, damage, remote, resume or tests" >&2
+*) echo "PART must be image, photos, audio, video, video-options, nvdec, damage, remote, resume or tests" >&2
    exit 2 ;;
 esac
