@@ -20,11 +20,9 @@ the mapping until the pipeline run that reads it has produced its outputs, so DA
 never reads recycled memory. A shard's mapping stays valid while mapped even if the file is
 deleted; a shard must not be rewritten in place while it is read (true of every tar reader).
 
-The socket has an address in Linux's abstract namespace (:func:`address`): nothing is written to
-disk, so nothing is left behind however the process ends (a normal exit, an exception, SIGKILL);
-the address is freed with the socket's last descriptor. Anyone on the host may send to an
-abstract address, so the listener asks the kernel for each datagram's sender and accepts only
-this user's processes; others are dropped with a warning.
+The socket is a file in a private ``0700`` folder (:mod:`mmproxy._sockdir`): only this user's
+processes can send to it, and nobody else can take its name once it is gone. The listener also
+asks the kernel for each datagram's sender and drops any other user's.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from mmproxy import _mappings
+from mmproxy import _mappings, _sockdir
 from mmproxy.errors import TransportError
 
 _ALIGN = 64
@@ -158,8 +156,8 @@ def unpack(fds: list[int]) -> Request:
 
 
 def address(server_uid: str) -> str:
-    """The socket address of server ``server_uid``: a name in the abstract namespace."""
-    return f"\0mmproxy-{server_uid}"
+    """The socket address of server ``server_uid``: a file in its private folder."""
+    return _sockdir.path(server_uid)
 
 
 # Room for the descriptors of one batch and the sender's credentials (struct ucred).
@@ -167,10 +165,12 @@ _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4) + socket.CMSG_SPACE(struct.calcsize
 
 
 class Listener:
-    """The server's end: a Unix datagram socket that receives memfd descriptors.
+    """The server's end: a Unix datagram socket that receives memfd descriptors, in a private
+    folder made for it (and removed with it).
 
     Raises:
-        OSError: ``address`` is taken (``EADDRINUSE``), or no socket can be made.
+        FileExistsError: The socket's folder exists already.
+        OSError: No socket can be made.
     """
 
     def __init__(self, address: str, server_name: str) -> None:
@@ -178,12 +178,14 @@ class Listener:
         self.server_name = server_name
         self._uid = os.getuid()
         self._warned = False
+        _sockdir.make(address)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             self._sock.bind(address)
         except BaseException:
             self._sock.close()
+            _sockdir.remove(address)
             raise
         self._sock.settimeout(0.05)
 
@@ -218,14 +220,15 @@ class Listener:
         return fds
 
     def close(self) -> None:
-        """Closes the socket, which frees its address."""
+        """Closes the socket and removes its folder (idempotent)."""
         self._sock.close()
+        _sockdir.remove(self.address)
 
     def forget(self) -> None:
-        """In a forked child: drop the inherited descriptor.
+        """In a forked child: drop the inherited descriptor (the folder stays the parent's).
 
-        Otherwise the child would keep the socket (and its address) alive after the server
-        closes it: a restarted server could not bind its address again.
+        Otherwise the child would keep the socket alive after the server closes it, and sends
+        after a server restart would queue into a socket that nobody reads.
         """
         self._sock.close()
 

@@ -35,7 +35,6 @@ dropped.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import os
 import threading
@@ -188,12 +187,10 @@ class DALIServer:
         self.table.check_startable()
         try:
             self._listener = _transport.Listener(self._proxy.address, self.name)
-        except OSError as err:
-            if err.errno != errno.EADDRINUSE:
-                raise
-            raise ServerStateError(f"server {self.name!r}: its socket address is in use by another "
-                                   "socket (a process forked from this one that still holds it?)"
-                                   ) from err
+        except FileExistsError:
+            raise ServerStateError(f"server {self.name!r}: {os.path.dirname(self._proxy.address)} "
+                                   "already exists; refusing to listen in a folder mmproxy did "
+                                   "not make for this server") from None
         self._stop.clear()
         self.table.set_state(ServerState.RUNNING)
         runs: Any = self.table if self._prepare is None else PreparedRuns(

@@ -305,23 +305,53 @@ if {kill}:
 
 
 @pytest.mark.parametrize("ending", ["normal exit", "SIGKILL"])
-def test_nothing_is_left_in_tmpdir(tmp_path, ending):
-    """A run whose server was never stopped, or that was killed, leaves nothing on disk: the
-    socket's address is in the abstract namespace."""
+def test_nothing_is_left_in_tmpdir(request, ending):
+    """A run whose server was never stopped leaves nothing in TMPDIR; a killed one leaves its
+    socket folder, which the next server started removes (and no live process's folder)."""
+    import shutil
     import subprocess
     import sys
+    import tempfile
+    from pathlib import Path
 
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix="mm", dir="/tmp"))  # short enough for a socket's path
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    env = {**os.environ, "TMPDIR": str(tmp)}
     script = _LEAVE.format(tests=str(ROOT / "tests"), kill=ending == "SIGKILL")
-    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(tmp)},
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == (-9 if ending == "SIGKILL" else 0), done.stderr[-2000:]
-    assert not [p for p in tmp.iterdir() if "mmproxy" in p.name], list(tmp.iterdir())
+    left = [p for p in tmp.iterdir() if "mmproxy" in p.name]
+    if ending == "normal exit":
+        assert not left, left
+        return
+    assert len(left) == 1 and (left[0] / "inputs.sock").exists(), left
+    # a live process's folder is never taken for a stale one
+    live = tmp / f"mmproxy-{os.getpid()}-{'0' * 16}"
+    live.mkdir(mode=0o700)
+    again = _LEAVE.format(tests=str(ROOT / "tests"), kill=False)
+    done = subprocess.run([sys.executable, "-c", again], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [p for p in tmp.iterdir() if "mmproxy" in p.name] == [live]
+
+
+def test_the_socket_folder_is_private(server, monkeypatch):
+    folder = os.path.dirname(server.proxy.address)
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+    assert os.path.basename(folder).startswith(f"mmproxy-{os.getpid()}-")
+    # a TMPDIR too long for a socket's path: the folder goes to /tmp
+    import tempfile
+
+    from mmproxy import _sockdir
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: "/tmp/" + "x" * 100)
+    assert _sockdir.path("0" * 16).startswith(f"/tmp/mmproxy-{os.getpid()}-")
 
 
 def test_datagrams_of_another_user_are_dropped(server):
-    """Anyone on the host may send to an abstract address: only this user's datagrams count."""
+    """Only this user's datagrams count (the folder keeps others out; the kernel's word on the
+    sender is checked too)."""
     import warnings
 
     from mmproxy import _transport
