@@ -160,6 +160,7 @@ class RunTable:
                     f"server {self.name!r}: a batch of {n} samples (run {run.id}) is larger than "
                     f"the pipeline's batch_size={self.max_batch_size}; raise the pipeline's "
                     "batch_size or lower the loader's"), self.name)
+                self._schedule.forget({run.id})  # never run: not in the claimed order either
             else:
                 run.request = request
                 self._schedule.arrived(run)

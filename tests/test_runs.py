@@ -134,3 +134,15 @@ def test_a_batch_larger_than_the_pipeline_fails_its_run_alone():
     assert table.state is ServerState.RUNNING and table.next(block=False, stop=threading.Event()) is None
     table.accept(_request("fits", n=4))
     assert table.next(block=False, stop=threading.Event()).id == "fits"
+
+
+def test_a_claimed_run_that_fails_on_arrival_does_not_hold_up_the_runs_behind_it():
+    """Deterministic mode takes runs in claimed order: a claimed run refused when it arrives
+    (too large) must leave the order, or every later run waits behind it until the timeout."""
+    table = _table(deterministic=True)
+    table.claim(["big", "next"])
+    table.accept(_request("big", n=5))
+    with pytest.raises(mmproxy.BatchSizeError):
+        table.wait("big")
+    table.accept(_request("next", n=4))
+    assert table.next(block=False, stop=threading.Event()).id == "next"
