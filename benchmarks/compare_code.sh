@@ -4,7 +4,7 @@
 #   BEFORE=DIR   that commit's mmproxy, datasets, pipelines, pyproject.toml and README.md, e.g.
 #                mkdir .before && git archive 0ae4320 mmproxy datasets pipelines pyproject.toml \
 #                  README.md benchmarks/video_bench.py | tar -x -C .before
-#   PART=image   mmproxy bench --workload image, 16,384 JPEGs, 5 epochs x 2 runs, both codes
+#   PART=image   mmproxy bench --workload image, 16,384 JPEGs, 5 epochs x RUNS (2) runs, both codes
 #   PART=audio   the same on 4,096 clips
 #   PART=video   benchmarks/video_bench.py, PyAV in the workers, both codes, interleaved twice
 # The earlier code is installed to /tmp/before-site and run from /tmp, so that the checkout's
@@ -20,7 +20,7 @@ fi
 quiet() { grep -a -v -E "Index file not provided|^\s*$" | tail -"${1:-8}"; }
 new() { timeout "$1" python3 -m mmproxy.cli bench "${@:2}"; }
 old() { (cd /tmp && PYTHONPATH=/tmp/before-site:$PYTHONPATH timeout "$1" python3 -m mmproxy.cli bench "${@:2}"); }
-common="--workers 15 --threads 8 --epochs 5 --runs 2"
+common="--workers 15 --threads 8 --epochs 5 --runs ${RUNS:-2}"
 case "${PART:-image}" in
 image|audio)
   new 250 --workload "$PART" --samples 16384 $common --data-dir /tmp/bench \
