@@ -53,8 +53,8 @@ class Prepare(Protocol):
 
 
 class PreparedRuns:
-    """The run table as the runner uses it when the pipeline has a :class:`Prepare` stage
-    (``next``, ``finish``, ``fail_run``, ``fail``, ``name``).
+    """The run table as the runner uses it when the pipeline has a :class:`Prepare` stage (a
+    :class:`~mmproxy._runs.RunSource`).
 
     Args:
         table: The server's run table.
