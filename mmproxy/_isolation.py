@@ -25,7 +25,7 @@ from typing import Any
 
 from mmproxy import _context
 from mmproxy._dali import Pipe, named_sample, summary
-from mmproxy._runs import Run, RunTable
+from mmproxy._runs import Run, RunSource
 from mmproxy.errors import PipelineError, with_remote_cause
 
 __all__ = ["Isolation", "Stopped", "describe"]
@@ -42,12 +42,13 @@ class Isolation:
 
     Args:
         pipe: The pipeline adapter.
-        table: The server's run table (runs are finished or failed there).
+        table: The server's runs (finished or failed there): its run table, or the table with a
+            Prepare stage before it.
         outputs: Takes the oldest scheduled run's outputs (the runner's conversion to torch).
         stop: Set when the server stops.
     """
 
-    def __init__(self, pipe: Pipe, table: RunTable, outputs: Callable[[], Outputs],
+    def __init__(self, pipe: Pipe, table: RunSource, outputs: Callable[[], Outputs],
                  stop: threading.Event) -> None:
         self.pipe, self.table, self.outputs, self.stop = pipe, table, outputs, stop
         self.name = table.name

@@ -11,12 +11,15 @@ run table and gives the run to the runner once every sample of it is prepared::
                          the oldest run, all its samples done: inputs replaced by the prepared
                            ones (by the pipeline's input names) ──> runner: feed, outputs, finish
 
-A sample whose preparation raises is a damaged sample, as a sample the pipeline cannot process
-is: with every sample of the run skippable (a dataset in skip mode) it is dropped and named, the
-others run, and the loader removes its rows from every field; otherwise the run fails with a
-:class:`~mmproxy.errors.PipelineError` naming it. Prepared inputs stay referenced until the run's
-outputs are complete on the GPU (its CUDA event), so the stage's threads never reuse memory the
-pipeline may still read.
+A sample whose preparation raises :class:`DamagedSampleError` (the stage says the sample's data is
+at fault: a clip that does not decode) is a damaged sample, as a sample the pipeline cannot
+process is: with every sample of the run skippable (a dataset in skip mode) it is dropped and
+named, the others run, and the loader removes its rows from every field; otherwise the run fails
+with a :class:`~mmproxy.errors.PipelineError` naming it. Any other error of the stage (a driver
+error, CUDA out of memory, a bug) is the stage failing, not the sample: the run fails with a
+``PipelineError`` naming the stage, the sample and the cause, in skip mode too. Prepared inputs
+stay referenced until the run's outputs are complete on the GPU (its CUDA event), so the stage's
+threads never reuse memory the pipeline may still read.
 """
 
 from __future__ import annotations
@@ -29,11 +32,16 @@ from typing import Any, Protocol
 
 from mmproxy import _context
 from mmproxy._runs import Run, RunTable
-from mmproxy.errors import PipelineError, with_remote_cause
+from mmproxy.errors import PipelineError, SampleError, with_remote_cause
 
-__all__ = ["Prepare", "PreparedRuns"]
+__all__ = ["DamagedSampleError", "Prepare", "PreparedRuns"]
 
 _POLL = 0.05
+
+
+class DamagedSampleError(SampleError):
+    """Raised by a :class:`Prepare` stage for a sample whose data it cannot prepare (a clip that
+    does not decode): the sample is dropped in skip mode. Any other error is the stage's own."""
 
 
 class Prepare(Protocol):
@@ -42,19 +50,26 @@ class Prepare(Protocol):
 
     inputs: tuple[str, ...]  # what the proxy sends per sample, in order
 
+    def start(self) -> None:
+        """Lets the stage take samples (again after :meth:`close`); the server calls it when it
+        starts."""
+        ...
+
     def submit(self, sample: dict[str, Any]) -> Future[dict[str, Any]]:
         """Starts preparing one sample (its inputs by name); the future gives the pipeline's
-        inputs by name, or raises saying why the sample cannot be prepared."""
+        inputs by name, or raises: :class:`DamagedSampleError` for a sample whose data is at
+        fault, anything else when the stage itself fails. Raises at once after :meth:`close`."""
         ...
 
     def close(self) -> None:
-        """Stops the stage's threads; a later :meth:`submit` starts them again."""
+        """Stops the stage's threads (waiting a bounded time for them); :meth:`submit` raises
+        until the next :meth:`start`."""
         ...
 
 
 class PreparedRuns:
-    """The run table as the runner uses it when the pipeline has a :class:`Prepare` stage
-    (``next``, ``finish``, ``fail_run``, ``fail``, ``name``).
+    """The run table as the runner uses it when the pipeline has a :class:`Prepare` stage (a
+    :class:`~mmproxy._runs.RunSource`).
 
     Args:
         table: The server's run table.
@@ -143,18 +158,24 @@ class PreparedRuns:
             return False
         rows: dict[int, dict[str, Any]] = {}
         failed: dict[int, BaseException] = {}
+        keys = list(run.keys)
         for i, future in enumerate(futures):
-            error = future.exception()
+            error = (future.exception() if not future.cancelled() else
+                     RuntimeError("its preparation was cancelled (the stage was closed)"))
             if error is None:
                 rows[i] = future.result()
-            else:
+            elif isinstance(error, DamagedSampleError):
                 failed[i] = error
-        keys = list(run.keys)
+            else:  # the stage failed, not the sample
+                self.table.fail_run(run, with_remote_cause(PipelineError(
+                    f"server {self.name!r}: the Prepare stage {type(self.prepare).__name__} failed "
+                    f"on sample {_key(keys, i)} (sample {i} of run {run.id}): "
+                    f"{type(error).__name__}: {error}"), error))
+                return False
         if failed and not all(isinstance(k, _context.SampleId) and k.skip for k in keys):
             i, error = next(iter(failed.items()))
-            key = keys[i] if i < len(keys) and keys[i] is not None else f"#{i}"
             self.table.fail_run(run, with_remote_cause(PipelineError(
-                f"server {self.name!r}: cannot prepare sample {key} (sample {i} of run "
+                f"server {self.name!r}: cannot prepare sample {_key(keys, i)} (sample {i} of run "
                 f"{run.id}): {error}"), error))
             return False
         kept = sorted(rows)
@@ -177,3 +198,7 @@ class PreparedRuns:
             self._held.popleft()
         if event is not None and run.request is not None:
             self._held.append((event, run.request.inputs))
+
+
+def _key(keys: list[Any], i: int) -> str:
+    return str(keys[i]) if i < len(keys) and keys[i] is not None else f"#{i}"

@@ -25,7 +25,7 @@ from typing import Any
 
 from mmproxy._dali import Pipe, summary
 from mmproxy._isolation import Isolation, Outputs, Stopped, describe
-from mmproxy._runs import Run, RunTable
+from mmproxy._runs import Run, RunSource
 from mmproxy.errors import PipelineError, with_remote_cause
 
 __all__ = ["Runner"]
@@ -36,13 +36,13 @@ class Runner:
 
     Args:
         pipe: The pipeline adapter.
-        table: The server's run table.
+        table: The server's runs: its run table, or the table with a Prepare stage before it.
         pad: Output indices to pad (see :class:`~mmproxy.DALIServer`).
         device: The CUDA device of a GPU pipeline, or None.
         stop: Set when the server stops.
     """
 
-    def __init__(self, pipe: Pipe, table: RunTable, pad: set[int], device: Any,
+    def __init__(self, pipe: Pipe, table: RunSource, pad: set[int], device: Any,
                  stop: threading.Event) -> None:
         self.pipe, self.table, self.pad, self.device, self.stop = pipe, table, pad, device, stop
         self.name = table.name

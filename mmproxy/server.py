@@ -45,7 +45,7 @@ from mmproxy._dali import Pipe
 from mmproxy._prepare import PreparedRuns
 from mmproxy._resolve import resolve
 from mmproxy._runner import Runner
-from mmproxy._runs import Run, RunState, RunTable, ServerState
+from mmproxy._runs import Run, RunSource, RunState, RunTable, ServerState
 from mmproxy.errors import ServerFailedError, ServerStateError, with_remote_cause
 from mmproxy.proxy import DALIProxy, SampleSeeded
 
@@ -193,8 +193,11 @@ class DALIServer:
                                    "not make for this server") from None
         self._stop.clear()
         self.table.set_state(ServerState.RUNNING)
-        runs: Any = self.table if self._prepare is None else PreparedRuns(
-            self.table, self._prepare, self._pipe.input_names, self._pipe.num_outputs)
+        runs: RunSource = self.table
+        if self._prepare is not None:
+            self._prepare.start()
+            runs = PreparedRuns(self.table, self._prepare, self._pipe.input_names,
+                                self._pipe.num_outputs)
         runner = Runner(self._pipe, runs, self._pad, self.table.device, self._stop)
         self._threads = [
             threading.Thread(target=self._listen, name=f"mmproxy-{self.name}-listen", daemon=True),

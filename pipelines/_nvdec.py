@@ -23,26 +23,41 @@ synchronized before the clip counts as done, so the pipeline reads finished fram
 
 A clip the worker already decoded (``"mixed"``'s CPU share, or a codec NVDEC does not decode)
 arrives as its frames and is only copied to the GPU. A clip NVDEC refuses (a size or profile its
-engines lack) is decoded by PyAV on the same thread, when PyAV is installed; one that neither
-decodes fails alone, with both decoders' messages: a skipped sample with ``on_error="skip"``.
+engines lack) is decoded by PyAV on the same thread, when PyAV is installed (a warning says so
+once: PyAV there is much slower); one that neither decodes is a damaged sample, with both
+decoders' messages: a skipped sample with ``on_error="skip"``. Other errors (CUDA out of memory,
+a failing driver) fail the run: they are not the sample's fault.
+
+The threads start at the first clip and end when the server stops (``close``): clips not started
+are cancelled, and the stop waits a bounded time for a decode under way (a warning names a thread
+stuck in the driver, which is left to end on its own); a closed decoder refuses new clips until
+the server starts again.
 """
 
 from __future__ import annotations
 
+import enum
 import os
+import queue
 import threading
+import time
 import warnings
-from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
+
+from mmproxy._prepare import DamagedSampleError
 
 __all__ = ["NVDEC_CODECS", "ClipDecoder", "load_nvdec", "nvdec_available"]
 
 # What PyNvVideoCodec decodes on NVDEC (MP4/MOV files; the worker sends anything else to PyAV)
 NVDEC_CODECS = ("h264", "hevc", "vp8", "vp9", "av1")
 _INSTALL = "pip install 'mmproxy[nvdec]'"
+_CLOSE_TIMEOUT = 2.0  # seconds close() waits for the decode threads, in all
+_FAILING = 8  # clips NVDEC refuses in a row (none decoded between) before it counts as failing
+_FILTERS = threading.Lock()  # held by a decode thread while it changes the warning filters
 
 
 def load_nvdec() -> Any:
@@ -112,11 +127,16 @@ class _Slot:
         self.decoder: Any = None
         self.options = dict(options)
 
-    def open(self, data: np.ndarray) -> Any:
-        """The decoder, pointed at ``data``. Alternating between two files gives each clip a path
-        of its own, so re-pointing never finds the previous clip's source."""
+    def write(self, data: np.ndarray) -> str:
+        """Writes a clip's bytes into the next memory file, and says its path. Alternating
+        between two files gives each clip a path of its own, so re-pointing never finds the
+        previous clip's source."""
         path = self.files[self.turn].write(data)
         self.turn ^= 1
+        return path
+
+    def point(self, path: str) -> Any:
+        """The decoder, pointed at the video in ``path``."""
         if self.decoder is None:
             self.decoder = self.nvc.SimpleDecoder(
                 path, gpu_id=self.device, use_device_memory=True,
@@ -126,15 +146,76 @@ class _Slot:
             self.decoder.reconfigure_decoder(path)
         return self.decoder
 
+    def to_device(self, frames: np.ndarray) -> Any:
+        """Frames in host memory, copied to the GPU (on the current stream)."""
+        import torch
+
+        if frames.flags.writeable:
+            return torch.from_numpy(frames).to(f"cuda:{self.device}")
+        # read-only shared memory: torch only reads it. The warning filters are the process's:
+        # one thread at a time changes and restores them, so none restores another's change
+        with _FILTERS, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(frames)
+        return tensor.to(f"cuda:{self.device}")
+
     def close(self) -> None:
         self.decoder = None
         for f in self.files:
             f.close()
 
 
+class _Refused(Exception):
+    """NVDEC did not decode a clip: it raised, or gave fewer frames than the clip needs. The
+    clip may be damaged, or NVDEC may be failing; :meth:`ClipDecoder._decode` tells which."""
+
+
+class _Stage(enum.Enum):
+    OPEN = "open"  # takes clips (its threads start at the first)
+    CLOSED = "closed"  # closed: submit raises until start()
+
+
+class _Crew:
+    """The decode threads of one :meth:`ClipDecoder.start`, and the queue of their clips. The
+    threads are daemon threads (a decode stuck in the driver never holds up the interpreter's
+    exit); each frees its own decoder when it ends."""
+
+    def __init__(self, count: int, serve: Callable[[_Crew], None]) -> None:
+        self.queue: queue.SimpleQueue[tuple[Future[dict[str, Any]], dict[str, Any]] | None] = (
+            queue.SimpleQueue())
+        self.threads = [threading.Thread(target=serve, args=(self,), name=f"mmproxy-nvdec_{i}",
+                                         daemon=True) for i in range(count)]
+        for t in self.threads:
+            t.start()
+
+    def stop(self, timeout: float) -> list[str]:
+        """Cancels the clips not started, lets the threads end after the clip each decodes, and
+        waits up to ``timeout`` seconds in all for them; the names of those still running."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self.threads:
+            self.queue.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in self.threads if t.is_alive()]
+
+
 class ClipDecoder:
     """Decodes clips with NVDEC on ``threads`` threads of the server process (a
     :class:`~mmproxy._prepare.Prepare` stage, see the module docstring).
+
+    A clip NVDEC refuses and PyAV decodes is PyAV's (a warning says so, once: PyAV on the
+    server's threads is much slower); one that neither decodes is a
+    :class:`~mmproxy._prepare.DamagedSampleError`. Without PyAV, a clip NVDEC refuses is damaged
+    while NVDEC decodes others; once it has refused ``8`` clips in a row, NVDEC itself counts as
+    failing: its error fails the run instead of dropping the clip. Any other error (CUDA out of
+    memory, a driver error outside a decode) fails the run too.
 
     Args:
         input_name: The input that holds the encoded clip (or the frames a worker decoded); it
@@ -157,47 +238,70 @@ class ClipDecoder:
         self.device, self.threads, self.options = device, threads, dict(options or {})
         self.inputs = (input_name, "start", *others)
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._slots: list[_Slot] = []
-        self._local = threading.local()
+        self._stage = _Stage.OPEN
+        self._crew: _Crew | None = None
+        self._refused_in_row = 0  # clips NVDEC refused since it last decoded one
+        self._warned = False  # that PyAV decodes clips NVDEC refuses
+
+    def start(self) -> None:
+        """Takes clips again after :meth:`close` (its threads start at the first)."""
+        with self._lock:
+            self._stage = _Stage.OPEN
 
     def submit(self, sample: dict[str, Any]) -> Future[dict[str, Any]]:
-        """Starts decoding one sample's clip; the future gives the pipeline's inputs for it."""
+        """Starts decoding one sample's clip; the future gives the pipeline's inputs for it.
+        Raises RuntimeError after :meth:`close`."""
+        future: Future[dict[str, Any]] = Future()
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="mmproxy-nvdec")
-            return self._pool.submit(self._prepare, sample)
+            if self._stage is _Stage.CLOSED:
+                raise RuntimeError("the NVDEC clip decoder is closed (its server stopped); "
+                                   "start the server again before sending it clips")
+            if self._crew is None:
+                self._crew = _Crew(self.threads, self._serve)
+            self._crew.queue.put((future, sample))
+        return future
 
     def close(self) -> None:
-        """Stops the threads (a clip being decoded finishes first) and frees their decoders;
-        the next :meth:`submit` starts them again."""
+        """Stops the threads: clips not started are cancelled, a clip being decoded finishes
+        first; waits up to a few seconds for them (a warning names a thread still running: a
+        decode stuck in the driver), and :meth:`submit` raises until :meth:`start`."""
         with self._lock:
-            pool, self._pool = self._pool, None
-            slots, self._slots = self._slots, []
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        for slot in slots:
-            slot.close()
+            self._stage = _Stage.CLOSED
+            crew, self._crew = self._crew, None
+        if crew is None:
+            return
+        stuck = crew.stop(_CLOSE_TIMEOUT)
+        if stuck:
+            warnings.warn(f"NVDEC clip decoder: {', '.join(stuck)} still decoding {_CLOSE_TIMEOUT} s "
+                          "after the stop (a call into the driver that does not return); left "
+                          "running, it frees its decoder when it ends", RuntimeWarning, stacklevel=2)
 
-    def _slot(self) -> _Slot:
-        slot = getattr(self._local, "slot", None)
-        if slot is None:
-            slot = self._local.slot = _Slot(self.device, self.options)
-            with self._lock:
-                self._slots.append(slot)
-        return slot
+    def _serve(self, crew: _Crew) -> None:
+        """A decode thread: takes clips until the stop mark; frees its decoder at the end."""
+        slot: _Slot | None = None
+        try:
+            while (item := crew.queue.get()) is not None:
+                future, sample = item
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if slot is None:
+                        slot = _Slot(self.device, self.options)
+                    future.set_result(self._prepare(slot, sample))
+                except BaseException as err:  # noqa: BLE001 - the future carries it to the runner
+                    future.set_exception(err)
+        finally:
+            if slot is not None:
+                slot.close()
 
-    def _prepare(self, sample: dict[str, Any]) -> dict[str, Any]:
+    def _prepare(self, slot: _Slot, sample: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        slot = self._slot()
         data = sample[self.input_name]
         out = {name: value for name, value in sample.items() if name not in ("start", self.input_name)}
         with torch.cuda.stream(slot.stream):
             if data.ndim == 4:  # frames the worker decoded: to the GPU as they are
-                with warnings.catch_warnings():  # read-only shared memory: torch only reads it
-                    warnings.simplefilter("ignore", UserWarning)
-                    out[self.input_name] = torch.from_numpy(data).to(f"cuda:{slot.device}")
+                out[self.input_name] = slot.to_device(data)
             else:
                 out[self.input_name] = self._decode(slot, data, int(sample["start"]))
         slot.stream.synchronize()
@@ -207,30 +311,50 @@ class ClipDecoder:
         """The clip's frames on the GPU, by NVDEC, or by PyAV (on this thread) where NVDEC
         refuses the clip (a size or profile its engines lack, e.g. VP9 under 128 pixels); where
         PyAV fails too, the clip is damaged and both say why."""
-        import torch
-
         try:
-            return self._nvdec(slot, data, start)
-        except ValueError as err:
-            try:
-                from mmproxy.pipelines._pyav import decode_clip
+            frames = self._nvdec(slot, data, start)
+        except _Refused as err:
+            with self._lock:
+                self._refused_in_row += 1
+                failing = self._refused_in_row >= _FAILING
+            return self._fallback(slot, data, start, err, failing)
+        with self._lock:
+            self._refused_in_row = 0
+        return frames
 
-                frames = decode_clip(data, start, self.frames, self.stride)
-            except ImportError:
-                raise err from None
-            except ValueError as again:
-                raise ValueError(f"{err}; PyAV cannot decode it either: {again}") from again
-            return torch.from_numpy(frames).to(f"cuda:{slot.device}")
+    def _fallback(self, slot: _Slot, data: np.ndarray, start: int, refused: _Refused,
+                  failing: bool) -> Any:
+        """A clip NVDEC refused: PyAV's frames, or why it is damaged, or NVDEC's own failure."""
+        try:
+            from mmproxy.pipelines._pyav import decode_clip
+
+            frames = decode_clip(data, start, self.frames, self.stride)
+        except ImportError:
+            if failing:
+                raise RuntimeError(f"NVDEC refused the last {_FAILING} clips, the last with: "
+                                   f"{refused} (NVDEC itself is failing, or the data is not video "
+                                   "it decodes; install PyAV, pip install av, to decode the clips "
+                                   "it refuses)") from refused
+            raise DamagedSampleError(str(refused)) from refused
+        except ValueError as again:
+            raise DamagedSampleError(f"{refused}; PyAV cannot decode it either: {again}") from again
+        with self._lock:
+            warn, self._warned = not self._warned, True
+        if warn:
+            warnings.warn(f"NVDEC clip decoder: NVDEC refused a clip ({refused}); PyAV decodes "
+                          "the clips it refuses, on the server's decode threads, much slower "
+                          "(said once)", RuntimeWarning, stacklevel=1)
+        return slot.to_device(frames)
 
     def _nvdec(self, slot: _Slot, data: np.ndarray, start: int) -> Any:
         """The clip's frames ``[T, H, W, 3]`` (uint8 RGB, on the GPU): ``frames`` frames from
         ``start`` at ``stride``, the last frame repeated past the video's end. A clip the
         thread's re-pointed decoder refuses is tried once more on a fresh decoder (a new
-        session) before it counts as damaged."""
+        session) before it counts as refused."""
         fresh = slot.decoder is None
         try:
             return self._frames(slot, data, start)
-        except ValueError:  # a re-pointed session may refuse a clip a fresh one decodes
+        except _Refused:  # a re-pointed session may refuse a clip a fresh one decodes
             if fresh:
                 raise
             slot.decoder = None
@@ -239,27 +363,28 @@ class ClipDecoder:
     def _frames(self, slot: _Slot, data: np.ndarray, start: int) -> Any:
         import torch
 
+        path = slot.write(data)
         try:
-            decoder = slot.open(data)
+            decoder = slot.point(path)
             total = len(decoder)
         except Exception as err:  # noqa: BLE001 - PyNvVideoCodec raises RuntimeError, Exception
             slot.decoder = None
-            raise ValueError(f"NVDEC cannot open the video: {_said(err)}") from err
+            raise _Refused(f"NVDEC cannot open the video: {_said(err)}") from err
         if total < 1:
-            raise ValueError("NVDEC finds no frames in the video")
+            raise _Refused("NVDEC finds no frames in the video")
         wanted = (list(range(total)) if self.frames is None else
                   [min(start + i * self.stride, total - 1) for i in range(self.frames)])
         unique = sorted(set(wanted))
+        if unique[0] < 0:  # what PyNvVideoCodec would skip with a warning
+            raise ValueError(f"clip start {start} is before the video's first frame")
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")  # an index it would skip is an error here
-                got = decoder.get_batch_frames_by_index(unique)
+            got = decoder.get_batch_frames_by_index(unique)
         except Exception as err:  # noqa: BLE001
-            raise ValueError(f"NVDEC cannot decode frames {unique[0]}-{unique[-1]} of the "
-                             f"{total:,} in the video: {_said(err)}") from err
+            raise _Refused(f"NVDEC cannot decode frames {unique[0]}-{unique[-1]} of the "
+                           f"{total:,} in the video: {_said(err)}") from err
         if len(got) != len(unique):
-            raise ValueError(f"NVDEC decoded {len(got)} of the {len(unique)} frames the clip "
-                             f"needs ({unique[0]}-{unique[-1]} of {total:,}): the video is damaged")
+            raise _Refused(f"NVDEC decoded {len(got)} of the {len(unique)} frames the clip "
+                           f"needs ({unique[0]}-{unique[-1]} of {total:,}): the video is damaged")
         frame_of = dict(zip(unique, got))
         return torch.stack([torch.from_dlpack(frame_of[i]) for i in wanted])
 

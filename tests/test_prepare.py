@@ -1,7 +1,8 @@
 """A pipeline's Prepare stage (mmproxy._prepare): the proxy sends the stage's inputs, the server
-prepares every sample on the stage's threads before the feed; a sample the stage cannot prepare
+prepares every sample on the stage's threads before the feed; a sample the stage calls damaged
 is dropped and named (skip) or fails its run, and rows stay aligned, also when the pipeline then
-drops another sample of the same run."""
+drops another sample of the same run; any other error of the stage fails its run, in skip mode
+too."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from nvidia.dali import fn, pipeline_def, types
 
 import mmproxy
+from mmproxy._prepare import DamagedSampleError
 from mmproxy.testing import image_bytes
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,15 +23,18 @@ _JPEGS = {i: image_bytes(np.full((24, 32, 3), 40 * i, np.uint8)) for i in range(
 
 
 class _Jpegs:
-    """A Prepare stage: a sample's number in, its JPEG out (-1: cannot be prepared; -2: bytes the
-    pipeline's decoder refuses)."""
+    """A Prepare stage: a sample's number in, its JPEG out (-1: a damaged sample; -2: bytes the
+    pipeline's decoder refuses; -3: the stage itself fails)."""
 
     inputs = ("n", "label")
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="test-prepare")
         self.threads: set[str] = set()
-        self.closed = 0
+        self.started = self.closed = 0
+
+    def start(self) -> None:
+        self.started += 1
 
     def submit(self, sample):
         return self.pool.submit(self._one, sample)
@@ -38,7 +43,9 @@ class _Jpegs:
         self.threads.add(threading.current_thread().name)
         n = int(sample["n"])
         if n == -1:
-            raise ValueError("this sample cannot be prepared")
+            raise DamagedSampleError("this sample cannot be prepared")
+        if n == -3:
+            raise RuntimeError("CUDA error: out of memory")
         data = b"\xff\xd8 not a jpeg" * 8 if n == -2 else _JPEGS[n]
         return {"image": np.frombuffer(data, np.uint8), "label": sample["label"]}
 
@@ -78,7 +85,16 @@ def test_the_proxy_sends_the_stage_inputs_and_the_stage_runs_on_its_threads():
     assert labels.tolist() == [0, 1, 2]
     assert [round(float(x.float().mean())) for x in images] == [0, 120, 200]
     assert stage.threads and all(t.startswith("test-prepare") for t in stage.threads)
-    assert stage.closed == 1  # the server stopped the stage with itself
+    assert (stage.started, stage.closed) == (1, 1)  # the server started and stopped the stage
+
+
+def test_a_restarted_server_starts_its_stage_again():
+    server, stage = _server()
+    for _ in range(2):
+        with server:
+            _, labels = server.produce_data(_batch(server, [1, 2], skip=False))
+        assert labels.tolist() == [0, 1]
+    assert (stage.started, stage.closed) == (2, 2)
 
 
 def test_samples_the_stage_or_the_pipeline_cannot_process_are_dropped_and_named():
@@ -98,12 +114,18 @@ def test_samples_the_stage_or_the_pipeline_cannot_process_are_dropped_and_named(
     assert reasons["s3"].startswith("pipeline failed in server 'prepared'")
 
 
-def test_a_sample_that_cannot_be_prepared_fails_its_run_naming_it():
+@pytest.mark.parametrize("numbers, skip, match", [
+    ([0, -1, 1], False,
+     r"cannot prepare sample s1 \(sample 1 of run .*\): this sample cannot be prepared"),
+    # not a damaged sample (CUDA out of memory): the stage failing fails the run in skip mode too,
+    # instead of its samples being dropped as damaged until the skip limit trips
+    ([0, -3, 1], True, r"server 'prepared': the Prepare stage _Jpegs failed on sample s1 "
+                       r"\(sample 1 of run .*\): RuntimeError: CUDA error: out of memory"),
+], ids=["damaged", "stage-fails"])
+def test_the_run_fails_naming_the_sample_and_the_server_stays_healthy(numbers, skip, match):
     server, _ = _server()
     with server:
-        with pytest.raises(mmproxy.PipelineError,
-                           match=r"cannot prepare sample s1 \(sample 1 of run .*\): this sample "
-                                 r"cannot be prepared"):
-            server.produce_data(_batch(server, [0, -1, 1], skip=False))
-        images, labels = server.produce_data(_batch(server, [2], skip=False))  # still healthy
+        with pytest.raises(mmproxy.PipelineError, match=match):
+            server.produce_data(_batch(server, numbers, skip=skip))
+        images, labels = server.produce_data(_batch(server, [2], skip=False))
         assert labels.tolist() == [0]

@@ -5,6 +5,8 @@ make-shards."""
 from __future__ import annotations
 
 import io
+import time
+import warnings
 from fractions import Fraction
 
 import numpy as np
@@ -502,6 +504,158 @@ def test_a_codec_nvdec_lacks_without_pyav_is_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match=r"MJPEG in avi video: NVDEC decodes only H.264, HEVC, "
                                          r"VP8, VP9, AV1 in MP4/MOV files.*pip install av"):
         draw({"videos": mjpeg}, random.Random(0))
+
+
+class _FakeSlot:
+    """A decode thread's slot without a GPU: ``nvdec(path)`` makes its decoder (or raises as
+    PyNvVideoCodec does), frames stay in host memory."""
+
+    device = 0
+
+    def __init__(self, nvdec):
+        self.nvdec, self.decoder = nvdec, None
+
+    def write(self, data):
+        return "/proc/self/fd/-1"
+
+    def point(self, path):
+        if self.decoder is None:
+            self.decoder = self.nvdec(path)
+        return self.decoder
+
+    def open(self, data):
+        return self.point(self.write(data))
+
+    def to_device(self, frames):
+        return torch.from_numpy(frames)
+
+
+class _FakeVideo:
+    """A PyNvVideoCodec decoder of a 10-frame video whose frames hold their index."""
+
+    def __len__(self):
+        return 10
+
+    def get_batch_frames_by_index(self, indices):
+        return [np.full((2, 2, 3), i, np.uint8) for i in indices]
+
+
+def _clip_decoder(monkeypatch, threads=1, slot=None):
+    """A ClipDecoder on a machine without PyNvVideoCodec (its slots: ``slot``)."""
+    from mmproxy.pipelines import _nvdec
+
+    monkeypatch.setattr(_nvdec, "load_nvdec", lambda: None)
+    if slot is not None:
+        monkeypatch.setattr(_nvdec, "_Slot", slot)
+    return _nvdec.ClipDecoder("videos", 3, 2, 0, threads, None, ())
+
+
+def _driver_error(path):
+    raise RuntimeError("cuvidCreateDecoder returned error 999 (CUDA_ERROR_UNKNOWN)")
+
+
+def test_a_clip_nvdec_refuses_is_damaged_only_when_pyav_cannot_decode_it_either(monkeypatch):
+    from mmproxy.pipelines import _pyav
+
+    from mmproxy._prepare import DamagedSampleError
+
+    decoder = _clip_decoder(monkeypatch)
+    data = np.frombuffer(b"not a video" * 10, np.uint8)
+    with pytest.raises(DamagedSampleError, match=r"NVDEC cannot open the video: cuvidCreateDecoder "
+                                                 r"returned error 999.*; PyAV cannot decode it"):
+        decoder._decode(_FakeSlot(_driver_error), data, 0)
+
+    monkeypatch.setattr(_pyav, "decode_clip", lambda data, start, frames, stride:
+                        np.full((frames, 2, 2, 3), 7, np.uint8))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(3):  # NVDEC fails for every clip: PyAV decodes them, and a warning says so
+            frames = decoder._decode(_FakeSlot(_driver_error), data, 0)
+            assert frames.shape == (3, 2, 2, 3) and int(frames.max()) == 7
+    slow = [w for w in said if "PyAV decodes the clips it refuses" in str(w.message)]
+    assert len(slow) == 1 and issubclass(slow[0].category, RuntimeWarning)
+    assert "error 999" in str(slow[0].message)
+
+
+def test_without_pyav_nvdec_refusing_clip_after_clip_fails_instead_of_dropping_them(monkeypatch):
+    """A clip NVDEC refuses is damaged while NVDEC decodes others; refusing 8 in a row, NVDEC
+    itself is failing (a driver error, exhausted sessions): not a sample to drop."""
+    import sys
+
+    from mmproxy._prepare import DamagedSampleError
+
+    monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed
+    decoder = _clip_decoder(monkeypatch)
+    data = np.frombuffer(b"\0" * 64, np.uint8)
+    for _ in range(7):
+        with pytest.raises(DamagedSampleError, match="NVDEC cannot open the video"):
+            decoder._decode(_FakeSlot(_driver_error), data, 0)
+    clip = decoder._decode(_FakeSlot(lambda path: _FakeVideo()), data, 5)  # one decodes: reset
+    assert [int(f.max()) for f in clip] == [5, 7, 9]
+    for _ in range(7):
+        with pytest.raises(DamagedSampleError):
+            decoder._decode(_FakeSlot(_driver_error), data, 0)
+    with pytest.raises(RuntimeError, match=r"NVDEC refused the last 8 clips, the last with: NVDEC "
+                                           r"cannot open the video: cuvidCreateDecoder") as failed:
+        decoder._decode(_FakeSlot(_driver_error), data, 0)
+    assert not isinstance(failed.value, DamagedSampleError)
+
+
+def test_closing_the_clip_decoder_never_waits_for_a_decode_stuck_in_the_driver(monkeypatch):
+    """close() cancels the clips not started, waits a bounded time for those under way and says
+    which thread is still running; submit() then raises instead of starting new threads, until
+    start(); a stuck thread frees its own decoder when it ends."""
+    import threading
+
+    freed = []
+
+    class Slot:
+        def __init__(self, device, options):
+            pass
+
+        def close(self):
+            freed.append(threading.current_thread().name)
+
+    release, running = threading.Event(), threading.Semaphore(0)
+
+    def stuck(*args):  # a call into the driver that does not return
+        running.release()
+        release.wait(60)
+        return {"videos": args[-1]["videos"]}
+
+    decoder = _clip_decoder(monkeypatch, threads=2, slot=Slot)
+    monkeypatch.setattr(decoder, "_prepare", stuck)
+    futures = [decoder.submit({"videos": i, "start": 0}) for i in range(3)]
+    assert running.acquire(timeout=10) and running.acquire(timeout=10)  # two decodes under way
+    said = []
+
+    def close():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            decoder.close()
+        said.extend(caught)
+
+    closing = threading.Thread(target=close, daemon=True)
+    closing.start()
+    closing.join(10)
+    try:
+        assert not closing.is_alive(), "close() waits for a stuck decode"
+        assert futures[2].cancelled()  # not started: cancelled
+        assert not futures[0].done() and not futures[1].done()
+        assert len(said) == 1 and issubclass(said[0].category, RuntimeWarning)
+        assert "mmproxy-nvdec_0, mmproxy-nvdec_1 still decoding" in str(said[0].message)
+        with pytest.raises(RuntimeError, match="clip decoder is closed"):
+            decoder.submit({"videos": 3, "start": 0})
+    finally:
+        release.set()
+    assert [f.result(10)["videos"] for f in futures[:2]] == [0, 1]
+    deadline = time.monotonic() + 10
+    while len(freed) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(freed) == ["mmproxy-nvdec_0", "mmproxy-nvdec_1"]  # each by its own thread
+    decoder.start()
+    assert decoder.submit({"videos": 4, "start": 0}).result(10)["videos"] == 4
+    decoder.close()
 
 
 def _nvdec_ready():
