@@ -191,7 +191,7 @@ class DALIServer:
             raise ServerStateError(f"server {self.name!r}: {os.path.dirname(self._proxy.address)} "
                                    "already exists; refusing to listen in a folder mmproxy did "
                                    "not make for this server") from None
-        self._stop.clear()
+        self._stop = threading.Event()  # this start's: a thread of an earlier start stays stopped
         self.table.set_state(ServerState.RUNNING)
         runs: RunSource = self.table
         if self._prepare is not None:
@@ -200,7 +200,8 @@ class DALIServer:
                                 self._pipe.num_outputs)
         runner = Runner(self._pipe, runs, self._pad, self.table.device, self._stop)
         self._threads = [
-            threading.Thread(target=self._listen, name=f"mmproxy-{self.name}-listen", daemon=True),
+            threading.Thread(target=self._listen, args=(self._listener, self._stop),
+                             name=f"mmproxy-{self.name}-listen", daemon=True),
             threading.Thread(target=runner, name=f"mmproxy-{self.name}-run", daemon=True),
         ]
         for t in self._threads:
@@ -233,11 +234,9 @@ class DALIServer:
 
     # -- the listener thread --------------------------------------------------------------------
 
-    def _listen(self) -> None:
-        listener = self._listener
-        assert listener is not None
+    def _listen(self, listener: _transport.Listener, stop: threading.Event) -> None:
         try:
-            while not self._stop.is_set():
+            while not stop.is_set():
                 fds = listener.receive()
                 if fds is None:
                     continue
