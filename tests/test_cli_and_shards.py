@@ -139,6 +139,81 @@ def test_an_interrupted_or_failed_make_shards_leaves_the_old_set_and_no_parts(tm
     assert not stale.exists() and alive.exists()
 
 
+def _contents(folder):
+    """({name: a shard's members or a file's bytes}, the names of part files) of a folder."""
+    found = {p.name: members(p) if p.suffix == ".tar" else p.read_bytes()
+             for p in folder.iterdir() if ".part-" not in p.name}
+    return found, sorted(p.name for p in folder.iterdir() if ".part-" in p.name)
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()],
+                         ids=["disk-full", "interrupt"])
+def test_a_failure_at_any_step_of_an_overwrite_leaves_the_old_set_or_the_new_one(
+        tmp_path, monkeypatch, error):
+    """The old set went first and classes.json and manifest.jsonl were written last, outside any
+    handler: a failure there left the new shards with no lists and the old set gone."""
+    import shutil
+
+    import mmproxy.datasets.writer as writer
+
+    src, old = image_folder(tmp_path / "src", per_class=3), tmp_path / "old"
+    make_shards(src, old, max_count=2)  # three shards
+    (src / "bird").mkdir()  # another class: another classes.json and manifest.jsonl
+    (src / "bird" / "0.png").write_bytes(solid(5))
+    make_shards(src, tmp_path / "new", max_count=4)  # two shards of the same names
+    before, after = _contents(old)[0], _contents(tmp_path / "new")[0]
+    assert len(before) == 5 and len(after) == 4 and before.keys() != after.keys()
+
+    class Steps:
+        """os for the writer, with its renames and removals counted: the ``at``-th one fails."""
+
+        def __init__(self, at):
+            self.at, self.count = at, 0
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def step(self):
+            self.count += 1
+            if self.count == self.at:
+                raise error
+
+        def replace(self, *args):
+            self.step()
+            os.replace(*args)
+
+        def unlink(self, path):
+            self.step()
+            os.unlink(path)
+
+    write_text = Path.write_text
+    outcomes = set()
+    for at in range(1, 100):
+        out = tmp_path / f"out{at}"
+        shutil.copytree(old, out)
+        steps = Steps(at)
+
+        def failing_write_text(path, *args, steps=steps, **kwargs):
+            steps.step()
+            return write_text(path, *args, **kwargs)
+
+        monkeypatch.setattr(writer, "os", steps)
+        monkeypatch.setattr(Path, "write_text", failing_write_text)
+        try:
+            make_shards(src, out, max_count=4, overwrite=True)
+        except type(error):
+            pass
+        finally:
+            monkeypatch.undo()
+        found, parts = _contents(out)
+        assert found in (before, after), f"a failure at step {at}: {sorted(found)}"
+        assert not parts or found == after, parts  # an old file set aside and not yet removed
+        outcomes.add("old" if found == before else "new")
+        if steps.count < at:  # no failure: every step was tried
+            break
+    assert outcomes == {"old", "new"} and at > 10
+
+
 def test_cli_refuses_then_overwrites_and_reports_the_count_written(tmp_path, capsys):
     src, out = image_folder(tmp_path / "src"), tmp_path / "out"
     assert cli.main(["make-shards", str(src), str(out), "--max-count", "2"]) == 0
