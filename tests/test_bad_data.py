@@ -326,14 +326,15 @@ def test_a_pipe_shard_that_fails_is_named_once_in_words(tmp_path):
 
     write_tar(tmp_path / "whole.tar", [{"__key__": f"k{i}", "bin": bytes(5000)} for i in range(4)])
     (tmp_path / "cut.tar").write_bytes((tmp_path / "whole.tar").read_bytes()[:7000])
-    missing, cut = (f"pipe:cat {tmp_path / name} 2>/dev/null" for name in ("missing.tar", "cut.tar"))
+    # the command's end is seen before the end of its output (which a child holds a while)
+    failed, cut = "pipe:sleep 1 & exit 3", f"pipe:cat {tmp_path / 'cut.tar'}"
     with pytest.raises(mmproxy.ShardError) as raised:
-        list(TarReader("raise", RemoteOptions(cache_dir=None))(Work(missing)))
-    assert str(raised.value) == f"shard {missing}: cannot be read: the command exited with status 1"
+        list(TarReader("raise", RemoteOptions(cache_dir=None))(Work(failed)))
+    assert str(raised.value) == f"shard {failed}: cannot be read: the command exited with status 3"
     read = TarReader("skip", RemoteOptions(cache_dir=None))
     got = [item.reason if isinstance(item, SkippedSample) else item[0]
-           for url in (missing, cut) for item in read(Work(url))]
-    assert got == ["unreadable shard: the command exited with status 1",
+           for url in (failed, cut) for item in read(Work(url))]
+    assert got == ["unreadable shard: the command exited with status 3",
                    0, "unreadable shard: ReadError: unexpected end of data"]
 
 
