@@ -152,7 +152,9 @@ class Download:
                 self.response = self.attempts.connect(self.written, self.size)
                 continue
             if self.fd is not None and scratch is not None:
-                os.write(self.fd, scratch[:n])
+                left = scratch[:n]
+                while left:  # a write may take only part of it
+                    left = left[os.write(self.fd, left):]
             self.attempts.failures = 0
             with self.changed:
                 self.written += n

@@ -11,6 +11,7 @@ over the samples before it without processing them.
 
 from __future__ import annotations
 
+import re
 import tarfile
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -74,9 +75,9 @@ class TarReader:
             self._tried += 1
         failures: list[SkippedSample] = []
 
-        def handler(exn: Exception) -> bool:  # webdataset's: record it and go on
+        def handler(exn: Exception) -> bool:  # webdataset's: record it, and the shard is over
             failures.append(self._failed(url, exn))
-            return True
+            return False  # (what follows a broken stream fails again: one record a shard)
 
         count = 0
         if is_local(url) or is_remote(url):
@@ -91,6 +92,8 @@ class TarReader:
                     break
                 if index >= work.start and (wanted is None or index in wanted):
                     yield index, sample
+        except ShardError:  # raised by the handler (on_error="raise"): as it is
+            raise
         except (OSError, tarfile.TarError, ValueError) as exn:
             yield self._failed(url, exn)
             return
@@ -194,8 +197,19 @@ class ShardReader(Stage):
         return self.plan.remaining(state[self.PLAN], int(state[self.NEXT]))
 
 
+# webdataset's errors: a failed pipe's "(args, kwargs): exit N (read) ...", a tar error's
+# text with " @ <stream>" added, each with the stream and the url added to its arguments
+_PIPE_EXIT = re.compile(r"\(.*\): exit (-?\d+) \(read\).*", re.S)
+_AT_STREAM = re.compile(r" @ <.*>\Z", re.S)
+
+
 def _describe(exn: BaseException) -> str:
-    """An error in words: an OSError's message (not its errno), else the error's own text."""
+    """An error in words: an OSError's message (not its errno); one of webdataset's by its first
+    argument (no reprs of its stream or command: the url names the shard), a failed pipe by its
+    exit status; else the error's own text."""
     if isinstance(exn, OSError) and exn.strerror:
         return exn.strerror + (f" ({exn.filename})" if exn.filename else "")
-    return f"{type(exn).__name__}: {exn}" if str(exn) else type(exn).__name__
+    text = _AT_STREAM.sub("", str(exn.args[0]) if len(exn.args) > 1 else str(exn))
+    if isinstance(exn, OSError) and (exit := _PIPE_EXIT.fullmatch(text)):
+        return f"the command exited with status {exit[1]}"
+    return f"{type(exn).__name__}: {text}" if text else type(exn).__name__

@@ -128,8 +128,9 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     Files of other formats or content, empty files, empty or unreadable captions, and files whose
     header :func:`~mmproxy.datasets.check_header` rejects are left out and listed with the reason.
 
-    The shards are written under temporary names and take their own only when the whole set is
-    written: an error or an interrupt leaves ``output`` as it was.
+    The shards, ``classes.json`` and ``manifest.jsonl`` are written under temporary names and
+    take their own only when the whole set is written, the old set's files (with ``overwrite``)
+    kept aside until then: an error or an interrupt leaves ``output`` as it was.
 
     Args:
         source: The folder to read.
@@ -179,7 +180,8 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     classes = sorted({p.class_name for p in planned if p.class_name is not None})
     index = {name: i for i, name in enumerate(classes)}
     manifest: list[dict[str, Any]] = []
-    parts: list[str] = []
+    parts: list[str] = []  # the shards' part files (ShardWriter's post), then classes.json's
+    # and manifest.jsonl's
     pattern = (str(output / prefix).replace("%", "%%") + "-%06d.tar"
                + part_path("").replace("%", "%%"))  # ShardWriter fills in the number
     sink: Any = None
@@ -205,8 +207,17 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
             sink.write(sample)
             manifest.append({"key": key, "shard": os.path.basename(final_path(sink.fname)),
                              "source": item.rel, "caption": item.origin})
-        if sink is not None:
-            sink.close()
+        written.files_left_out.sort(key=lambda item: item.path)
+        if not manifest:
+            reasons = "; ".join(f"{p}: {w}" for p, w in written.left_out[:3])
+            raise NoMediaError(f"no {media} files to write under {source}"
+                               + (f" ({len(written.files_left_out)} left out: {reasons})"
+                                  if reasons else ""), other_kind(source, media))
+        sink.close()
+        written.extend(final_path(part) for part in parts)
+        _write_part(output / CLASSES, json.dumps(classes), parts)
+        _write_part(output / MANIFEST, "".join(json.dumps(row) + "\n" for row in manifest), parts)
+        _put_in_place(parts, [str(path) for path in old])  # the new set is whole: now it goes in
     except BaseException:  # an error or an interrupt: none of the new set stays
         if sink is not None:
             with contextlib.suppress(Exception):
@@ -216,19 +227,6 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(part)
         raise
-    written.files_left_out.sort(key=lambda item: item.path)
-    if not manifest:
-        reasons = "; ".join(f"{p}: {w}" for p, w in written.left_out[:3])
-        raise NoMediaError(f"no {media} files to write under {source}"
-                           + (f" ({len(written.files_left_out)} left out: {reasons})"
-                              if reasons else ""), other_kind(source, media))
-    for path in old:  # the new set is whole: only now the old one goes
-        path.unlink()
-    for part in parts:
-        os.replace(part, final_path(part))
-        written.append(final_path(part))
-    _write(output / CLASSES, json.dumps(classes))
-    _write(output / MANIFEST, "".join(json.dumps(row) + "\n" for row in manifest))
     written.samples = len(manifest)
     written.captions_from_txt = sum(row["caption"] == "txt" for row in manifest)
     written.captions_from_folder = sum(row["caption"] == "folder" for row in manifest)
@@ -236,7 +234,44 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     return written
 
 
-def _write(path: Path, text: str) -> None:
-    part = part_path(path)
-    Path(part).write_text(text)
-    os.replace(part, path)
+def _write_part(path: Path, text: str, parts: list[str]) -> None:
+    """Writes ``text`` to the part file of ``path``, listed in ``parts`` first (removed with
+    them if the writing fails)."""
+    parts.append(part_path(path))
+    Path(parts[-1]).write_text(text, encoding="utf-8")
+
+
+def _put_in_place(parts: list[str], old: list[str]) -> None:
+    """Renames every part file to its own name and removes the ``old`` files: all or nothing.
+
+    Each old file is first renamed aside (to a part file of its own), the one of a new file's
+    name just before the new file takes it; an error or an interrupt until every new file is in
+    place puts them back and removes the new files that took a name (their part files are the
+    caller's), so that the folder holds the whole old set or the whole new one. The old files go
+    last.
+    """
+    aside: list[tuple[str, str]] = []  # (an old file's name, where it waits)
+    placed: list[str] = []
+    try:
+        for part in parts:
+            final = final_path(part)
+            if os.path.lexists(final):
+                aside.append((final, part_path(final + ".old")))
+                os.replace(*aside[-1])
+            os.replace(part, final)
+            placed.append(final)
+        for path in old:
+            if path not in placed:
+                aside.append((path, part_path(path + ".old")))
+                os.replace(*aside[-1])
+    except BaseException:  # raised as it came, once the folder is as it was
+        for path in placed:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        for path, waits in reversed(aside):
+            with contextlib.suppress(OSError):  # the rename aside itself failed
+                os.replace(waits, path)
+        raise
+    for _, waits in aside:
+        with contextlib.suppress(OSError):  # a part file: the next run removes it
+            os.unlink(waits)

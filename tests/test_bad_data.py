@@ -315,6 +315,29 @@ def test_raise_mode_names_an_unreadable_shard_in_words(good_shard, image_server)
         list(ds.loader(image_server, num_workers=0))
 
 
+def test_a_pipe_shard_that_fails_is_named_once_in_words(tmp_path):
+    """The error was wrapped twice and held the reprs of webdataset's objects (its command's
+    arguments, its pipe's address); a pipe cut short gave two records of one shard."""
+    from mmproxy.datasets.plan import Work
+    from mmproxy.datasets.reader import TarReader
+    from mmproxy.datasets.remote import RemoteOptions
+
+    from mmproxy.skips import SkippedSample
+
+    write_tar(tmp_path / "whole.tar", [{"__key__": f"k{i}", "bin": bytes(5000)} for i in range(4)])
+    (tmp_path / "cut.tar").write_bytes((tmp_path / "whole.tar").read_bytes()[:7000])
+    # the command's end is seen before the end of its output (which a child holds a while)
+    failed, cut = "pipe:sleep 1 & exit 3", f"pipe:cat {tmp_path / 'cut.tar'}"
+    with pytest.raises(mmproxy.ShardError) as raised:
+        list(TarReader("raise", RemoteOptions(cache_dir=None))(Work(failed)))
+    assert str(raised.value) == f"shard {failed}: cannot be read: the command exited with status 3"
+    read = TarReader("skip", RemoteOptions(cache_dir=None))
+    got = [item.reason if isinstance(item, SkippedSample) else item[0]
+           for url in (failed, cut) for item in read(Work(url))]
+    assert got == ["unreadable shard: the command exited with status 3",
+                   0, "unreadable shard: ReadError: unexpected end of data"]
+
+
 def test_too_many_skipped_is_an_error_with_counts_and_reasons(tmp_path, image_server):
     samples = [{"__key__": f"t{i:02d}", "jpg": _jpeg(i)[:50] if i % 3 == 0 else _jpeg(i)}
                for i in range(30)]

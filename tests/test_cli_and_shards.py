@@ -139,6 +139,81 @@ def test_an_interrupted_or_failed_make_shards_leaves_the_old_set_and_no_parts(tm
     assert not stale.exists() and alive.exists()
 
 
+def _contents(folder):
+    """({name: a shard's members or a file's bytes}, the names of part files) of a folder."""
+    found = {p.name: members(p) if p.suffix == ".tar" else p.read_bytes()
+             for p in folder.iterdir() if ".part-" not in p.name}
+    return found, sorted(p.name for p in folder.iterdir() if ".part-" in p.name)
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()],
+                         ids=["disk-full", "interrupt"])
+def test_a_failure_at_any_step_of_an_overwrite_leaves_the_old_set_or_the_new_one(
+        tmp_path, monkeypatch, error):
+    """The old set went first and classes.json and manifest.jsonl were written last, outside any
+    handler: a failure there left the new shards with no lists and the old set gone."""
+    import shutil
+
+    import mmproxy.datasets.writer as writer
+
+    src, old = image_folder(tmp_path / "src", per_class=3), tmp_path / "old"
+    make_shards(src, old, max_count=2)  # three shards
+    (src / "bird").mkdir()  # another class: another classes.json and manifest.jsonl
+    (src / "bird" / "0.png").write_bytes(solid(5))
+    make_shards(src, tmp_path / "new", max_count=4)  # two shards of the same names
+    before, after = _contents(old)[0], _contents(tmp_path / "new")[0]
+    assert len(before) == 5 and len(after) == 4 and before.keys() != after.keys()
+
+    class Steps:
+        """os for the writer, with its renames and removals counted: the ``at``-th one fails."""
+
+        def __init__(self, at):
+            self.at, self.count = at, 0
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def step(self):
+            self.count += 1
+            if self.count == self.at:
+                raise error
+
+        def replace(self, *args):
+            self.step()
+            os.replace(*args)
+
+        def unlink(self, path):
+            self.step()
+            os.unlink(path)
+
+    write_text = Path.write_text
+    outcomes = set()
+    for at in range(1, 100):
+        out = tmp_path / f"out{at}"
+        shutil.copytree(old, out)
+        steps = Steps(at)
+
+        def failing_write_text(path, *args, steps=steps, **kwargs):
+            steps.step()
+            return write_text(path, *args, **kwargs)
+
+        monkeypatch.setattr(writer, "os", steps)
+        monkeypatch.setattr(Path, "write_text", failing_write_text)
+        try:
+            make_shards(src, out, max_count=4, overwrite=True)
+        except type(error):
+            pass
+        finally:
+            monkeypatch.undo()
+        found, parts = _contents(out)
+        assert found in (before, after), f"a failure at step {at}: {sorted(found)}"
+        assert not parts or found == after, parts  # an old file set aside and not yet removed
+        outcomes.add("old" if found == before else "new")
+        if steps.count < at:  # no failure: every step was tried
+            break
+    assert outcomes == {"old", "new"} and at > 10
+
+
 def test_cli_refuses_then_overwrites_and_reports_the_count_written(tmp_path, capsys):
     src, out = image_folder(tmp_path / "src"), tmp_path / "out"
     assert cli.main(["make-shards", str(src), str(out), "--max-count", "2"]) == 0
@@ -1111,20 +1186,51 @@ def test_decoder_warnings_are_counted_and_every_other_line_goes_through(capfd):
         os.write(2, b"Corrupt JPEG data: 2 extraneous bytes before marker 0xd9\n")
     err = capfd.readouterr().err
     assert err.splitlines() == ["a line of Python's own", "Segmentation fault in a child"]
-    assert noise.counts == {"Corrupt JPEG data: 2 extraneous bytes before marker 0xd9": 2,
+    assert noise.counts == {"Corrupt JPEG data: N extraneous bytes before marker 0xN": 2,
                             "Premature end of JPEG file": 1}
     assert noise.summary() == [
         "decoder warnings kept off stderr (the files decoded): 3",
-        "  2 x Corrupt JPEG data: 2 extraneous bytes before marker 0xd9",
+        "  2 x Corrupt JPEG data: N extraneous bytes before marker 0xN",
         "  1 x Premature end of JPEG file"]
+
+
+def test_decoder_warnings_past_a_pipe_buffer_are_counted_by_kind(capfd):
+    """Counts of 3,000 distinct lines filled the result pipe: the filter blocked, no counts."""
+    from mmproxy.apps.noise import DecoderWarnings
+
+    start = time.monotonic()
+    with DecoderWarnings() as noise:
+        for i in range(3000):
+            os.write(2, f"Corrupt JPEG data: {i} extraneous bytes before marker 0x{i:x}\n".encode())
+        for i in range(150):  # kinds without numbers: a hundred apart, the others together
+            name = "".join(chr(ord("a") + int(d)) for d in f"{i:03d}")
+            os.write(2, f"libpng warning: {name}: unknown chunk\n".encode())
+    assert time.monotonic() - start < 5
+    assert capfd.readouterr().err == ""
+    assert sum(noise.counts.values()) == 3150 and len(noise.counts) == 101
+    assert noise.counts["Corrupt JPEG data: N extraneous bytes before marker 0xN"] == 3000
+    assert noise.counts["other decoder warnings"] == 51
+
+
+def test_the_decoder_warnings_filter_ends_quietly_when_no_one_reads_its_counts():
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the command stopped waiting
+    proc = subprocess.run(
+        [sys.executable, "-c", f"from mmproxy.apps.noise import _filter; _filter({write_end})"],
+        input=b"Premature end of JPEG file\n", capture_output=True, pass_fds=(write_end,),
+        cwd=ROOT, timeout=60)
+    os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (0, b"")
 
 
 def test_the_demo_summarises_decoder_noise_instead_of_printing_it(tmp_path):
     """"Corrupt JPEG data: ..." lines from DALI's decoder threads filled stderr."""
     jpeg = image_bytes(synth_image(3, 96, 128))
-    noisy = jpeg[:-2] + b"\x00\x00\x00\xff\xd9"  # decodes, with a warning from libjpeg
-    # (the random-crop decoder stops where its crop ends: about one file in four gets as far as
-    # the warning)
+    scan = jpeg.index(b"\xff\xda")
+    scan += 2 + int.from_bytes(jpeg[scan + 2:scan + 4], "big")
+    # a marker at the start of the image data: it decodes, with a warning from libjpeg, however
+    # little of it the random-crop decoder reads (a fault at the end is not always reached)
+    noisy = jpeg[:scan] + b"\xff\xff\xff\xfe" + jpeg[scan + 4:]
     write_tar(tmp_path / "a.tar", [{"__key__": f"k{i}", "jpg": noisy, "cls": 1}
                                    for i in range(48)])
     proc = run_cli(["demo", "--data", str(tmp_path / "a.tar"), "--batch-size", "8",
@@ -1132,7 +1238,7 @@ def test_the_demo_summarises_decoder_noise_instead_of_printing_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Corrupt JPEG" not in proc.stderr, proc.stderr
     found = re.search(r"^  decoder warnings kept off stderr \(the files decoded\): (\d+)\n"
-                      r"    (\d+) x Corrupt JPEG data: \d+ extraneous bytes before marker 0xd9$",
+                      r"    (\d+) x Corrupt JPEG data: premature end of data segment$",
                       proc.stdout, re.M)
     assert found and found[1] == found[2], proc.stdout
     debug = run_cli(["demo", "--data", str(tmp_path / "a.tar"), "--batch-size", "8",

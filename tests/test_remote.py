@@ -360,6 +360,25 @@ def test_a_shard_of_unknown_length_is_read_whole_then_mapped(http, local):
     assert remote == [s["__key__"] for s in read_local_tar(local[1])]
 
 
+def test_a_shard_of_unknown_length_loses_no_byte_to_short_writes(http, local, monkeypatch):
+    """A write that took only part of a chunk dropped the rest from the middle of the shard."""
+    import mmproxy.datasets._download as download
+
+    class HalfWrites:
+        """os for the download: each write takes half of what it is given (a byte at least)."""
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def write(fd, data):
+            return os.write(fd, data[:max(1, len(data) // 2)])
+
+    http.fail("r-2.tar", Fault("unsized"))
+    monkeypatch.setattr(download, "os", HalfWrites())
+    assert read_whole(http_urls(http)[2]) == Path(local[2]).read_bytes()
+
+
 def test_after_the_last_retry_skip_records_and_raise_names_the_url(http, image_server, caplog):
     urls = http_urls(http)
     http.fail("r-2.tar", Fault("status", status=500), times=None)

@@ -4,9 +4,10 @@ libjpeg prints "Corrupt JPEG data: 2 extraneous bytes before marker 0xd9" (and l
 "libpng warning: ...") straight to the process's stderr, from DALI's threads, for files that
 still decode. :class:`DecoderWarnings` sends the process's stderr (file descriptor 2, which
 DataLoader workers inherit) through a filter process: lines that are exactly such warnings are
-counted, every other line goes on to the real stderr as it came. The filter is a process of its
-own, so whatever the decoders or a crash write last still reaches the terminal if this process
-dies; it ignores Ctrl-C, and ends when every writer has closed its end.
+counted by kind (numbers read as N: "Corrupt JPEG data: N extraneous bytes before marker 0xN"),
+every other line goes on to the real stderr as it came. The filter is a process of its own, so
+whatever the decoders or a crash write last still reaches the terminal if this process dies; it
+ignores Ctrl-C, and ends when every writer has closed its end.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import subprocess
 import sys
+import time
 from collections import Counter
 from typing import IO, Any
 
@@ -28,6 +31,15 @@ WARNING = re.compile(
     r"Inconsistent progression sequence for component \d+ coefficient \d+|"
     r"Warning: thumbnail image size does not match data length \d+|libpng warning: .+")
 
+_NUMBER = re.compile(r"\b0x[0-9a-fA-F]+\b|\d+")
+_KINDS = 100  # the kinds counted apart; the warnings of any further kind are counted together
+_OTHER = "other decoder warnings"
+
+
+def _kind(line: str) -> str:
+    """A warning's kind: its line with every number read as N (hexadecimal ones as 0xN)."""
+    return _NUMBER.sub(lambda number: "0xN" if number[0].startswith("0x") else "N", line)
+
 
 def _filter(result_fd: int) -> None:
     """The filter process: stdin to stderr, warnings counted; the counts to ``result_fd``."""
@@ -38,12 +50,30 @@ def _filter(result_fd: int) -> None:
     for raw in sys.stdin.buffer:
         line = raw.decode(errors="replace").rstrip("\r\n")
         if WARNING.fullmatch(line):
-            counts[line] += 1
+            kind = _kind(line)
+            counts[kind if kind in counts or len(counts) < _KINDS else _OTHER] += 1
         else:
             sys.stderr.buffer.write(raw)
             sys.stderr.buffer.flush()
-    with os.fdopen(result_fd, "w") as result:
-        json.dump(counts, result)
+    left = memoryview(json.dumps(counts).encode())
+    try:
+        while left:
+            left = left[os.write(result_fd, left):]
+    except BrokenPipeError:
+        pass  # the command stopped waiting for the counts (a worker held stderr too long)
+    finally:
+        os.close(result_fd)
+
+
+def _read_all(fd: int, deadline: float) -> bytes | None:
+    """Everything ``fd`` gives until its end, or None where the end has not come by ``deadline``."""
+    chunks: list[bytes] = []
+    while (left := deadline - time.monotonic()) > 0 and select.select([fd], [], [], left)[0]:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+    return None
 
 
 class DecoderWarnings:
@@ -51,14 +81,15 @@ class DecoderWarnings:
 
     Attributes:
         terminal: A text stream on the real stderr (for a progress bar: ``isatty()`` tells).
-        counts: After the exit, each warning line and how many times it came.
+        counts: After the exit, each kind of warning (its line, numbers read as N) and how many
+            times it came; the kinds after the first hundred are counted together.
     """
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.terminal: IO[str] = sys.stderr
         self._saved = -1
-        self._result: IO[str] | None = None
+        self._result = -1
         self._proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> DecoderWarnings:
@@ -71,7 +102,7 @@ class DecoderWarnings:
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._saved,
             pass_fds=(write_end,), close_fds=True)
         os.close(write_end)
-        self._result = os.fdopen(read_end)
+        self._result = read_end
         assert self._proc.stdin is not None
         os.dup2(self._proc.stdin.fileno(), 2)
         self._proc.stdin.close()  # fd 2 (and the workers' copies) hold the pipe now
@@ -82,15 +113,24 @@ class DecoderWarnings:
         os.dup2(self._saved, 2)  # this process's end of the pipe is closed
         os.close(self._saved)
         self.terminal.close()
-        assert self._proc is not None and self._result is not None
-        try:  # every writer gone (workers included), the filter reports and ends; after an
-            # error the workers may not have ended yet: no waiting for them
-            self._proc.wait(timeout=10 if kind is None else 0.5)
-            self.counts = Counter(json.loads(self._result.read() or "{}"))
-        except (subprocess.TimeoutExpired, ValueError):
-            pass  # a process still holds the pipe: its lines still pass; no counts
+        assert self._proc is not None
+        # every writer gone (workers included), the filter reports and ends; after an error the
+        # workers may not have ended yet: no waiting for them. The counts are read before the
+        # wait: the filter ends only once they are all written.
+        try:
+            found = _read_all(self._result, time.monotonic() + (10 if kind is None else 0.5))
         finally:
-            self._result.close()
+            os.close(self._result)
+        if found is None:
+            return  # a process still holds the pipe: its lines still pass; no counts
+        try:
+            self.counts = Counter(json.loads(found or b"{}"))
+        except ValueError:
+            pass  # the filter died before it reported (its traceback went to the terminal)
+        try:
+            self._proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass  # it has reported and is ending
 
     def summary(self, limit: int = 3) -> list[str]:
         """Lines for people: how many warnings, and the most common ones."""
