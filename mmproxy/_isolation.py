@@ -25,7 +25,7 @@ from typing import Any
 
 from mmproxy import _context
 from mmproxy._dali import Pipe, named_sample, summary
-from mmproxy._runs import Run, RunSource
+from mmproxy._run import Run, RunSource
 from mmproxy.errors import PipelineError, with_remote_cause
 
 __all__ = ["Isolation", "Stopped", "describe"]

@@ -1,4 +1,5 @@
-"""Run: one batch of one server: its samples, inputs, outputs and state.
+"""Run: one batch of one server: its samples, inputs, outputs and state; and :class:`RunSource`,
+what the runner takes runs from.
 
 A run changes state only through :meth:`Run.move`, along the moves of its lifecycle
 (:mod:`mmproxy._lifecycle`). Runs live in their server's :class:`~mmproxy._runs.RunTable`, which
@@ -7,12 +8,13 @@ moves them under its lock.
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Protocol
 
 from mmproxy._lifecycle import RunState, moved
 from mmproxy._transport import Request
 
-__all__ = ["Run", "RunState"]
+__all__ = ["Run", "RunSource", "RunState"]
 
 
 class Run:
@@ -46,3 +48,28 @@ class Run:
         """The run failed with ``error``: its inputs are let go, and its resolver raises it."""
         self.move(RunState.FAILED, server)
         self.error, self.request = error, None
+
+
+class RunSource(Protocol):
+    """What the runner thread (:mod:`mmproxy._runner`) and its search for bad samples
+    (:mod:`mmproxy._isolation`) use of a server's runs: the :class:`RunTable` itself, or, for a
+    pipeline with a Prepare stage, :class:`~mmproxy._prepare.PreparedRuns` over it."""
+
+    name: str  # the server's name, for messages
+
+    def next(self, block: bool, stop: threading.Event) -> Run | None:
+        """The next run to feed (now SCHEDULED), or None (nothing yet, or ``stop`` set)."""
+        ...
+
+    def finish(self, run: Run, outputs: tuple[Any, ...], event: Any, *, kept: list[int] | None = None,
+               dropped: dict[int, str] | None = None) -> None:
+        """The run's outputs are ready (without the ``dropped`` samples, when given)."""
+        ...
+
+    def fail_run(self, run: Run, error: BaseException) -> None:
+        """The run failed (the server did not)."""
+        ...
+
+    def fail(self, error: BaseException) -> None:
+        """The server failed."""
+        ...

@@ -25,7 +25,7 @@ from typing import Any
 
 from mmproxy._dali import Pipe, summary
 from mmproxy._isolation import Isolation, Outputs, Stopped, describe
-from mmproxy._runs import Run, RunSource
+from mmproxy._run import Run, RunSource
 from mmproxy.errors import PipelineError, with_remote_cause
 
 __all__ = ["Runner"]

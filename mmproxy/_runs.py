@@ -30,11 +30,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import Any
 
 from mmproxy._epochs import Epochs, Tag
 from mmproxy._lifecycle import RunState, ServerState, moved
-from mmproxy._run import Run
+from mmproxy._run import Run, RunSource
 from mmproxy._schedule import Schedule
 from mmproxy._transport import Request
 from mmproxy.errors import (
@@ -51,31 +51,6 @@ __all__ = ["Request", "Run", "RunSource", "RunState", "RunTable", "ServerState"]
 _POLL = 0.05
 _DONE_KEPT = 8  # released runs kept (a batch's other outputs of the same run may follow)
 _DROPPED_KEPT = 4096  # ids of dropped runs remembered, to say why a reference cannot be served
-
-
-class RunSource(Protocol):
-    """What the runner thread (:mod:`mmproxy._runner`) and its search for bad samples
-    (:mod:`mmproxy._isolation`) use of a server's runs: the :class:`RunTable` itself, or, for a
-    pipeline with a Prepare stage, :class:`~mmproxy._prepare.PreparedRuns` over it."""
-
-    name: str  # the server's name, for messages
-
-    def next(self, block: bool, stop: threading.Event) -> Run | None:
-        """The next run to feed (now SCHEDULED), or None (nothing yet, or ``stop`` set)."""
-        ...
-
-    def finish(self, run: Run, outputs: tuple[Any, ...], event: Any, *, kept: list[int] | None = None,
-               dropped: dict[int, str] | None = None) -> None:
-        """The run's outputs are ready (without the ``dropped`` samples, when given)."""
-        ...
-
-    def fail_run(self, run: Run, error: BaseException) -> None:
-        """The run failed (the server did not)."""
-        ...
-
-    def fail(self, error: BaseException) -> None:
-        """The server failed."""
-        ...
 
 
 class RunTable:
