@@ -74,6 +74,7 @@ def _upgrade(entry: Mapping[str, Any], build: Build) -> dict[str, Any]:
         reader[ShardReader.NEXT] = int(saved["next"])
         plan = reader[ShardReader.PLAN]
         plan[ShardPlan.PASS], plan[ShardPlan.ITEM] = int(saved["pass"]), int(saved["item"])
+        plan[ShardPlan.SHARDS] = None  # the first version did not say which shards
         plan[ShardPlan.DEALT] = None if saved["plan"] is None else [tuple(w)
                                                                     for w in saved["plan"]]
     return state

@@ -9,10 +9,11 @@ resume, pass 0 is the list of work items the resume dealt to the worker instead.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from mmproxy.errors import ShardError
+from mmproxy.errors import ShardError, StateError
 
 from ._stage import Stage, generator
 
@@ -116,8 +117,8 @@ class ShardPlan(Stage):
     """
 
     NAME = "shard plan"
-    PASS, ITEM, DEALT = "pass", "item", "dealt"
-    KEYS = (PASS, ITEM, DEALT)
+    PASS, ITEM, DEALT, SHARDS = "pass", "item", "dealt", "shards"
+    KEYS = (PASS, ITEM, DEALT, SHARDS)
 
     def __init__(self, urls: Sequence[str], layout: Layout, *, source: int, shuffle: bool,
                  resampled: bool, dealt: Sequence[Work] | None = None) -> None:
@@ -157,13 +158,31 @@ class ShardPlan(Stage):
         """On to the next pass."""
         self.pass_, self.item, self._items = self.pass_ + 1, 0, None
 
+    def _shards(self) -> list[Any]:
+        """Which shards the plan is over, in order: their count and a digest of their names."""
+        digest = hashlib.sha256("\n".join(self.urls).encode()).hexdigest()[:16]
+        return [len(self.urls), digest]
+
+    def _same_shards(self, state: Mapping[str, Any]) -> None:
+        """Refuses a state saved over other shards: its positions would point into them (a
+        state converted from the first version of states says nothing, and is trusted)."""
+        saved = state[self.SHARDS]
+        if saved is not None and list(saved) != self._shards():
+            raise StateError(
+                f"the state was saved by a dataset over other shards ({saved[0]} of them) than "
+                f"this one's {len(self.urls)} (from {self.urls[0]!r}), or over the same ones in "
+                "another order or under other names; resume with the dataset built on the "
+                "shards it was saved with")
+
     def state_dict(self) -> dict[str, Any]:
         return self._pack(**{self.PASS: self.pass_, self.ITEM: self.item,
                              self.DEALT: None if self.dealt is None else
-                             [tuple(w) for w in self.dealt]})  # tuples: torch's weights_only
+                             [tuple(w) for w in self.dealt],  # tuples: torch's weights_only
+                             self.SHARDS: self._shards()})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state = self._unpack(state)
+        self._same_shards(state)
         dealt = state[self.DEALT]
         self.dealt = None if dealt is None else [Work(*w) for w in dealt]
         self.pass_, self.item, self._items = int(state[self.PASS]), int(state[self.ITEM]), None
@@ -172,6 +191,7 @@ class ShardPlan(Stage):
         """What a state of this plan has left: the item being read from sample ``start`` on,
         and the items after it (nothing when resampling: there is no end to draw up to)."""
         state = self._unpack(state)
+        self._same_shards(state)
         dealt = state[self.DEALT]
         plan = ShardPlan(self.urls, self.layout, source=self.source, shuffle=self.shuffle,
                          resampled=self.resampled,

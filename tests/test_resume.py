@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import braceexpand
 import numpy as np
 import pytest
 import torch
@@ -605,3 +606,16 @@ def test_two_loaders_without_workers_resume_each_their_own(shards, server, tmp_p
     b.load_state_dict(state_b)
     after_a, after_b, _ = run(a, b)
     assert (before_a + after_a, before_b + after_b) == (whole_a, whole_b)
+
+
+@pytest.mark.parametrize("workers", [2, 3])  # the same workers (exact), others (elastic)
+def test_a_state_of_other_shards_is_refused(shards, server, workers):
+    """A saved position points into the shards it was saved over: on other shards (fewer, or
+    the same under other names) it would read a mix of both sets, silently."""
+    _, state = _epochs(_dataset(shards, server).loader(server, num_workers=2), 1, 3)
+    fewer = shards.replace("{00..05}", "{00..04}")
+    for other in (fewer, [p.replace("/r-", "/./r-") for p in braceexpand.braceexpand(shards)]):
+        loader = _dataset(other, server).loader(server, num_workers=workers)
+        loader.load_state_dict(state)
+        with pytest.raises(mmproxy.StateError, match="saved by a dataset over other shards"):
+            next(iter(loader))
