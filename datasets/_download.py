@@ -12,6 +12,8 @@ import logging
 import os
 import random
 import threading
+import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Protocol
 
@@ -22,7 +24,13 @@ __all__ = ["MAX_BACKOFF", "Attempts", "Download", "Policy", "RemoteError", "Stop
 _FIRST_CHUNK = 64 << 10  # the first read of a body; each next one is twice as big, up to:
 _CHUNK = 1 << 20
 MAX_BACKOFF = 30.0  # seconds: the longest wait between two attempts
+DOWN_FOR = 120.0  # seconds after giving up on a server during which its next shards are not retried
 log = logging.getLogger("mmproxy.datasets.remote")
+# (policy, server) -> when a shard of that server was given up on (in this process): its next
+# shards fail at their first failure instead of being retried, so a server that stopped answering
+# costs one shard's retries, not every shard's
+_down: dict[tuple[int, str], float] = {}
+_down_lock = threading.Lock()
 
 
 class Policy(Protocol):
@@ -51,6 +59,7 @@ class Attempts:
 
     def __init__(self, url: str, label: str, options: Policy) -> None:
         self.url, self.label, self.options = url, label, options
+        self._server = (id(options), urllib.parse.urlsplit(url).netloc)
         self.failures = 0
         self.stopped = threading.Event()
         self.etag: str | None = None
@@ -72,12 +81,23 @@ class Attempts:
                                   f"{size}, now {response.size})")
             if self.etag is None:
                 self.etag = response.etag
+            with _down_lock:
+                _down.pop(self._server, None)  # it answers again
             return response
 
     def failed(self, err: Transient) -> None:
-        """Counts a failure: sleeps before the next attempt, or raises after the last."""
+        """Counts a failure: sleeps before the next attempt, or raises after the last (at once
+        when this server's last shard was given up on less than :data:`DOWN_FOR` ago)."""
         self.failures += 1
+        now = time.monotonic()
+        with _down_lock:
+            since = now - _down.get(self._server, -DOWN_FOR)
+        if since < DOWN_FOR:
+            raise RemoteError(f"{err} (not retried: the server's shard before it was given up on "
+                              f"{since:.0f} s ago)") from None
         if self.failures > self.options.retries:
+            with _down_lock:
+                _down[self._server] = now
             raise RemoteError(f"{err} (gave up after {self.failures} attempts)") from None
         delay = min(self.options.backoff * 2 ** (self.failures - 1), MAX_BACKOFF)
         delay *= random.uniform(0.5, 1.0)

@@ -237,6 +237,10 @@ class SkipReport:
                                      self.summary() + "\n" + self._first_shards())
 
     def _empty(self) -> None:
+        if self.shards and not self.samples_skipped:
+            hint = f"{self.shards_text()} tried, and none could be read"
+            raise EmptyEpochError(f"no sample could be used ({hint}):\n{self.summary()}\n"
+                                  f"{self._first_shards()}")
         hint = ("check the shard paths, the field extensions and the field functions"
                 if self.skipped else "check that the shard pattern matches files with samples")
         raise EmptyEpochError(f"no sample could be used ({hint}):\n{self.summary()}")

@@ -780,3 +780,21 @@ def test_an_empty_shard_is_reported_as_empty_not_as_unreadable(good_shard, image
         only_empty.check(0.1, final=True)
     merged = SkipReport.merged([report.state_dict(), only_empty.state_dict()], epoch=3)
     assert merged.shards_text() == "1 unreadable and 2 empty shard(s)"
+
+
+def test_an_epoch_whose_every_shard_failed_says_so():
+    """Nothing delivered because no shard could be read: the error says that and names them,
+    instead of pointing at the field extensions and functions."""
+    from mmproxy.skips import SkipKind, SkippedSample, SkipReport
+
+    report = SkipReport(epoch=0)
+    report.add(0, [SkippedSample(f"http://h/s-{i}.tar", "", "unreadable shard: no answer within "
+                                 "10 s (gave up after 6 attempts)", SkipKind.UNREADABLE_SHARD)
+                   for i in range(4)], shards_tried=4)
+    with pytest.raises(mmproxy.EmptyEpochError) as raised:
+        report.check(0.1, final=True)
+    text = str(raised.value)
+    assert text.startswith("no sample could be used (4 unreadable shard(s) tried, and none could "
+                           "be read)")
+    assert "http://h/s-0.tar: unreadable shard: no answer within 10 s" in text
+    assert "field extensions" not in text

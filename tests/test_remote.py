@@ -655,3 +655,24 @@ def test_cache_a_failed_download_leaves_nothing_and_frees_the_lock(http, tmp_pat
     assert cache_files(cache) == ([], [])
     assert len(list(read_remote_tar(url, opts))) == PER_SHARD  # the lock is free again
     assert len(cache_files(cache)[0]) == 1 and http.requests["r-0.tar"] == 3
+
+
+def test_a_server_given_up_on_is_not_retried_for_its_next_shards():
+    """A server that stopped answering costs one shard's retries: the next shards of that server
+    (with the same options) fail at their first failure, so a run of many shards on it reaches
+    its skip limit in seconds per shard instead of a minute each; another server's are retried."""
+    from mmproxy.datasets._download import Attempts
+
+    options = RemoteOptions(**QUICK)
+    with silent_server() as url, silent_server() as other:
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match=r"gave up after 3 attempts"):
+            Attempts(f"{url}/a.tar", "a", options).connect(0, None)
+        first = time.monotonic() - start
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match=r"not retried: the server's shard before it was "
+                                              r"given up on \d+ s ago"):
+            Attempts(f"{url}/b.tar", "b", options).connect(0, None)
+        assert time.monotonic() - start < first / 2
+        with pytest.raises(RemoteError, match=r"gave up after 3 attempts"):
+            Attempts(f"{other}/c.tar", "c", options).connect(0, None)
