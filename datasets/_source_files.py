@@ -72,11 +72,16 @@ def plan(source: Path, output: Path, kind: str, left_out: list[LeftOut]) -> list
     planned: list[Planned] = []
     captions: list[Path] = []
     stems: set[Path] = set()  # of every media file found, written or not
+    inside: list[str] = []  # source files in the output folder (it lies inside the source)
     for path in sorted(source.rglob("*")):
-        if not path.is_file() or out_dir in path.resolve().parents:
+        if not path.is_file():
             continue
         rel = path.relative_to(source)
         suffix = path.suffix.lower()
+        if out_dir in path.resolve().parents:
+            if suffix in suffixes:
+                inside.append(rel.as_posix())
+            continue
         class_name = rel.parts[0] if len(rel.parts) > 1 else None  # ImageFolder: top folder
         if any(part.startswith(".") for part in rel.parts):
             left_out.append(LeftOut(rel.as_posix(), Reason.HIDDEN.value, Reason.HIDDEN))
@@ -101,6 +106,11 @@ def plan(source: Path, output: Path, kind: str, left_out: list[LeftOut]) -> list
             left_out.append(LeftOut(path.relative_to(source).as_posix(),
                                     f"a caption with no {media} beside it", Reason.LONE_CAPTION))
     left_out.sort(key=lambda item: item.path)
+    if inside:
+        raise ValueError(
+            f"the output folder {output} is inside the source folder and holds {len(inside)} "
+            f"{media} file(s) of it (e.g. {inside[0]}), which would be left out: write the shards "
+            "to a folder outside the source, or to an empty one")
     return planned
 
 

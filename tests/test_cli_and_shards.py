@@ -69,6 +69,21 @@ def image_folder(root, per_class=3):
 # make-shards: the output folder ------------------------------------------------------------
 
 
+def test_an_output_folder_inside_the_source_that_holds_its_files_is_refused(tmp_path):
+    """An output folder that is one of the source's class folders: its images would be left out
+    (a whole class missing from the set and from classes.json), so it is refused; an empty
+    output folder inside the source is fine (it is not read)."""
+    src = image_folder(tmp_path / "src")
+    with pytest.raises(ValueError, match=r"the output folder .*dog_house is inside the source "
+                                         r"folder and holds 3 image file\(s\) of it \(e\.g\. "
+                                         r"dog_house/0\.png\)"):
+        make_shards(src, src / "dog_house")
+    assert not list((src / "dog_house").glob("*.tar"))
+    written = make_shards(src, src / "shards")
+    assert sorted(json.loads((src / "shards" / "classes.json").read_text())) == ["cat", "dog_house"]
+    assert written and all("/shards/" in p for p in written)
+
+
 def test_a_folder_with_shards_is_refused_and_overwrite_replaces_exactly_them(tmp_path):
     src, out = image_folder(tmp_path / "src", per_class=2), tmp_path / "out"
     first = make_shards(src, out, max_count=1)
