@@ -134,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "reader",
                            description="Runs the same data side by side through every system and "
                            "prints throughput ratios; writes JSON (and a PNG with --plot).")
-    bench.add_argument("--workload", default="image",
+    bench.add_argument("--workload", default=None,
                        help="image, audio, image-text, video, machinery, a comma-separated "
-                       "list, or all (default image)")
+                       "list, or all (default image; with --data, what your shards' field is)")
     bench.add_argument("--no-next-epoch-prefetch", dest="next_epoch", action="store_false",
                        help="mmproxy: do not prepare the next epoch's first batch early")
     bench.add_argument("--prefetch", type=_POSITIVE, default=2,

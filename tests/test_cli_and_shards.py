@@ -1185,6 +1185,12 @@ def test_the_bench_on_your_video_and_flac_shards(tmp_path):
                         "--systems", "mmproxy,torch")
     assert {name: s.get("samples") for name, s in results["audio"]["systems"].items()} == {
         "mmproxy": 6, "torch": 6}
+    # a --workload that is not what the shards hold is refused, not silently replaced
+    proc = run_cli(["bench", "--data", str(tmp_path / "audio"), "--workload", "image", "--device",
+                    "cpu"], tmp_path)
+    assert proc.returncode == 1 and re.search(
+        r"--workload image does not apply to --data: the bench loads one heavy field of your "
+        r"shards, here '[a-z;]+' \(the audio workload\)", proc.stderr), proc.stderr
 
 
 # decoder noise -------------------------------------------------------------------------------

@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
     gpu, device_id = resolve_device(args.device)
     folder = Path(args.data_dir or cache_dir() / "bench")
-    workloads = (list(WORKLOADS) if args.workload == "all"
-                 else [w.strip() for w in args.workload.split(",")])
+    asked = args.workload or "image"
+    workloads = list(WORKLOADS) if asked == "all" else [w.strip() for w in asked.split(",")]
     unknown = set(workloads) - set(WORKLOADS)
     if unknown:
         raise ValueError(f"unknown workload(s) {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
@@ -209,6 +209,10 @@ def _user_setup(args: argparse.Namespace, folder: Path, gpu: bool,
             raise ValueError(f"the first sample of {first} has no image, audio or video field "
                              f"(it has {', '.join(exts)}); name one with --field")
         field = families[workload]
+    if args.workload is not None and args.workload != workload:
+        raise ValueError(f"--workload {args.workload} does not apply to --data: the bench loads "
+                         f"one heavy field of your shards, here {field!r} (the {workload} "
+                         "workload); name another with --field")
     batch = args.batch_size or _BATCH[workload][0 if gpu else 1]
     print(f"mmproxy bench: your data, {len(paths)} shard(s), field {field!r} ({workload} "
           "workload)", flush=True)
