@@ -199,6 +199,8 @@ _CODEC_WORDS = {
 }
 _CODEC = re.compile(r"nvImageCodec failure: '#(\d+)'")
 _UNDECODED = re.compile(r"Failed to decode sample #\d+\s*:?\s*(.*)")
+# the audio decoder's: it names a file it has none of (its input is bytes in memory)
+_AUDIO_UNDECODED = re.compile(r"Error decoding file \S*\s*\.?\s*Error:\s*(.*)")
 
 
 def _in_words(line: str) -> str:
@@ -208,7 +210,7 @@ def _in_words(line: str) -> str:
         status = int(codec.group(1))
         words = _CODEC_WORDS.get(status, "the image codec failed")
         return f"{words} (nvImageCodec status {status})"
-    undecoded = _UNDECODED.match(line)
+    undecoded = _UNDECODED.match(line) or _AUDIO_UNDECODED.match(line)
     if undecoded is not None:
         detail = undecoded.group(1).strip()
         return ("the decoder could not decode the data" + (f": {detail}" if detail else

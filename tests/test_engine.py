@@ -301,6 +301,8 @@ def test_decoded_arrays_are_refused_at_the_proxy_call(tmp_path):
                                    "status 4)"),
     ("nvImageCodec failure: '#3'", "the image data is damaged"),
     ("std::bad_alloc", "ran out of memory"),
+    ('Error decoding file . Error: Assert on "ret == audio.shape[0]" failed',
+     'the decoder could not decode the data: Assert on "ret == audio.shape[0]" failed'),
 ])
 def test_pipeline_errors_are_said_in_words(line, words):
     from mmproxy._dali import summary
