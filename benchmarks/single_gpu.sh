@@ -13,7 +13,8 @@
 #   PART=video-options  DALI's in-memory decoder with its build_index and affine options, against
 #                  PyAV in the workers and DALI's video reader
 #   PART=nvdec     benchmarks/video_bench.py on 256 clips of 596x336, one system a call: NVDEC in
-#                  the server (12 decode threads, then 4, 8, 16, 24), PyTorch workers
+#                  the server (12 decode threads, then 4, 8, 16, 24), PyTorch workers; then 96
+#                  clips of 1280x720: NVDEC, PyAV in the workers, PyTorch workers
 #   PART=damage    mmproxy on a copy of the image shards with 1% of the JPEGs damaged (KIND:
 #                  truncate or corrupt), against the same shards clean
 #   PART=remote    benchmarks/remote_bench.py (rounds interleaved) with the HTTP and S3 servers on
@@ -60,7 +61,12 @@ nvdec)  # one system a call: PyTorch's workers crash when they run after NVDEC i
   v --systems torch --json "$out/video-596x336-torch.json"
   for n in 4 8 16 24; do
     v --decode-threads "$n" --systems mmproxy-nvdec --json "$out/video-596x336-nvdec-threads$n.json"
-  done ;;
+  done
+  big() { one 150 python3 benchmarks/video_bench.py --clips 96 --resolution 1280x720 --workers 15 \
+            --threads 8 --epochs 3 --data-dir /tmp/vbench "$@" 2>&1 | grep -a "clips/s"; }
+  big --decode-threads 12 --systems mmproxy-nvdec --json "$out/video-1280x720-nvdec.json"
+  big --systems mmproxy-pyav --json "$out/video-1280x720-pyav.json"
+  big --systems torch --json "$out/video-1280x720-torch.json" ;;
 damage)
   kind=${KIND:-truncate}
   one 400 bench --workload image --systems mmproxy,dali-reader --samples 16384 --workers 15 \
