@@ -41,6 +41,7 @@ import multiprocessing
 import os
 import random
 import re
+import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -233,7 +234,12 @@ def main() -> None:
     parser.add_argument("--cpu-share", type=float, default=0.25,
                         help="mmproxy-mixed: the share of the clips the workers decode")
     parser.add_argument("--resolution", default="320x240", help="WIDTHxHEIGHT of the clips")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="Python's thread switch interval in seconds for this process "
+                        "(sys.setswitchinterval; Python's default 0.005)")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     width, height = (int(v) for v in args.resolution.split("x"))
     gpu, device_id, _, folder = _harness.setup(args)
     shards, files = write_clips(folder, args.clips, width, height)
