@@ -1,0 +1,374 @@
+"""SPDL loader: the bench's ``spdl`` and ``spdl-gpu`` systems, the shards through a thread
+pipeline of SPDL (``spdl.pipeline``) that decodes with SPDL's media library (``spdl.io``).
+
+One process, no DataLoader workers: every stage runs on threads of one pipeline, built once and
+iterated once an epoch (its source starts over at each epoch's end)::
+
+    main thread                       SPDL's pipeline (its event loop and thread pool)
+    -----------                       ------------------------------------------------
+                                      shard paths, one pass an epoch
+                                        -> read: webdataset's tar reader, one shard a task
+                                           (`helpers` tasks at once)
+                                        -> decode: spdl.io demux + decode through an FFmpeg
+                                           filter graph (`--workers` tasks at once)
+                                        -> aggregate: the batch's samples
+                                        -> collate: one buffer for the batch
+                                           (`helpers` tasks at once)
+                                        -> to the GPU (on a GPU: one thread, its own stream)
+    time_epochs  <-- batches --------   sink (a queue of 3 batches)
+
+Thread counts: decoding runs ``--workers`` tasks at once (at least one), as many as the other
+systems have worker processes; reading shards and collating run ``helpers`` tasks each, one for
+every four decoders (at least one). ``--threads`` (DALI's) does not apply. Decoding releases
+the GIL (FFmpeg's work is in C++), so the decoders use as many cores.
+
+What each workload does, as the ``torch`` system does it:
+
+- image: the crop window of torchvision's RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) drawn
+  from the image's size (its header, as SPDL demuxes it) and a flip, applied by FFmpeg's filters
+  (``crop``, ``hflip``, ``scale`` to 224x224, bilinear, RGB) as it decodes; the batch is one
+  uint8 NHWC buffer, normalized to float32 NCHW (torch; on a GPU after the copy, on the GPU).
+  ``spdl-gpu`` decodes with nvJPEG on the GPU instead and crops, resizes and flips the decoded
+  image there with torchvision v2.
+- audio: WAV read by SPDL's WAV reader (a view of the samples), downmixed to mono and resampled
+  to 16 kHz by torchaudio; other formats decoded, downmixed and resampled by FFmpeg; float32.
+  The batch is zero-padded to its longest clip with the clips' lengths, as
+  :func:`~mmproxy.apps.bench.workers.pad_collate` does.
+
+Like a plain loader it skips nothing: a sample that fails stops the epoch with an error that
+names it and its shard. Where SPDL is not installed, or it finds no FFmpeg libraries it was
+built for (FFmpeg 4 to 9; ``benchmarks/spdl_ffmpeg.sh`` makes PyAV's usable), the system is
+reported as not run, with the reason.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from mmproxy.apps.bench.timing import time_epochs
+from mmproxy.apps.bench.workers import call_named, named_fields, pad_collate
+
+if TYPE_CHECKING:
+    import torch
+
+    from mmproxy.apps.bench.systems import Setup
+
+__all__ = ["SIZE", "SpdlAudio", "SpdlImage", "run_spdl", "spdl_missing"]
+
+SIZE = 224  # the image workload's crops, as every system's
+_SAMPLE_RATE = 16000  # the audio workload's rate
+_ITEM_TIMEOUT_S = 600.0  # the longest wait for one batch: past it the pipeline is taken as hung
+
+
+def spdl_missing(gpu_decode: bool = False) -> str | None:
+    """Why SPDL cannot run here ("not run: ..."), or None when it can: not installed, none of
+    its FFmpeg builds loads, or (``gpu_decode``) its CUDA build does not load or has no nvJPEG."""
+    try:
+        import spdl.io
+        import spdl.io.utils
+        import spdl.pipeline  # noqa: F401
+    except ImportError as err:
+        return f"not run: SPDL is not installed ({err}; pip install 'mmproxy[spdl]')"
+    try:
+        spdl.io.utils.get_ffmpeg_versions()
+    except (RuntimeError, OSError) as err:
+        return (f"not run: SPDL loads none of its FFmpeg builds (FFmpeg 4 to 9): "
+                f"{_load_errors(err)}; install FFmpeg's libraries (Debian 12: apt-get install "
+                "libavcodec59 libavformat59 libavfilter8 libavdevice59), or use PyAV's: "
+                "benchmarks/spdl_ffmpeg.sh")
+    if gpu_decode:
+        import torch  # its CUDA runtime first: SPDL's CUDA build links the same library
+
+        if not torch.cuda.is_available():
+            return "not run: spdl-gpu decodes on a GPU, and there is none"
+        if not spdl.io.utils.built_with_nvjpeg():
+            try:
+                from spdl.io.lib import _libspdl_cuda
+
+                _libspdl_cuda.built_with_nvjpeg()
+                why = "SPDL's CUDA build has no nvJPEG"
+            except (RuntimeError, OSError) as err:
+                why = f"SPDL's CUDA build does not load: {_load_errors(err)}"
+            return f"not run: {why}"
+    return None
+
+
+def _load_errors(err: BaseException) -> str:
+    """SPDL's "Failed to import libspdl. "build: reason", ..." as "build: reason; ...", each
+    reason once."""
+    import re
+
+    found = re.findall(r'"spdl\.io\.lib\.(\w+): ([^"]+)"', str(err))
+    if not found:
+        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    reasons: dict[str, list[str]] = {}
+    for build, reason in found:
+        reasons.setdefault(reason, []).append(build)
+    return "; ".join(f"{', '.join(builds)}: {reason}" for reason, builds in reasons.items())
+
+
+class SpdlImage:
+    """One JPEG (or any image FFmpeg decodes) to a ``SIZE`` x ``SIZE`` RGB frame: a random crop
+    window and flip drawn in Python from the image's size, applied by FFmpeg's filter graph
+    while it decodes. Returns SPDL's ``ImageFrames`` (batched by :meth:`collate`)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        import spdl.io
+
+        from mmproxy.pipelines import RandomResizedCrop
+
+        self.rng = random.Random(seed)
+        self.crop = RandomResizedCrop("data", (0.08, 1.0), (3 / 4, 4 / 3), 0.5)
+        self.tail = spdl.io.get_video_filter_desc(scale_width=SIZE, scale_height=SIZE,
+                                                  scale_mode=None, scale_algo="bilinear",
+                                                  pix_fmt="rgb24")
+
+    def __call__(self, data: bytes) -> Any:
+        import spdl.io
+
+        packets = spdl.io.demux_image(data)
+        codec = packets.codec
+        if codec is None:
+            raise ValueError("FFmpeg finds no image in it")
+        x, y, w, h = self.crop.window(codec.width, codec.height, self.rng)
+        flip = "hflip," if self.rng.random() < 0.5 else ""
+        return spdl.io.decode_packets(packets, filter_desc=f"crop={w}:{h}:{x}:{y},{flip}{self.tail}")
+
+    @staticmethod
+    def collate(frames: list[Any]) -> torch.Tensor:
+        """The batch's frames as one uint8 NHWC tensor (SPDL copies them into one buffer)."""
+        import spdl.io
+
+        return spdl.io.to_torch(spdl.io.convert_frames(frames))
+
+
+class SpdlAudio:
+    """One clip to a float32 mono waveform at 16 kHz. WAV through SPDL's own WAV reader
+    (``spdl.io.load_wav``: a view of the samples, no FFmpeg), downmixed and resampled by
+    torchaudio as the ``torch`` system does; any other format (FLAC, OGG, ...) decoded,
+    downmixed and resampled by FFmpeg (``aformat``, ``aresample``). Batched by
+    :func:`~mmproxy.apps.bench.workers.pad_collate`."""
+
+    _SCALE = {"int16": 2.0 ** 15, "int32": 2.0 ** 31, "uint8": 2.0 ** 7}  # to [-1, 1)
+
+    def __init__(self) -> None:
+        import spdl.io
+
+        self.filter = spdl.io.get_audio_filter_desc(sample_rate=_SAMPLE_RATE, num_channels=1,
+                                                    sample_fmt="fltp")
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        import numpy as np
+        import spdl.io
+        import torch
+        import torchaudio
+
+        if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+            frames = spdl.io.decode_packets(spdl.io.demux_audio(data), filter_desc=self.filter)
+            return spdl.io.to_torch(spdl.io.convert_frames(frames))[0]  # planar: (channel, time)
+        rate = spdl.io.parse_wav(data).sample_rate
+        samples = np.asarray(spdl.io.load_wav(data))  # (time, channel)
+        clip = torch.from_numpy(samples).to(torch.float32).mean(dim=1)
+        if samples.dtype == np.uint8:
+            clip -= 128
+        if samples.dtype.name in self._SCALE:
+            clip /= self._SCALE[samples.dtype.name]
+        return torchaudio.functional.resample(clip, rate, _SAMPLE_RATE)
+
+
+class _Normalize:
+    """uint8 NHWC images to float32 NCHW, ImageNet's mean and std (0-255 units)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        from mmproxy.pipelines import IMAGENET_MEAN, IMAGENET_STD
+
+        std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+        self.scale, self.shift = 1 / std, -torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) / std
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        if self.scale.device != batch.device:
+            self.scale, self.shift = self.scale.to(batch.device), self.shift.to(batch.device)
+        out = batch.permute(0, 3, 1, 2).contiguous().to(torch.float32)  # each pass contiguous
+        return out.mul_(self.scale).add_(self.shift)
+
+
+class _NvjpegImage:
+    """``spdl-gpu``: one JPEG decoded by nvJPEG on the GPU, then the crop window and flip drawn
+    as :class:`SpdlImage` draws them, cut, resized (bilinear, antialiased) and flipped there with
+    torchvision v2: a uint8 CHW tensor on the GPU."""
+
+    def __init__(self, device_id: int, seed: int | None = None) -> None:
+        import spdl.io
+        import torch
+
+        from mmproxy.pipelines import RandomResizedCrop
+
+        self.rng = random.Random(seed)
+        self.crop = RandomResizedCrop("data", (0.08, 1.0), (3 / 4, 4 / 3), 0.5)
+        self.config = spdl.io.cuda_config(
+            device_index=device_id,
+            allocator=(torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete))
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        import spdl.io
+        from torchvision.transforms.v2 import functional as F
+
+        image = spdl.io.to_torch(spdl.io.decode_image_nvjpeg(data, device_config=self.config))
+        height, width = image.shape[-2:]
+        x, y, w, h = self.crop.window(width, height, self.rng)
+        image = F.resized_crop(image, y, x, h, w, [SIZE, SIZE], antialias=True)
+        return image.flip(-1) if self.rng.random() < 0.5 else image
+
+    @staticmethod
+    def collate(images: list[torch.Tensor]) -> torch.Tensor:
+        """The batch as one uint8 NHWC tensor on the GPU (as :meth:`SpdlImage.collate` gives)."""
+        import torch
+
+        return torch.stack(images).permute(0, 2, 3, 1)
+
+
+class _Rebatch:
+    """An SPDL ``Aggregator``: shards' lists of samples in, lists of full batches out (one list per
+    shard that completes any); the epoch's last, partial batch at its end."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.held: list[Any] = []
+
+    def accumulate(self, samples: list[Any]) -> list[list[Any]] | None:
+        self.held.extend(samples)
+        full = len(self.held) - len(self.held) % self.size
+        if not full:
+            return None
+        batches = [self.held[i:i + self.size] for i in range(0, full, self.size)]
+        del self.held[:full]
+        return batches
+
+    def flush(self) -> list[list[Any]] | None:
+        rest, self.held = self.held, []
+        return [rest] if rest else None
+
+
+class _FirstError:
+    """Stage ops that keep the first exception any of them raised (SPDL's pipeline logs a failed
+    stage and ends the epoch; its iterator does not carry the stage's exception)."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+
+    def wrap(self, op: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def run(item: Any) -> Any:
+            try:
+                return op(item)
+            except BaseException as err:
+                with self.lock:
+                    self.error = self.error or err
+                raise
+
+        return run
+
+
+class _Batch:
+    """A batch of (where, bytes) decoded sample by sample (each error names its sample), then
+    collated."""
+
+    def __init__(self, decode: Any, collate: Any) -> None:
+        self.decode, self.collate = decode, collate
+
+    def __call__(self, samples: list[tuple[str, bytes]]) -> Any:
+        return self.collate([call_named(self.decode, where, data) for where, data in samples])
+
+
+def _pipeline(setup: Setup, gpu_decode: bool, errors: _FirstError) -> Any:
+    """The workload's SPDL pipeline (module docstring), not started; its stages' first error
+    goes to ``errors``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spdl.pipeline import PipelineBuilder
+    from spdl.pipeline.defs import Aggregator
+
+    Aggregator.register(_Rebatch)  # its interface (accumulate, flush), without importing SPDL early
+    decoders = max(1, setup.args.workers)
+    readers = max(1, min(decoders // 4, len(setup.paths)))
+    decode: Any
+    collate: Callable[[list[Any]], Any]
+    if setup.modality == "audio":
+        decode, collate = SpdlAudio(), pad_collate
+    else:
+        decode = _NvjpegImage(setup.device_id or 0) if gpu_decode else SpdlImage()
+        collate = decode.collate
+        if not setup.gpu:  # on a GPU: normalized there, after the copy (or the decode there)
+            normalize = _Normalize()
+            collate = lambda frames: normalize(decode.collate(frames))  # noqa: E731
+    ext = setup.ext
+
+    def read(path: str) -> list[tuple[str, bytes]]:
+        return list(named_fields([path], ext))
+
+    rebatch: Any = _Rebatch(setup.batch)
+    builder: Any = (PipelineBuilder[str, Any]().add_source(setup.paths, continuous=True)
+               .pipe(errors.wrap(read), concurrency=readers, name="read")
+               .aggregate(rebatch).disaggregate()
+               .pipe(errors.wrap(_Batch(decode, collate)), concurrency=decoders, name="decode"))
+    if setup.gpu:
+        builder = builder.pipe(errors.wrap(_ToGpu(setup.modality == "image", gpu_decode)),
+                               executor=ThreadPoolExecutor(1, thread_name_prefix="spdl-to-gpu"),
+                               name="to_gpu")
+    return builder.add_sink(3).build(num_threads=decoders + readers, max_failures=0)
+
+
+class _ToGpu:
+    """The batch onto the GPU (SPDL's ``transfer_tensor_h2d``: pinned, on its own stream; already
+    there for ``spdl-gpu``); images normalized there."""
+
+    def __init__(self, images: bool, on_gpu: bool) -> None:
+        self.normalize = _Normalize() if images else None
+        self.on_gpu = on_gpu
+
+    def __call__(self, batch: Any) -> Any:
+        import spdl.io
+
+        if not self.on_gpu:
+            batch = spdl.io.transfer_tensor_h2d(batch)
+        return self.normalize(batch) if self.normalize else batch
+
+
+def run_spdl(setup: Setup, gpu_decode: bool = False) -> dict[str, Any]:
+    """The ``spdl`` system (``gpu_decode``: ``spdl-gpu``) on the workload, timed by
+    :func:`~mmproxy.apps.bench.timing.time_epochs`; "not run" with the reason where SPDL or its
+    FFmpeg (or, for ``spdl-gpu``, its CUDA build) cannot run."""
+    missing = spdl_missing(gpu_decode)
+    if missing:
+        return {"error": missing}
+    import logging
+
+    import torch
+
+    errors = _FirstError()
+    pipeline = _pipeline(setup, gpu_decode, errors)
+    intra_op, log = torch.get_num_threads(), logging.getLogger("spdl")
+    level = log.level
+    torch.set_num_threads(1)  # as in a DataLoader worker: the pipeline's tasks are the parallelism
+    log.setLevel(logging.CRITICAL)  # a failed stage's traceback, logged by each layer: raised below
+    try:
+        with pipeline.auto_stop():
+            return time_epochs(lambda: pipeline.get_iterator(timeout=_ITEM_TIMEOUT_S),
+                               setup.args.epochs, setup.gpu)
+    except Exception as err:
+        if errors.error is not None:  # the stage's own error, naming the sample
+            raise errors.error from None
+        if isinstance(err, queue.Empty):
+            raise TimeoutError(f"SPDL's pipeline gave no batch in {_ITEM_TIMEOUT_S:g} s") from None
+        raise
+    finally:
+        torch.set_num_threads(intra_op)
+        log.setLevel(level)
