@@ -149,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "prefetch_queue_depth=2*workers), dali-reader (fn.readers.webdataset, no Python), "
                        "spdl (SPDL's thread pipeline and FFmpeg decoding, --workers decoding "
                        "threads; image, audio; pip install 'mmproxy[spdl]'), spdl-gpu (the same "
-                       "with nvJPEG on the GPU; image), mmproxy-http, mmproxy-s3, mmproxy-cached (the image shards served by a local "
-                       "HTTP or S3 server, or through the node cache)")
+                       "with nvJPEG on the GPU; image), mmproxy-http, mmproxy-s3, mmproxy-cached "
+                       "(the image shards served by a local HTTP or S3 server, or through the "
+                       "node cache)")
     bench.add_argument("--server-cpus", default=None,
                        help="mmproxy-http/-s3/-cached: run the local shard servers on these cores "
                        "(like 16-31), apart from the loader's, as a remote server would be")

@@ -172,7 +172,7 @@ class SpdlAudio:
             return spdl.io.to_torch(spdl.io.convert_frames(frames))[0]  # planar: (channel, time)
         rate = spdl.io.parse_wav(data).sample_rate
         samples = np.asarray(spdl.io.load_wav(data))  # (time, channel)
-        clip = torch.from_numpy(samples).to(torch.float32).mean(dim=1)
+        clip = torch.from_numpy(samples.astype(np.float32)).mean(dim=1)  # a view of bytes: copied
         if samples.dtype == np.uint8:
             clip -= 128
         if samples.dtype.name in self._SCALE:
