@@ -4,23 +4,30 @@ pipeline of SPDL (``spdl.pipeline``) that decodes with SPDL's media library (``s
 One process, no DataLoader workers: every stage runs on threads of one pipeline, built once and
 iterated once an epoch (its source starts over at each epoch's end)::
 
-    main thread                       SPDL's pipeline (its event loop and thread pool)
-    -----------                       ------------------------------------------------
-                                      shard paths, one pass an epoch
-                                        -> read: webdataset's tar reader, one shard a task
-                                           (`helpers` tasks at once)
-                                        -> decode: spdl.io demux + decode through an FFmpeg
-                                           filter graph (`--workers` tasks at once)
-                                        -> aggregate: the batch's samples
-                                        -> collate: one buffer for the batch
-                                           (`helpers` tasks at once)
-                                        -> to the GPU (on a GPU: one thread, its own stream)
-    time_epochs  <-- batches --------   sink (a queue of 3 batches)
+    main thread                     SPDL's pipeline (its event loop and a pool of threads)
+    -----------                     -----------------------------------------------------
+                                    shard paths, one pass an epoch
+                                      -> read: a shard's samples (webdataset's tar reader),
+                                         one shard a task, `readers` tasks at once
+                                      -> rebatch (an Aggregator, on the event loop): lists of
+                                         `batch` samples, the epoch's last one partial
+                                      -> decode: one batch a task, `--workers` tasks at once:
+                                         each sample through spdl.io, then collated
+                                      -> to the GPU (on a GPU: one thread, its own stream)
+    time_epochs  <-- batches ------   sink (a queue of 3 batches)
+
+A task handles a whole shard or a whole batch: SPDL's event loop costs a fraction of a
+millisecond per item it hands to a thread, more than decoding a small JPEG on a second core, so
+per-sample stages would make the event loop the bottleneck (as a DataLoader worker makes a whole
+batch, a task here does).
 
 Thread counts: decoding runs ``--workers`` tasks at once (at least one), as many as the other
-systems have worker processes; reading shards and collating run ``helpers`` tasks each, one for
-every four decoders (at least one). ``--threads`` (DALI's) does not apply. Decoding releases
-the GIL (FFmpeg's work is in C++), so the decoders use as many cores.
+systems have worker processes; reading runs ``readers`` tasks, one for every four decoders (at
+least one, at most one a shard). ``--threads`` (DALI's) does not apply. SPDL's decoding
+releases the GIL (FFmpeg's work is in C++), so the decoders use as many cores; while the
+pipeline runs, torch's own ops use one thread each (``torch.set_num_threads(1)``, as in a
+DataLoader worker). The bench's CPU accounting counts SPDL's Python threads as
+``server-threads`` and threads Python does not know (FFmpeg's) as ``dali-threads``.
 
 What each workload does, as the ``torch`` system does it:
 
