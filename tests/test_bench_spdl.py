@@ -35,10 +35,9 @@ def _spdl_or_skip(gpu_decode=False):
 
 
 def _spdl_epoch(setup, gpu_decode=False):
-    from mmproxy.apps.bench.spdl_loader import _FirstError, _pipeline
+    from mmproxy.apps.bench.spdl_loader import running
 
-    pipeline = _pipeline(setup, gpu_decode, _FirstError())
-    with pipeline.auto_stop():
+    with running(setup, gpu_decode) as pipeline:
         return list(pipeline.get_iterator(timeout=60))
 
 
@@ -85,7 +84,7 @@ def test_spdl_gives_the_torch_systems_audio_batches(tmp_path):
 def test_spdl_decodes_other_audio_formats_through_ffmpeg(tmp_path):
     """FLAC (not WAV) goes through FFmpeg's decoder and resampler: mono, 16 kHz, float32."""
     _spdl_or_skip()
-    from mmproxy.apps.bench.spdl_loader import SpdlAudio
+    from mmproxy.apps.bench.spdl_decode import SpdlAudio
     from mmproxy.testing import audio_bytes, synth_speech
 
     clip = SpdlAudio()(audio_bytes(synth_speech(0, 1.5, 44100), 44100, "FLAC"))
@@ -189,3 +188,30 @@ def test_spdl_systems_on_a_gpu_give_normalized_batches_there(tmp_path, system):
     batches = _spdl_epoch(setup, gpu_decode=system == "spdl-gpu")
     assert sorted(b.shape for b in batches) == [(4, 3, 224, 224), (8, 3, 224, 224)]
     assert all(b.is_cuda and b.dtype == torch.float32 for b in batches)
+
+
+class _StalledPipeline:
+    """What SPDL's pipeline sometimes does after a stage fails: no batch, no end of the epoch."""
+
+    def get_iterator(self, timeout):
+        self.timeout = timeout
+        return self
+
+    def __next__(self):
+        raise TimeoutError(f"no item in {self.timeout} s")
+
+
+@pytest.mark.timeout(30)
+def test_a_stalled_spdl_pipeline_raises_the_failed_stages_error_or_times_out(monkeypatch):
+    from mmproxy.apps.bench import spdl_loader
+
+    monkeypatch.setattr(spdl_loader, "_POLL_S", 0.01)
+    errors = spdl_loader._FirstError()
+    failing = errors.wrap(lambda item: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing(0)
+    with pytest.raises(ZeroDivisionError):  # the stage's error, not a wait for ever
+        list(spdl_loader._epoch(_StalledPipeline(), errors))
+    monkeypatch.setattr(spdl_loader, "_ITEM_TIMEOUT_S", 0.05)
+    with pytest.raises(TimeoutError, match=r"^SPDL's pipeline gave no batch in 0.05 s; no stage "):
+        list(spdl_loader._epoch(_StalledPipeline(), spdl_loader._FirstError()))

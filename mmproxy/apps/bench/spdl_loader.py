@@ -50,25 +50,23 @@ reported as not run, with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import queue
-import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from mmproxy.apps.bench.spdl_decode import Normalize, NvjpegImage, SpdlAudio, SpdlImage
 from mmproxy.apps.bench.timing import time_epochs
 from mmproxy.apps.bench.workers import call_named, named_fields, pad_collate
 
 if TYPE_CHECKING:
-    import torch
-
     from mmproxy.apps.bench.systems import Setup
 
-__all__ = ["SIZE", "SpdlAudio", "SpdlImage", "run_spdl", "spdl_missing"]
+__all__ = ["run_spdl", "running", "spdl_missing"]
 
-SIZE = 224  # the image workload's crops, as every system's
-_SAMPLE_RATE = 16000  # the audio workload's rate
 _ITEM_TIMEOUT_S = 600.0  # the longest wait for one batch: past it the pipeline is taken as hung
+_POLL_S = 0.5  # how often a wait for a batch looks for a failed stage
 
 
 def spdl_missing(gpu_decode: bool = False) -> str | None:
@@ -116,130 +114,6 @@ def _load_errors(err: BaseException) -> str:
     for build, reason in found:
         reasons.setdefault(reason, []).append(build)
     return "; ".join(f"{', '.join(builds)}: {reason}" for reason, builds in reasons.items())
-
-
-class SpdlImage:
-    """One JPEG (or any image FFmpeg decodes) to a ``SIZE`` x ``SIZE`` RGB frame: a random crop
-    window and flip drawn in Python from the image's size, applied by FFmpeg's filter graph
-    while it decodes. Returns SPDL's ``ImageFrames`` (batched by :meth:`collate`)."""
-
-    def __init__(self, seed: int | None = None) -> None:
-        import spdl.io
-
-        from mmproxy.pipelines import RandomResizedCrop
-
-        self.rng = random.Random(seed)
-        self.crop = RandomResizedCrop("data", (0.08, 1.0), (3 / 4, 4 / 3), 0.5)
-        self.tail = spdl.io.get_video_filter_desc(scale_width=SIZE, scale_height=SIZE,
-                                                  scale_mode=None, scale_algo="bilinear",
-                                                  pix_fmt="rgb24")
-
-    def __call__(self, data: bytes) -> Any:
-        import spdl.io
-
-        packets = spdl.io.demux_image(data)
-        codec = packets.codec
-        if codec is None:
-            raise ValueError("FFmpeg finds no image in it")
-        x, y, w, h = self.crop.window(codec.width, codec.height, self.rng)
-        flip = "hflip," if self.rng.random() < 0.5 else ""
-        return spdl.io.decode_packets(packets, filter_desc=f"crop={w}:{h}:{x}:{y},{flip}{self.tail}")
-
-    @staticmethod
-    def collate(frames: list[Any]) -> torch.Tensor:
-        """The batch's frames as one uint8 NHWC tensor (SPDL copies them into one buffer)."""
-        import spdl.io
-
-        return spdl.io.to_torch(spdl.io.convert_frames(frames))
-
-
-class SpdlAudio:
-    """One clip to a float32 mono waveform at 16 kHz. WAV through SPDL's own WAV reader
-    (``spdl.io.load_wav``: a view of the samples, no FFmpeg), downmixed and resampled by
-    torchaudio as the ``torch`` system does; any other format (FLAC, OGG, ...) decoded,
-    downmixed and resampled by FFmpeg (``aformat``, ``aresample``). Batched by
-    :func:`~mmproxy.apps.bench.workers.pad_collate`."""
-
-    _SCALE = {"int16": 2.0 ** 15, "int32": 2.0 ** 31, "uint8": 2.0 ** 7}  # to [-1, 1)
-
-    def __init__(self) -> None:
-        import spdl.io
-
-        self.filter = spdl.io.get_audio_filter_desc(sample_rate=_SAMPLE_RATE, num_channels=1,
-                                                    sample_fmt="fltp")
-
-    def __call__(self, data: bytes) -> torch.Tensor:
-        import numpy as np
-        import spdl.io
-        import torch
-        import torchaudio
-
-        if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
-            frames = spdl.io.decode_packets(spdl.io.demux_audio(data), filter_desc=self.filter)
-            return spdl.io.to_torch(spdl.io.convert_frames(frames))[0]  # planar: (channel, time)
-        rate = spdl.io.parse_wav(data).sample_rate
-        samples = np.asarray(spdl.io.load_wav(data))  # (time, channel)
-        clip = torch.from_numpy(samples.astype(np.float32)).mean(dim=1)  # a view of bytes: copied
-        if samples.dtype == np.uint8:
-            clip -= 128
-        if samples.dtype.name in self._SCALE:
-            clip /= self._SCALE[samples.dtype.name]
-        return torchaudio.functional.resample(clip, rate, _SAMPLE_RATE)
-
-
-class _Normalize:
-    """uint8 NHWC images to float32 NCHW, ImageNet's mean and std (0-255 units)."""
-
-    def __init__(self) -> None:
-        import torch
-
-        from mmproxy.pipelines import IMAGENET_MEAN, IMAGENET_STD
-
-        std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
-        self.scale, self.shift = 1 / std, -torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) / std
-
-    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        if self.scale.device != batch.device:
-            self.scale, self.shift = self.scale.to(batch.device), self.shift.to(batch.device)
-        out = batch.permute(0, 3, 1, 2).contiguous().to(torch.float32)  # each pass contiguous
-        return out.mul_(self.scale).add_(self.shift)
-
-
-class _NvjpegImage:
-    """``spdl-gpu``: one JPEG decoded by nvJPEG on the GPU, then the crop window and flip drawn
-    as :class:`SpdlImage` draws them, cut, resized (bilinear, antialiased) and flipped there with
-    torchvision v2: a uint8 CHW tensor on the GPU."""
-
-    def __init__(self, device_id: int, seed: int | None = None) -> None:
-        import spdl.io
-        import torch
-
-        from mmproxy.pipelines import RandomResizedCrop
-
-        self.rng = random.Random(seed)
-        self.crop = RandomResizedCrop("data", (0.08, 1.0), (3 / 4, 4 / 3), 0.5)
-        self.config = spdl.io.cuda_config(
-            device_index=device_id,
-            allocator=(torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete))
-
-    def __call__(self, data: bytes) -> torch.Tensor:
-        import spdl.io
-        from torchvision.transforms.v2 import functional as F
-
-        image = spdl.io.to_torch(spdl.io.decode_image_nvjpeg(data, device_config=self.config))
-        height, width = image.shape[-2:]
-        x, y, w, h = self.crop.window(width, height, self.rng)
-        image = F.resized_crop(image, y, x, h, w, [SIZE, SIZE], antialias=True)
-        return image.flip(-1) if self.rng.random() < 0.5 else image
-
-    @staticmethod
-    def collate(images: list[torch.Tensor]) -> torch.Tensor:
-        """The batch as one uint8 NHWC tensor on the GPU (as :meth:`SpdlImage.collate` gives)."""
-        import torch
-
-        return torch.stack(images).permute(0, 2, 3, 1)
 
 
 class _Rebatch:
@@ -295,11 +169,21 @@ class _Batch:
         return self.collate([call_named(self.decode, where, data) for where, data in samples])
 
 
-def _pipeline(setup: Setup, gpu_decode: bool, errors: _FirstError) -> Any:
-    """The workload's SPDL pipeline (module docstring), not started; its stages' first error
-    goes to ``errors``."""
+@contextlib.contextmanager
+def running(setup: Setup, gpu_decode: bool = False,
+            errors: _FirstError | None = None) -> Iterator[Any]:
+    """The workload's SPDL pipeline (module docstring; ``gpu_decode``: ``spdl-gpu``'s), started,
+    its stages' first error kept in ``errors``; stopped, and its GPU thread ended, on the way
+    out. Iterate ``pipeline.get_iterator(timeout=...)`` once an epoch."""
     from concurrent.futures import ThreadPoolExecutor
 
+    with ThreadPoolExecutor(1, thread_name_prefix="spdl-to-gpu") as gpu_thread:
+        pipeline = _pipeline(setup, gpu_decode, errors or _FirstError(), gpu_thread)
+        with pipeline.auto_stop():
+            yield pipeline
+
+
+def _pipeline(setup: Setup, gpu_decode: bool, errors: _FirstError, gpu_thread: Any) -> Any:
     from spdl.pipeline import PipelineBuilder
     from spdl.pipeline.defs import Aggregator
 
@@ -311,10 +195,10 @@ def _pipeline(setup: Setup, gpu_decode: bool, errors: _FirstError) -> Any:
     if setup.modality == "audio":
         decode, collate = SpdlAudio(), pad_collate
     else:
-        decode = _NvjpegImage(setup.device_id or 0) if gpu_decode else SpdlImage()
+        decode = NvjpegImage(setup.device_id or 0) if gpu_decode else SpdlImage()
         collate = decode.collate
         if not setup.gpu:  # on a GPU: normalized there, after the copy (or the decode there)
-            normalize = _Normalize()
+            normalize = Normalize()
             collate = lambda frames: normalize(decode.collate(frames))  # noqa: E731
     ext = setup.ext
 
@@ -322,14 +206,14 @@ def _pipeline(setup: Setup, gpu_decode: bool, errors: _FirstError) -> Any:
         return list(named_fields([path], ext))
 
     rebatch: Any = _Rebatch(setup.batch)
-    builder: Any = (PipelineBuilder[str, Any]().add_source(setup.paths, continuous=True)
-               .pipe(errors.wrap(read), concurrency=readers, name="read")
-               .aggregate(rebatch).disaggregate()
-               .pipe(errors.wrap(_Batch(decode, collate)), concurrency=decoders, name="decode"))
+    builder: Any = (
+        PipelineBuilder[str, Any]().add_source(setup.paths, continuous=True)
+        .pipe(errors.wrap(read), concurrency=readers, name="read")
+        .aggregate(rebatch).disaggregate()
+        .pipe(errors.wrap(_Batch(decode, collate)), concurrency=decoders, name="decode"))
     if setup.gpu:
         builder = builder.pipe(errors.wrap(_ToGpu(setup.modality == "image", gpu_decode)),
-                               executor=ThreadPoolExecutor(1, thread_name_prefix="spdl-to-gpu"),
-                               name="to_gpu")
+                               executor=gpu_thread, name="to_gpu")
     return builder.add_sink(3).build(num_threads=decoders + readers, max_failures=0)
 
 
@@ -338,7 +222,7 @@ class _ToGpu:
     there for ``spdl-gpu``); images normalized there."""
 
     def __init__(self, images: bool, on_gpu: bool) -> None:
-        self.normalize = _Normalize() if images else None
+        self.normalize = Normalize() if images else None
         self.on_gpu = on_gpu
 
     def __call__(self, batch: Any) -> Any:
@@ -361,21 +245,40 @@ def run_spdl(setup: Setup, gpu_decode: bool = False) -> dict[str, Any]:
     import torch
 
     errors = _FirstError()
-    pipeline = _pipeline(setup, gpu_decode, errors)
     intra_op, log = torch.get_num_threads(), logging.getLogger("spdl")
     level = log.level
     torch.set_num_threads(1)  # as in a DataLoader worker: the pipeline's tasks are the parallelism
     log.setLevel(logging.CRITICAL)  # a failed stage's traceback, logged by each layer: raised below
     try:
-        with pipeline.auto_stop():
-            return time_epochs(lambda: pipeline.get_iterator(timeout=_ITEM_TIMEOUT_S),
-                               setup.args.epochs, setup.gpu)
-    except Exception as err:
+        with running(setup, gpu_decode, errors) as pipeline:
+            return time_epochs(lambda: _epoch(pipeline, errors), setup.args.epochs, setup.gpu)
+    except Exception:
         if errors.error is not None:  # the stage's own error, naming the sample
             raise errors.error from None
-        if isinstance(err, queue.Empty):
-            raise TimeoutError(f"SPDL's pipeline gave no batch in {_ITEM_TIMEOUT_S:g} s") from None
         raise
     finally:
         torch.set_num_threads(intra_op)
         log.setLevel(level)
+
+
+def _epoch(pipeline: Any, errors: _FirstError) -> Iterator[Any]:
+    """One epoch's batches. The wait for each looks for a failed stage every ``_POLL_S`` and
+    raises its error: after a stage fails, SPDL's pipeline may stop without ending the epoch, and
+    its iterator would wait for a batch that never comes."""
+    batches = pipeline.get_iterator(timeout=_POLL_S)
+    waited = 0.0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (TimeoutError, queue.Empty):  # SPDL's timeout: nothing yet
+            if errors.error is not None:
+                raise errors.error from None
+            waited += _POLL_S
+            if waited >= _ITEM_TIMEOUT_S:
+                raise TimeoutError(f"SPDL's pipeline gave no batch in {_ITEM_TIMEOUT_S:g} s; "
+                                   "no stage failed") from None
+            continue
+        waited = 0.0
+        yield batch
