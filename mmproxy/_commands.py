@@ -147,8 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "torch-tensor (torchvision.io.decode_jpeg + v2), dali-proxy "
                        "(DALI's own proxy), dali-proxy-seed (the same with its documentation's "
                        "prefetch_queue_depth=2*workers), dali-reader (fn.readers.webdataset, no Python), "
-                       "mmproxy-http, mmproxy-s3, mmproxy-cached (the image shards served by a local "
-                       "HTTP or S3 server, or through the node cache)")
+                       "spdl (SPDL's thread pipeline and FFmpeg decoding, --workers decoding "
+                       "threads; image, audio; pip install 'mmproxy[spdl]'), spdl-gpu (the same "
+                       "with nvJPEG on the GPU; image), mmproxy-http, mmproxy-s3, mmproxy-cached "
+                       "(the image shards served by a local HTTP or S3 server, or through the "
+                       "node cache)")
     bench.add_argument("--server-cpus", default=None,
                        help="mmproxy-http/-s3/-cached: run the local shard servers on these cores "
                        "(like 16-31), apart from the loader's, as a remote server would be")

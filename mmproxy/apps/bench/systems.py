@@ -17,6 +17,12 @@ dali-proxy-seed    DALI's proxy with its documentation's        image, audio, ma
                    setting: prefetch_queue_depth=2*workers
 dali-reader        fn.readers.webdataset, no Python (video:     image, audio, image-text,
                    fn.decoders.video, on a GPU only)            video
+spdl               SPDL's thread pipeline: webdataset's tar     image, audio
+                   reader, spdl.io's FFmpeg decode and filters
+                   (:mod:`~mmproxy.apps.bench.spdl_loader`),
+                   threads, no workers
+spdl-gpu           spdl with nvJPEG decoding on the GPU and     image (on a GPU)
+                   torchvision v2 there
 mmproxy-http       mmproxy on the shards served over HTTP by a  image, audio, image-text
                    local server process
 mmproxy-s3         ... by a local S3-compatible server (moto)   image, audio, image-text
@@ -192,6 +198,12 @@ def _dali_proxy(setup: Setup, seed_setting: bool = False) -> dict[str, Any]:
             _stop_workers(loader)
 
 
+def _spdl(setup: Setup, gpu_decode: bool = False) -> dict[str, Any]:
+    from mmproxy.apps.bench.spdl_loader import run_spdl
+
+    return run_spdl(setup, gpu_decode)
+
+
 def _decode(data: bytes) -> str:
     return data.decode()
 
@@ -265,6 +277,8 @@ SYSTEMS: dict[str, System] = {system.name: system for system in (
            partial(_dali_proxy, seed_setting=True), dali_without_checks=True),
     System("dali-reader", frozenset({"image", "audio", "image-text", "video"}), _dali_reader,
            has_workers=False, dali_without_checks=True),
+    System("spdl", frozenset({"image", "audio"}), _spdl, has_workers=False),
+    System("spdl-gpu", frozenset({"image"}), partial(_spdl, gpu_decode=True), has_workers=False),
     *(System(name, frozenset({"image", "audio", "image-text"}), partial(_remote, name))
       for name in ("mmproxy-http", "mmproxy-s3", "mmproxy-cached")),
 )}

@@ -13,8 +13,8 @@ import torch
 
 from mmproxy.pipelines import IMAGENET_MEAN, IMAGENET_STD
 
-__all__ = ["ProxyCall", "TinySamples", "TorchImage", "TorchVideo", "WdsSamples", "pad_collate",
-           "torch_audio"]
+__all__ = ["ProxyCall", "TinySamples", "TorchImage", "TorchVideo", "WdsSamples", "call_named",
+           "named_fields", "pad_collate", "torch_audio"]
 
 
 class WdsSamples(torch.utils.data.IterableDataset):
@@ -26,22 +26,34 @@ class WdsSamples(torch.utils.data.IterableDataset):
         self.paths, self.ext, self.fn = paths, ext, fn
 
     def __iter__(self) -> Iterator[Any]:
-        import webdataset as wds
-
         info = torch.utils.data.get_worker_info()
         mine = self.paths[info.id::info.num_workers] if info else self.paths
-        exts = self.ext.split(";")  # alternatives: the first a sample has
-        for sample in wds.tariterators.tarfile_samples({"url": u} for u in mine):
-            where = f"sample {sample.get('__key__')!r} of {sample.get('__url__')}"
-            ext = next((e for e in exts if e in sample), None)
-            if ext is None:
-                fields = ", ".join(k for k in sample if not k.startswith("__"))
-                raise ValueError(f"{where} has no {self.ext!r} field (it has {fields})")
-            try:
-                data = self.fn(sample[ext])
-            except Exception as err:  # noqa: BLE001 - said with the sample, then raised
-                raise RuntimeError(f"{where}: {type(err).__name__}: {err}") from err
-            yield data
+        for where, data in named_fields(mine, self.ext):
+            yield call_named(self.fn, where, data)
+
+
+def named_fields(paths: list[str], ext: str) -> Iterator[tuple[str, bytes]]:
+    """Each sample's ``ext`` field (``jpg;png``: the first of them it has) in the shards
+    ``paths`` (webdataset's tar reader), with where it is in words ("sample KEY of SHARD"). A
+    sample without the field is a ValueError naming it."""
+    import webdataset as wds
+
+    exts = ext.split(";")  # alternatives: the first a sample has
+    for sample in wds.tariterators.tarfile_samples({"url": u} for u in paths):
+        where = f"sample {sample.get('__key__')!r} of {sample.get('__url__')}"
+        found = next((e for e in exts if e in sample), None)
+        if found is None:
+            fields = ", ".join(k for k in sample if not k.startswith("__"))
+            raise ValueError(f"{where} has no {ext!r} field (it has {fields})")
+        yield where, sample[found]
+
+
+def call_named(fn: Callable[[bytes], Any], where: str, data: bytes) -> Any:
+    """``fn(data)``; what it raises comes back as a RuntimeError that starts with ``where``."""
+    try:
+        return fn(data)
+    except Exception as err:  # noqa: BLE001 - said with the sample, then raised
+        raise RuntimeError(f"{where}: {type(err).__name__}: {err}") from err
 
 
 class TinySamples(torch.utils.data.Dataset):

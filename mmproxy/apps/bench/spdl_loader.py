@@ -1,0 +1,284 @@
+"""SPDL loader: the bench's ``spdl`` and ``spdl-gpu`` systems, the shards through a thread
+pipeline of SPDL (``spdl.pipeline``) that decodes with SPDL's media library (``spdl.io``).
+
+One process, no DataLoader workers: every stage runs on threads of one pipeline, built once and
+iterated once an epoch (its source starts over at each epoch's end)::
+
+    main thread                     SPDL's pipeline (its event loop and a pool of threads)
+    -----------                     -----------------------------------------------------
+                                    shard paths, one pass an epoch
+                                      -> read: a shard's samples (webdataset's tar reader),
+                                         one shard a task, `readers` tasks at once
+                                      -> rebatch (an Aggregator, on the event loop): lists of
+                                         `batch` samples, the epoch's last one partial
+                                      -> decode: one batch a task, `--workers` tasks at once:
+                                         each sample through spdl.io, then collated
+                                      -> to the GPU (on a GPU: one thread, its own stream)
+    time_epochs  <-- batches ------   sink (a queue of 3 batches)
+
+A task handles a whole shard or a whole batch: SPDL's event loop costs a fraction of a
+millisecond per item it hands to a thread, more than decoding a small JPEG on a second core, so
+per-sample stages would make the event loop the bottleneck (as a DataLoader worker makes a whole
+batch, a task here does).
+
+Thread counts: decoding runs ``--workers`` tasks at once (at least one), as many as the other
+systems have worker processes; reading runs ``readers`` tasks, one for every four decoders (at
+least one, at most one a shard). ``--threads`` (DALI's) does not apply. SPDL's decoding
+releases the GIL (FFmpeg's work is in C++), so the decoders use as many cores; while the
+pipeline runs, torch's own ops use one thread each (``torch.set_num_threads(1)``, as in a
+DataLoader worker). The bench's CPU accounting counts SPDL's Python threads as
+``server-threads`` and threads Python does not know (FFmpeg's) as ``dali-threads``.
+
+What each workload does, as the ``torch`` system does it:
+
+- image: the crop window of torchvision's RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) drawn
+  from the image's size (its header, as SPDL demuxes it) and a flip, applied by FFmpeg's filters
+  (``crop``, ``hflip``, ``scale`` to 224x224, bilinear, RGB) as it decodes; the batch is one
+  uint8 NHWC buffer, normalized to float32 NCHW (torch; on a GPU after the copy, on the GPU).
+  ``spdl-gpu`` decodes with nvJPEG on the GPU instead and crops, resizes and flips the decoded
+  image there with torchvision v2.
+- audio: WAV read by SPDL's WAV reader (a view of the samples), downmixed to mono and resampled
+  to 16 kHz by torchaudio; other formats decoded, downmixed and resampled by FFmpeg; float32.
+  The batch is zero-padded to its longest clip with the clips' lengths, as
+  :func:`~mmproxy.apps.bench.workers.pad_collate` does.
+
+Like a plain loader it skips nothing: a sample that fails stops the epoch with an error that
+names it and its shard. Where SPDL is not installed, or it finds no FFmpeg libraries it was
+built for (FFmpeg 4 to 9; ``benchmarks/spdl_ffmpeg.sh`` makes PyAV's usable), the system is
+reported as not run, with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from mmproxy.apps.bench.spdl_decode import Normalize, NvjpegImage, SpdlAudio, SpdlImage
+from mmproxy.apps.bench.timing import time_epochs
+from mmproxy.apps.bench.workers import call_named, named_fields, pad_collate
+
+if TYPE_CHECKING:
+    from mmproxy.apps.bench.systems import Setup
+
+__all__ = ["run_spdl", "running", "spdl_missing"]
+
+_ITEM_TIMEOUT_S = 600.0  # the longest wait for one batch: past it the pipeline is taken as hung
+_POLL_S = 0.5  # how often a wait for a batch looks for a failed stage
+
+
+def spdl_missing(gpu_decode: bool = False) -> str | None:
+    """Why SPDL cannot run here ("not run: ..."), or None when it can: not installed, none of
+    its FFmpeg builds loads, or (``gpu_decode``) its CUDA build does not load or has no nvJPEG."""
+    try:
+        import spdl.io
+        import spdl.io.utils
+        import spdl.pipeline  # noqa: F401
+    except ImportError as err:
+        return f"not run: SPDL is not installed ({err}; pip install 'mmproxy[spdl]')"
+    try:
+        spdl.io.utils.get_ffmpeg_versions()
+    except (RuntimeError, OSError) as err:
+        return (f"not run: SPDL loads none of its FFmpeg builds (FFmpeg 4 to 9): "
+                f"{_load_errors(err)}; install FFmpeg's libraries (Debian 12: apt-get install "
+                "libavcodec59 libavformat59 libavfilter8 libavdevice59), or use PyAV's: "
+                "benchmarks/spdl_ffmpeg.sh")
+    if gpu_decode:
+        import torch  # its CUDA runtime first: SPDL's CUDA build links the same library
+
+        if not torch.cuda.is_available():
+            return "not run: spdl-gpu decodes on a GPU, and there is none"
+        if not spdl.io.utils.built_with_nvjpeg():
+            try:
+                from spdl.io.lib import _libspdl_cuda
+
+                _libspdl_cuda.built_with_nvjpeg()
+                why = "SPDL's CUDA build has no nvJPEG"
+            except (RuntimeError, OSError) as err:
+                why = f"SPDL's CUDA build does not load: {_load_errors(err)}"
+            return f"not run: {why}"
+    return None
+
+
+def _load_errors(err: BaseException) -> str:
+    """SPDL's "Failed to import libspdl. "build: reason", ..." as "build: reason; ...", each
+    reason once."""
+    import re
+
+    found = re.findall(r'"spdl\.io\.lib\.(\w+): ([^"]+)"', str(err))
+    if not found:
+        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    reasons: dict[str, list[str]] = {}
+    for build, reason in found:
+        reasons.setdefault(reason, []).append(build)
+    return "; ".join(f"{', '.join(builds)}: {reason}" for reason, builds in reasons.items())
+
+
+class _Rebatch:
+    """An SPDL ``Aggregator``: shards' lists of samples in, lists of full batches out (one list per
+    shard that completes any); the epoch's last, partial batch at its end."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.held: list[Any] = []
+
+    def accumulate(self, samples: list[Any]) -> list[list[Any]] | None:
+        self.held.extend(samples)
+        full = len(self.held) - len(self.held) % self.size
+        if not full:
+            return None
+        batches = [self.held[i:i + self.size] for i in range(0, full, self.size)]
+        del self.held[:full]
+        return batches
+
+    def flush(self) -> list[list[Any]] | None:
+        rest, self.held = self.held, []
+        return [rest] if rest else None
+
+
+class _FirstError:
+    """Stage ops that keep the first exception any of them raised (SPDL's pipeline logs a failed
+    stage and ends the epoch; its iterator does not carry the stage's exception)."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+
+    def wrap(self, op: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def run(item: Any) -> Any:
+            try:
+                return op(item)
+            except BaseException as err:
+                with self.lock:
+                    self.error = self.error or err
+                raise
+
+        return run
+
+
+class _Batch:
+    """A batch of (where, bytes) decoded sample by sample (each error names its sample), then
+    collated."""
+
+    def __init__(self, decode: Any, collate: Any) -> None:
+        self.decode, self.collate = decode, collate
+
+    def __call__(self, samples: list[tuple[str, bytes]]) -> Any:
+        return self.collate([call_named(self.decode, where, data) for where, data in samples])
+
+
+@contextlib.contextmanager
+def running(setup: Setup, gpu_decode: bool = False,
+            errors: _FirstError | None = None) -> Iterator[Any]:
+    """The workload's SPDL pipeline (module docstring; ``gpu_decode``: ``spdl-gpu``'s), started,
+    its stages' first error kept in ``errors``; stopped, and its GPU thread ended, on the way
+    out. Iterate ``pipeline.get_iterator(timeout=...)`` once an epoch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="spdl-to-gpu") as gpu_thread:
+        pipeline = _pipeline(setup, gpu_decode, errors or _FirstError(), gpu_thread)
+        with pipeline.auto_stop():
+            yield pipeline
+
+
+def _pipeline(setup: Setup, gpu_decode: bool, errors: _FirstError, gpu_thread: Any) -> Any:
+    from spdl.pipeline import PipelineBuilder
+    from spdl.pipeline.defs import Aggregator
+
+    Aggregator.register(_Rebatch)  # its interface (accumulate, flush), without importing SPDL early
+    decoders = max(1, setup.args.workers)
+    readers = max(1, min(decoders // 4, len(setup.paths)))
+    decode: Any
+    collate: Callable[[list[Any]], Any]
+    if setup.modality == "audio":
+        decode, collate = SpdlAudio(), pad_collate
+    else:
+        decode = NvjpegImage(setup.device_id or 0) if gpu_decode else SpdlImage()
+        collate = decode.collate
+        if not setup.gpu:  # on a GPU: normalized there, after the copy (or the decode there)
+            normalize = Normalize()
+            collate = lambda frames: normalize(decode.collate(frames))  # noqa: E731
+    ext = setup.ext
+
+    def read(path: str) -> list[tuple[str, bytes]]:
+        return list(named_fields([path], ext))
+
+    rebatch: Any = _Rebatch(setup.batch)
+    builder: Any = (
+        PipelineBuilder[str, Any]().add_source(setup.paths, continuous=True)
+        .pipe(errors.wrap(read), concurrency=readers, name="read")
+        .aggregate(rebatch).disaggregate()
+        .pipe(errors.wrap(_Batch(decode, collate)), concurrency=decoders, name="decode"))
+    if setup.gpu:
+        builder = builder.pipe(errors.wrap(_ToGpu(setup.modality == "image", gpu_decode)),
+                               executor=gpu_thread, name="to_gpu")
+    return builder.add_sink(3).build(num_threads=decoders + readers, max_failures=0)
+
+
+class _ToGpu:
+    """The batch onto the GPU (SPDL's ``transfer_tensor_h2d``: pinned, on its own stream; already
+    there for ``spdl-gpu``); images normalized there."""
+
+    def __init__(self, images: bool, on_gpu: bool) -> None:
+        self.normalize = Normalize() if images else None
+        self.on_gpu = on_gpu
+
+    def __call__(self, batch: Any) -> Any:
+        import spdl.io
+
+        if not self.on_gpu:
+            batch = spdl.io.transfer_tensor_h2d(batch)
+        return self.normalize(batch) if self.normalize else batch
+
+
+def run_spdl(setup: Setup, gpu_decode: bool = False) -> dict[str, Any]:
+    """The ``spdl`` system (``gpu_decode``: ``spdl-gpu``) on the workload, timed by
+    :func:`~mmproxy.apps.bench.timing.time_epochs`; "not run" with the reason where SPDL or its
+    FFmpeg (or, for ``spdl-gpu``, its CUDA build) cannot run."""
+    missing = spdl_missing(gpu_decode)
+    if missing:
+        return {"error": missing}
+    import logging
+
+    import torch
+
+    errors = _FirstError()
+    intra_op, log = torch.get_num_threads(), logging.getLogger("spdl")
+    level = log.level
+    torch.set_num_threads(1)  # as in a DataLoader worker: the pipeline's tasks are the parallelism
+    log.setLevel(logging.CRITICAL)  # a failed stage's traceback, logged by each layer: raised below
+    try:
+        with running(setup, gpu_decode, errors) as pipeline:
+            return time_epochs(lambda: _epoch(pipeline, errors), setup.args.epochs, setup.gpu)
+    except Exception:
+        if errors.error is not None:  # the stage's own error, naming the sample
+            raise errors.error from None
+        raise
+    finally:
+        torch.set_num_threads(intra_op)
+        log.setLevel(level)
+
+
+def _epoch(pipeline: Any, errors: _FirstError) -> Iterator[Any]:
+    """One epoch's batches. The wait for each looks for a failed stage every ``_POLL_S`` and
+    raises its error: after a stage fails, SPDL's pipeline may stop without ending the epoch, and
+    its iterator would wait for a batch that never comes."""
+    batches = pipeline.get_iterator(timeout=_POLL_S)
+    waited = 0.0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (TimeoutError, queue.Empty):  # SPDL's timeout: nothing yet
+            if errors.error is not None:
+                raise errors.error from None
+            waited += _POLL_S
+            if waited >= _ITEM_TIMEOUT_S:
+                raise TimeoutError(f"SPDL's pipeline gave no batch in {_ITEM_TIMEOUT_S:g} s; "
+                                   "no stage failed") from None
+            continue
+        waited = 0.0
+        yield batch
