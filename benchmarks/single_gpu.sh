@@ -7,7 +7,8 @@
 #                  (SYSTEMS: mmproxy, DALI's reader, DALI's proxy with its defaults and with its
 #                  documentation's prefetch_queue_depth=2*workers; add torch for PyTorch workers)
 #   PART=photos    the same on shards of real photographs (benchmarks/photo_shards.py)
-#   PART=audio     mmproxy bench on 4,096 WAV clips, 5 epochs x 3 runs (SYSTEMS as for image)
+#   PART=audio     mmproxy bench on CLIPS WAV clips (default 4,096), 5 epochs x 3 runs (SYSTEMS
+#                  as for image)
 #   PART=video     benchmarks/video_bench.py on 512 H.264 clips of 596x336: PyAV in the workers,
 #                  PyTorch workers, DALI's in-memory decoder, DALI's reader and proxy
 #   PART=video-options  DALI's in-memory decoder with its build_index and affine options, against
@@ -41,9 +42,11 @@ photos)
     --runs 3 --systems "${SYSTEMS:-mmproxy,dali-reader,dali-proxy,dali-proxy-seed}" \
     --json "$out/image-photographs.json" 2>&1 | quiet 12 ;;
 audio)  # --samples counts images: the audio workload writes a quarter as many clips
-  one 540 bench --workload audio --samples 16384 --workers 15 --threads 8 --data-dir /tmp/bench \
-    --epochs 5 --runs 3 --systems "${SYSTEMS:-mmproxy,dali-reader,dali-proxy,torch}" \
-    --json "$out/audio-systems.json" 2>&1 | quiet 12 ;;
+  clips=${CLIPS:-4096}
+  one 540 bench --workload audio --samples $((clips * 4)) --workers 15 --threads 8 \
+    --data-dir /tmp/bench --epochs 5 --runs 3 \
+    --systems "${SYSTEMS:-mmproxy,dali-reader,dali-proxy,torch}" \
+    --json "$out/audio-$clips-systems.json" 2>&1 | quiet 12 ;;
 video)
   one 540 python3 benchmarks/video_bench.py --clips 512 --resolution 596x336 --workers 15 \
     --threads 8 --epochs 2 --data-dir /tmp/vbench \
