@@ -29,7 +29,6 @@ class SpdlImage:
         from mmproxy.pipelines import RandomResizedCrop
 
         load_ffmpeg()
-
         self.rng = random.Random(seed)
         self.crop = RandomResizedCrop("data", (0.08, 1.0), (3 / 4, 4 / 3), 0.5)
         self.tail = spdl.io.get_video_filter_desc(scale_width=SIZE, scale_height=SIZE,
