@@ -1,11 +1,13 @@
 """The bench's SPDL systems: the same batches as the torch system, errors that name the sample,
-"not run" with the reason where SPDL or its FFmpeg is missing, and PyAV's FFmpeg made usable."""
+"not run" with the reason where SPDL or its FFmpeg is missing, and PyAV's bundled FFmpeg loaded
+in the process where the system has none."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +32,7 @@ def _spdl_or_skip(gpu_decode=False):
     from mmproxy.apps.bench.spdl_loader import spdl_missing
 
     missing = spdl_missing(gpu_decode)
-    if missing:  # pip install 'mmproxy[spdl]' and FFmpeg's libraries (or benchmarks/spdl_ffmpeg.sh)
+    if missing:  # pip install 'mmproxy[spdl]', and FFmpeg's libraries or PyAV
         pytest.skip(missing)
 
 
@@ -121,9 +123,11 @@ def test_the_bench_reports_spdl_as_not_run_when_it_is_not_installed(tmp_path, mo
 
 
 def test_spdl_without_ffmpeg_is_not_run_with_each_builds_reason(monkeypatch):
+    """No build loads with the system's libraries, and PyAV's FFmpeg cannot serve either."""
     pytest.importorskip("spdl.io.utils")
     import spdl.io.utils
 
+    from mmproxy.apps.bench import spdl_ffmpeg
     from mmproxy.apps.bench.spdl_loader import spdl_missing
 
     def missing():  # SPDL's own message when no build loads
@@ -133,13 +137,39 @@ def test_spdl_without_ffmpeg_is_not_run_with_each_builds_reason(monkeypatch):
             'libavutil.so.57: cannot open shared object file: No such file or directory" Enable '
             "DEBUG logging to see details about the failure. ")
 
+    def no_pyav():
+        raise RuntimeError("PyAV is not installed (pip install av)")
+
+    monkeypatch.delenv(spdl_ffmpeg.FFMPEG_ENV, raising=False)
+    monkeypatch.setattr(spdl_ffmpeg, "_loaded", {})  # as in a process that has loaded nothing
+    monkeypatch.setattr(spdl_ffmpeg, "_load_pyav", no_pyav)
     monkeypatch.setattr(spdl.io.utils, "get_ffmpeg_versions", missing)
     reason = spdl_missing()
     assert reason is not None and reason.startswith(
-        "not run: SPDL loads none of its FFmpeg builds (FFmpeg 4 to 9): _spdl_ffmpeg6: "
-        "libavutil.so.58: cannot open shared object file: No such file or directory; "
-        "_spdl_ffmpeg5: libavutil.so.57: ")
-    assert "benchmarks/spdl_ffmpeg.sh" in reason
+        "not run: SPDL loads none of its FFmpeg builds (FFmpeg 4 to 9) with the system's "
+        "libraries: _spdl_ffmpeg6: libavutil.so.58: cannot open shared object file: No such file "
+        "or directory; _spdl_ffmpeg5: libavutil.so.57: cannot open shared object file: No such "
+        "file or directory; PyAV's bundled FFmpeg cannot serve either: PyAV is not installed "
+        "(pip install av); install FFmpeg's libraries (Debian 12: ")
+    assert reason.endswith("or PyAV, whose bundled FFmpeg SPDL can use (pip install av)")
+
+
+def test_the_ffmpeg_spdl_takes_is_checked(monkeypatch):
+    """A value of MMPROXY_SPDL_FFMPEG other than pyav and system is refused; pyav, once the
+    process has loaded the system's FFmpeg, says so (SPDL loads one build a process)."""
+    _spdl_or_skip()
+    from mmproxy.apps.bench import spdl_ffmpeg
+
+    monkeypatch.setenv(spdl_ffmpeg.FFMPEG_ENV, "ffmpeg8")
+    with pytest.raises(ValueError, match=r"^MMPROXY_SPDL_FFMPEG='ffmpeg8': use 'pyav' "):
+        spdl_ffmpeg.load_ffmpeg()
+    if spdl_ffmpeg._loaded:
+        pytest.skip("this process decodes with PyAV's FFmpeg (the system has none)")
+    monkeypatch.setenv(spdl_ffmpeg.FFMPEG_ENV, "pyav")
+    with pytest.raises(RuntimeError, match=r"^MMPROXY_SPDL_FFMPEG=pyav, but SPDL has already "
+                                           r"loaded the system's FFmpeg in this process: the "
+                                           r"system's FFmpeg \d \(libavcodec \d+\."):
+        spdl_ffmpeg.load_ffmpeg()
 
 
 def test_spdl_gpu_is_not_run_without_a_gpu(tmp_path, monkeypatch):
@@ -149,34 +179,85 @@ def test_spdl_gpu_is_not_run_without_a_gpu(tmp_path, monkeypatch):
     assert result == {"error": "not run: spdl-gpu decodes on a GPU, and there is none"}
 
 
-@pytest.mark.timeout(120)
-def test_spdl_ffmpeg_sh_makes_pyavs_ffmpeg_the_one_spdl_loads(tmp_path):
-    """benchmarks/spdl_ffmpeg.sh: a folder of links to PyAV's bundled FFmpeg under the names
-    SPDL's builds look for, and the export line; a new process with it decodes with PyAV's."""
+_DECODE = """
+import sys
+
+import torch
+
+if sys.argv[1] == "hide":  # every SPDL build but PyAV's unimportable: as without the system's FFmpeg
+    from mmproxy.apps.bench import spdl_ffmpeg
+
+    pyav = {lib: major for lib, (_, major) in spdl_ffmpeg._pyav_libraries().items()}
+    keep = spdl_ffmpeg._build_for(pyav).name[len("lib"):-len(".so")]
+    for major in range(4, 10):
+        if f"spdl_ffmpeg{major}" != keep:
+            sys.modules[f"spdl.io.lib._spdl_ffmpeg{major}"] = None
+from mmproxy.apps.bench.spdl_decode import Normalize, SpdlAudio, SpdlImage
+from mmproxy.apps.bench.spdl_ffmpeg import load_ffmpeg
+from mmproxy.testing import audio_bytes, image_bytes, synth_image, synth_speech
+
+decode = SpdlImage(seed=0)
+images = [decode(image_bytes(synth_image(i, 96 + 8 * i, 128))) for i in range(6)]
+audio = SpdlAudio()(audio_bytes(synth_speech(0, 1.5, 44100), 44100, "FLAC"))
+torch.save({"ffmpeg": load_ffmpeg(), "images": Normalize()(decode.collate(images)),
+            "audio": audio}, sys.argv[2])
+"""
+
+
+def _decoded_in_a_new_process(tmp_path, hide_systems_ffmpeg):
+    script, out = tmp_path / "decode.py", tmp_path / f"decoded-{hide_systems_ffmpeg}.pt"
+    script.write_text(_DECODE)
+    env = {k: v for k, v in os.environ.items() if k != "MMPROXY_SPDL_FFMPEG"}
+    done = subprocess.run([sys.executable, str(script), "hide" if hide_systems_ffmpeg else "show",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    return torch.load(out)
+
+
+def _pyavs_ffmpeg():
     av = pytest.importorskip("av")
-    pytest.importorskip("spdl.io")
-    if not (Path(av.__file__).resolve().parent.parent / "av.libs").is_dir():
-        pytest.skip("this PyAV uses the system's FFmpeg (no av.libs/)")
-    env = dict(os.environ, PYTHON=sys.executable)
-    made = subprocess.run(["bash", str(ROOT / "benchmarks" / "spdl_ffmpeg.sh"),
-                           str(tmp_path / "ffmpeg")], env=env, capture_output=True, text=True,
-                          timeout=100)
-    assert made.returncode == 0, made.stderr
-    line = made.stdout.strip()
-    assert line == (f"export LD_LIBRARY_PATH={tmp_path / 'ffmpeg'}"
-                    "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
-    assert "SPDL loads PyAV's FFmpeg (libavcodec " in made.stderr
-    check = ("import av, spdl.io, spdl.io.utils\n"
-             "from mmproxy.testing import image_bytes, synth_image\n"
-             "assert spdl.io.utils.get_ffmpeg_versions()['libavcodec'][0] == "
-             "av.library_versions['libavcodec'][0]\n"
-             "frames = spdl.io.decode_packets(spdl.io.demux_image(image_bytes(synth_image(0, 30, "
-             "40))))\n"
-             "print(spdl.io.to_numpy(spdl.io.convert_frames(frames)).shape)\n")
-    decoded = subprocess.run(["bash", "-c", f"{line}; exec {sys.executable} -c \"$0\"", check],
-                             cwd=ROOT, capture_output=True, text=True, timeout=100)
-    assert decoded.returncode == 0, decoded.stderr
-    assert decoded.stdout.split() == ["(30,", "40,", "3)"]
+    codec = ".".join(map(str, av.library_versions["libavcodec"]))
+    return re.compile(rf"PyAV's bundled FFmpeg \d \(libavcodec {re.escape(codec)}\)")
+
+
+@pytest.mark.timeout(240)
+def test_without_the_systems_ffmpeg_spdl_decodes_with_pyavs_as_with_the_systems(tmp_path):
+    """A process whose SPDL finds no FFmpeg build with the system's libraries loads PyAV's
+    bundled FFmpeg itself (no LD_LIBRARY_PATH), says so, and decodes JPEG (FFmpeg's crop, flip
+    and resize filters) and FLAC (its resampler) as a process with the system's FFmpeg does."""
+    _spdl_or_skip()
+    pyavs = _pyavs_ffmpeg()
+    theirs = _decoded_in_a_new_process(tmp_path, hide_systems_ffmpeg=False)
+    mine = _decoded_in_a_new_process(tmp_path, hide_systems_ffmpeg=True)
+    assert pyavs.fullmatch(mine["ffmpeg"]), mine["ffmpeg"]
+    assert re.fullmatch(r"the system's FFmpeg \d \(libavcodec [\d.]+\)", theirs["ffmpeg"]) or (
+        pyavs.fullmatch(theirs["ffmpeg"]))  # where the system has no FFmpeg, PyAV's twice
+    assert mine["images"].shape == (6, 3, 224, 224)
+    torch.testing.assert_close(mine["images"], theirs["images"], atol=0.05, rtol=0)  # 3 levels
+    assert mine["audio"].shape == theirs["audio"].shape == (24000,)
+    torch.testing.assert_close(mine["audio"], theirs["audio"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.timeout(300)
+def test_the_bench_reports_whose_ffmpeg_spdl_decoded_with(tmp_path):
+    """In the JSON: the system's FFmpeg (or PyAV's where it has none) by default; PyAV's with
+    MMPROXY_SPDL_FFMPEG=pyav, which needs nothing set before Python starts."""
+    _spdl_or_skip()
+    pyavs = _pyavs_ffmpeg()
+    result = SYSTEMS["spdl"].run(_setup(tmp_path, "image", 8, 4))
+    assert re.fullmatch(r"the system's FFmpeg \d \(libavcodec [\d.]+\)", result["ffmpeg"]) or (
+        pyavs.fullmatch(result["ffmpeg"]))
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, MMPROXY_SPDL_FFMPEG="pyav")
+    done = subprocess.run([
+        sys.executable, "-m", "mmproxy.cli", "bench", "--workload", "image", "--systems", "spdl",
+        "--samples", "16", "--batch-size", "8", "--workers", "1", "--epochs", "2", "--device",
+        "cpu", "--data-dir", str(tmp_path / "data"), "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    spdl = json.loads(out.read_text())["results"]["image"]["systems"]["spdl"]
+    assert pyavs.fullmatch(spdl["ffmpeg"]), spdl
+    assert spdl["samples"] == 16
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """SPDL decoding: one sample of the bench's image and audio workloads through SPDL's media
 library (``spdl.io``), and the batch as one tensor; what the ``spdl`` systems' decoding tasks
-run (:mod:`~mmproxy.apps.bench.spdl_loader`)."""
+run (:mod:`~mmproxy.apps.bench.spdl_loader`). The decoders load SPDL's FFmpeg when they are made
+(:func:`~mmproxy.apps.bench.spdl_ffmpeg.load_ffmpeg`: the system's, else PyAV's)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ class SpdlImage:
     def __init__(self, seed: int | None = None) -> None:
         import spdl.io
 
+        from mmproxy.apps.bench.spdl_ffmpeg import load_ffmpeg
         from mmproxy.pipelines import RandomResizedCrop
 
+        load_ffmpeg()
         self.rng = random.Random(seed)
         self.crop = RandomResizedCrop("data", (0.08, 1.0), (3 / 4, 4 / 3), 0.5)
         self.tail = spdl.io.get_video_filter_desc(scale_width=SIZE, scale_height=SIZE,
@@ -63,6 +66,9 @@ class SpdlAudio:
     def __init__(self) -> None:
         import spdl.io
 
+        from mmproxy.apps.bench.spdl_ffmpeg import load_ffmpeg
+
+        load_ffmpeg()
         self.filter = spdl.io.get_audio_filter_desc(sample_rate=_SAMPLE_RATE, num_channels=1,
                                                     sample_fmt="fltp")
 

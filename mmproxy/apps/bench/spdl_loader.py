@@ -42,10 +42,13 @@ What each workload does, as the ``torch`` system does it:
   The batch is zero-padded to its longest clip with the clips' lengths, as
   :func:`~mmproxy.apps.bench.workers.pad_collate` does.
 
+FFmpeg: the system's libraries where SPDL finds a major it was built for (4 to 9), else PyAV's
+bundled ones, loaded in this process (:mod:`~mmproxy.apps.bench.spdl_ffmpeg`); the result's
+``ffmpeg`` says whose ran.
+
 Like a plain loader it skips nothing: a sample that fails stops the epoch with an error that
-names it and its shard. Where SPDL is not installed, or it finds no FFmpeg libraries it was
-built for (FFmpeg 4 to 9; ``benchmarks/spdl_ffmpeg.sh`` makes PyAV's usable), the system is
-reported as not run, with the reason.
+names it and its shard. Where SPDL is not installed, or neither the system's FFmpeg nor PyAV's
+serves it, the system is reported as not run, with the reason.
 """
 
 from __future__ import annotations
@@ -71,49 +74,34 @@ _POLL_S = 0.5  # how often a wait for a batch looks for a failed stage
 
 def spdl_missing(gpu_decode: bool = False) -> str | None:
     """Why SPDL cannot run here ("not run: ..."), or None when it can: not installed, none of
-    its FFmpeg builds loads, or (``gpu_decode``) its CUDA build does not load or has no nvJPEG."""
+    its FFmpeg builds loads (with the system's FFmpeg or PyAV's), or (``gpu_decode``) its CUDA
+    build does not load or has no nvJPEG."""
     try:
         import spdl.io
         import spdl.io.utils
         import spdl.pipeline  # noqa: F401
     except ImportError as err:
         return f"not run: SPDL is not installed ({err}; pip install 'mmproxy[spdl]')"
+    from mmproxy.apps.bench.spdl_ffmpeg import load_cuda_build, load_ffmpeg
+
     try:
-        spdl.io.utils.get_ffmpeg_versions()
+        load_ffmpeg()
     except (RuntimeError, OSError) as err:
-        return (f"not run: SPDL loads none of its FFmpeg builds (FFmpeg 4 to 9): "
-                f"{_load_errors(err)}; install FFmpeg's libraries (Debian 12: apt-get install "
-                "libavcodec59 libavformat59 libavfilter8 libavdevice59), or use PyAV's: "
-                "benchmarks/spdl_ffmpeg.sh")
+        return (f"not run: {err}; install FFmpeg's libraries (Debian 12: apt-get install "
+                "libavcodec59 libavformat59 libavfilter8 libavdevice59) or PyAV, whose bundled "
+                "FFmpeg SPDL can use (pip install av)")
     if gpu_decode:
         import torch  # its CUDA runtime first: SPDL's CUDA build links the same library
 
         if not torch.cuda.is_available():
             return "not run: spdl-gpu decodes on a GPU, and there is none"
+        try:
+            load_cuda_build()
+        except (RuntimeError, OSError) as err:
+            return f"not run: SPDL's CUDA build does not load: {err}"
         if not spdl.io.utils.built_with_nvjpeg():
-            try:
-                from spdl.io.lib import _libspdl_cuda
-
-                _libspdl_cuda.built_with_nvjpeg()
-                why = "SPDL's CUDA build has no nvJPEG"
-            except (RuntimeError, OSError) as err:
-                why = f"SPDL's CUDA build does not load: {_load_errors(err)}"
-            return f"not run: {why}"
+            return "not run: SPDL's CUDA build has no nvJPEG"
     return None
-
-
-def _load_errors(err: BaseException) -> str:
-    """SPDL's "Failed to import libspdl. "build: reason", ..." as "build: reason; ...", each
-    reason once."""
-    import re
-
-    found = re.findall(r'"spdl\.io\.lib\.(\w+): ([^"]+)"', str(err))
-    if not found:
-        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    reasons: dict[str, list[str]] = {}
-    for build, reason in found:
-        reasons.setdefault(reason, []).append(build)
-    return "; ".join(f"{', '.join(builds)}: {reason}" for reason, builds in reasons.items())
 
 
 class _Rebatch:
@@ -235,14 +223,17 @@ class _ToGpu:
 
 def run_spdl(setup: Setup, gpu_decode: bool = False) -> dict[str, Any]:
     """The ``spdl`` system (``gpu_decode``: ``spdl-gpu``) on the workload, timed by
-    :func:`~mmproxy.apps.bench.timing.time_epochs`; "not run" with the reason where SPDL or its
-    FFmpeg (or, for ``spdl-gpu``, its CUDA build) cannot run."""
+    :func:`~mmproxy.apps.bench.timing.time_epochs`, with whose FFmpeg it decoded (``ffmpeg``);
+    "not run" with the reason where SPDL or its FFmpeg (or, for ``spdl-gpu``, its CUDA build)
+    cannot run."""
     missing = spdl_missing(gpu_decode)
     if missing:
         return {"error": missing}
     import logging
 
     import torch
+
+    from mmproxy.apps.bench.spdl_ffmpeg import load_ffmpeg
 
     errors = _FirstError()
     intra_op, log = torch.get_num_threads(), logging.getLogger("spdl")
@@ -251,7 +242,8 @@ def run_spdl(setup: Setup, gpu_decode: bool = False) -> dict[str, Any]:
     log.setLevel(logging.CRITICAL)  # a failed stage's traceback, logged by each layer: raised below
     try:
         with running(setup, gpu_decode, errors) as pipeline:
-            return time_epochs(lambda: _epoch(pipeline, errors), setup.args.epochs, setup.gpu)
+            result = time_epochs(lambda: _epoch(pipeline, errors), setup.args.epochs, setup.gpu)
+        return {**result, "ffmpeg": load_ffmpeg()}
     except Exception:
         if errors.error is not None:  # the stage's own error, naming the sample
             raise errors.error from None
