@@ -102,7 +102,7 @@ def _walk(data: memoryview, heads: list[int] | None
             field, kind = header[124:136], header[156]
         else:
             heads.append(pos)
-            field, kind = bytes(data[pos + 124:pos + 136]), data[pos + 156]
+            field, kind = data[pos + 124:pos + 136].tobytes(), data[pos + 156]
         try:
             size = int(field.rstrip(b"\0"), 8)  # what _number reads, in one step where it can
         except ValueError:
