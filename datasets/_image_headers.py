@@ -70,13 +70,17 @@ def jpeg_header(data: bytes | memoryview) -> tuple[int | None, tuple[int, int] |
         end = i + 2 + length
         if end > n:
             return -1, None if sizing else size
-        if marker == 0xC4 and not _huffman_tables_ok(data, i + 4, max(i + 4, end)):
+        if marker == 0xC4 and not (  # one table that fills the segment, or each table in turn
+                19 <= length <= 275 and data[i + 4] in _TABLE_KINDS
+                and adler32(data[i + 5:i + 21]) & 0xFFFF == length - 18
+                or _huffman_tables_ok(data, i + 4, max(i + 4, end))):
             return -2, image_size("jpg", data) if sizing else size
         i = end
     return None, size
 
 
 _WATCHED = _SOF | {0xFF, 0xDA}  # fill bytes, the scan, the frames that hold the size
+_TABLE_KINDS = frozenset(range(4)) | frozenset(range(0x10, 0x14))  # a Huffman table's class, id
 _MARKER = struct.Struct(">BBH")
 _SIZE = struct.Struct(">HH")
 
@@ -84,7 +88,8 @@ _SIZE = struct.Struct(">HH")
 def _huffman_tables_ok(data: bytes | memoryview, at: int, end: int) -> bool:
     """Whether the DHT segment ``data[at:end]`` holds well-formed tables: class 0/1, id 0-3, at
     most 256 codes each. The 16 code counts of a table are summed by zlib's Adler-32, whose low
-    half is one plus the bytes' sum (at most 4,080, far below its modulus)."""
+    half is one plus the bytes' sum (at most 4,080, far below its modulus); :func:`jpeg_header`
+    does the same inline for a segment of one table."""
     while at < end:
         if at + 17 > end:
             return False

@@ -20,6 +20,8 @@ def _segment(marker: int, body: bytes) -> bytes:
 SOF = _segment(0xC0, b"\x08" + struct.pack(">HH", 30, 40) + b"\x01\x01\x11\x00")  # 40x30
 DHT = _segment(0xC4, b"\x00" + bytes([0, 1] + [0] * 14) + b"\x05")  # one table of one code
 BAD_DHT = _segment(0xC4, b"\x00" + bytes([255] * 16))  # 4,080 codes
+TABLE = bytes([0, 2] + [0] * 14) + b"\x05\x06"  # two codes
+TWO_DHT = _segment(0xC4, b"\x00" + TABLE + b"\x11" + TABLE)  # two tables in one segment
 SOS = _segment(0xDA, b"\x01\x01\x00\x00\x3f\x00")
 MALFORMED = "has a malformed header (data where a marker belongs, before the image data)"
 
@@ -32,6 +34,13 @@ def _jpeg(*segments: bytes, scan: bytes = b"\x12\x34") -> bytes:
     (_jpeg(SOF, DHT, SOS), None),
     (_jpeg(DHT, b"\xff\xff\xff", SOF, SOS), None),  # fill bytes before a marker
     (_jpeg(BAD_DHT, SOF, SOS), "has a malformed Huffman table"),
+    (_jpeg(TWO_DHT, SOF, SOS), None),
+    (_jpeg(_segment(0xC4, b"\x00" + TABLE + b"\x14" + TABLE), SOF, SOS),
+     "has a malformed Huffman table"),  # a second table with id 4
+    (_jpeg(_segment(0xC4, b"\x24" + TABLE), SOF, SOS), "has a malformed Huffman table"),  # class 2
+    (_jpeg(_segment(0xC4, b"\x00" + TABLE + b"\x00"), SOF, SOS), "has a malformed Huffman table"),
+    (_jpeg(_segment(0xC4, b"\x00" + TABLE[:-1]), SOF, SOS), "has a malformed Huffman table"),
+    (_jpeg(_segment(0xC4, b"\x00" + bytes([0] * 15 + [1]) + b"\x07"), SOF, SOS), None),
     (_jpeg(BAD_DHT, _segment(0xC0, b"\x08" + bytes(4) + b"\x01"), SOS),
      "declares an empty image (0x0)"),  # the size after the bad table is still read first
     (_jpeg(SOS, SOF), None),  # a scan before the frame: the size is looked for past it
