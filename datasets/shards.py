@@ -194,14 +194,11 @@ def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
     current: dict[str, Any] = {}
     wait = filling.wait if streamed and filling else None
     for name, offset, size in found:
-        # webdataset's key and extension (base_plus_ext): up to and after the first dot of the
-        # last path component; its regex only where the plain rule may not be what it finds
-        # (no dot, or a dot first, in the last component; a newline, which its "." skips)
-        slash = name.rfind("/") + 1
-        dot = name.find(".", slash)
-        if dot > slash and "\n" not in name:
-            prefix, suffix = name[:dot], name[dot + 1:]
-        else:
+        # webdataset's key and extension (base_plus_ext's regex): around the first dot of the
+        # last path component, which is the name's first dot when no "/" follows it; its regex
+        # only where that is not so, or the name has no dot or starts with one
+        prefix, dot, suffix = name.partition(".")
+        if not (dot and prefix and "/" not in suffix):
             prefix, suffix = wds.tariterators.base_plus_ext(name)
             if prefix is None:
                 continue

@@ -266,3 +266,18 @@ def test_samples_are_grouped_by_webdatasets_key_rule():
     want = list(wds.tariterators.group_by_keys(
         {"fname": n, "data": n.encode(), "__url__": "u"} for n in names))
     assert got == want and len(want) >= 6
+
+
+def test_keys_and_extensions_are_base_plus_ext_s_for_any_name():
+    rng = random.Random(0)
+    names = ["".join(rng.choice("ab./\n\u00e9") for _ in range(rng.randint(1, 12))) for _ in range(600)]
+    names += ["/.a", "a/.b", "a\n.b/c.d", "a\nb/c.d\n", ".a", "a.", "a/b", "\n.x"]
+    names = [n for n in dict.fromkeys(names) if not n.endswith("/") and "//" not in n]
+    entries = [e for i, n in enumerate(names)
+               for e in ((n, "file", b"x"), (f"Z{i}.sep", "file", b""))]  # a sample each
+    data = _tar_bytes(entries, "gnu")
+    got = [(s["__key__"], [k for k in s if not k.startswith("__")])
+           for s in _grouped(memoryview(data), "u") if "sep" not in s]
+    want = [(key, [ext.lower()]) for key, ext in map(wds.tariterators.base_plus_ext, names)
+            if key is not None]
+    assert got == want and len(want) > 100
