@@ -15,6 +15,7 @@ Both raise the same errors at the same member.
 
 from __future__ import annotations
 
+import struct
 import tarfile
 import zlib
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ _FILE_TYPES = frozenset(b"0\x007")  # type flags of regular files (header[156] i
 _META = frozenset(b"xLgK")  # PAX, GNU long name, PAX global, GNU long link: about the next one
 _SPACES = 8 * 0x20
 _CHUNK = 4096  # members checked at once: a 2 MiB gather of their headers
+_SIZE_AND_TYPE = struct.Struct("12s20xB").unpack_from  # a header's size field and type flag
 _SHIFTS = np.arange(15, -1, -3, dtype=np.uint32)  # the six octal digits of a checksum, most significant first
 
 
@@ -102,7 +104,7 @@ def _walk(data: memoryview, heads: list[int] | None
             field, kind = header[124:136], header[156]
         else:
             heads.append(pos)
-            field, kind = data[pos + 124:pos + 136].tobytes(), data[pos + 156]
+            field, kind = _SIZE_AND_TYPE(data, pos + 124)
         try:
             size = int(field.rstrip(b"\0"), 8)  # what _number reads, in one step where it can
         except ValueError:
