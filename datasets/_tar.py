@@ -20,6 +20,7 @@ import tarfile
 import zlib
 from collections.abc import Iterator
 from itertools import chain, islice
+from typing import cast
 
 import numpy as np
 
@@ -85,10 +86,11 @@ def _walk(data: memoryview, heads: list[int] | None
     """Yields ``(name, offset, size)`` of every regular file, walking from header to header.
 
     With ``heads`` None each header is checked and named here. Otherwise each header's position
-    is appended to ``heads`` before it is read and its checksum is left to the caller, and so is
-    its name, which comes out as None unless a GNU long name or a PAX path gives it: a header
-    that fails its checksum may then be walked past, or raise something else, before the caller
-    finds it bad.
+    is appended to ``heads`` before it is read, and the checksums of the members' own headers
+    are left to the caller, and so are their names, which come out as None unless a GNU long
+    name or a PAX path gives them: a header that fails its checksum may then be walked past, or
+    raise something else, before the caller finds it bad (but no member is read as a long name
+    or PAX records under a header that fails its checksum).
     """
     end = len(data)
     pos = 0
@@ -122,6 +124,8 @@ def _walk(data: memoryview, heads: list[int] | None
             yield (None if heads is not None else _header_name(header)), start, size
             continue
         if kind in _META:
+            if heads is not None:  # checked before its member is read as a name or records
+                _check(bytes(data[start - _BLOCK:start]), start - _BLOCK)
             if kind == 0x4C:  # L
                 long_name = bytes(data[start:start + size]).split(b"\0", 1)[0].decode(
                     "utf-8", "surrogateescape")
@@ -151,9 +155,7 @@ def streamed_members(data: memoryview) -> Iterator[tuple[str, int, int]]:
     is filling (a sequence whose slicing waits for its bytes), each as soon as its header is
     read. Raises ``tarfile.ReadError`` where the tar is damaged or cut, after the members
     before that point."""
-    for name, start, size in _walk(data, None):
-        assert name is not None
-        yield name, start, size
+    return cast(Iterator[tuple[str, int, int]], _walk(data, None))  # names every member
 
 
 def members(data: memoryview) -> Iterator[tuple[str, int, int]]:
