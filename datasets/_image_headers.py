@@ -51,9 +51,10 @@ def jpeg_header(data: bytes | memoryview) -> tuple[int | None, tuple[int, int] |
     marker_at, watched = _MARKER.unpack_from, _WATCHED
     i = 2
     while i < 1 << 22:
-        if i + 4 > n:
+        try:
+            mark, marker, length = marker_at(data, i)
+        except struct.error:  # fewer than 4 bytes left
             return -1, None if sizing else size
-        mark, marker, length = marker_at(data, i)
         if sizing and (i + 9 >= n or i >= 1 << 20):
             sizing = False  # image_size stops here, with no size
         if mark != 0xFF:

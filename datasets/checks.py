@@ -38,9 +38,10 @@ def _wav(b: Data) -> bool:
 
 
 _TIFF = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # little / big endian, classic / BigTIFF
+_JPEG = b"\xff\xd8\xff"
 SIGNATURES: dict[str, Callable[[Data], bool]] = {
-    "jpg": lambda b: b[:3] == b"\xff\xd8\xff",
-    "jpeg": lambda b: b[:3] == b"\xff\xd8\xff",
+    "jpg": lambda b: b[:3] == _JPEG,
+    "jpeg": lambda b: b[:3] == _JPEG,
     "png": lambda b: b[:8] == b"\x89PNG\r\n\x1a\n",
     "wav": _wav,
     "flac": lambda b: b[:4] == b"fLaC",
@@ -55,10 +56,9 @@ _IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 
 def _image_format(data: Data) -> str | None:
     """The image format ``data`` starts with (decoders go by the bytes, not the name)."""
-    if data[:3] == b"\xff\xd8\xff":
-        return "jpg"
     head = data[:16]
-    return next((ext for ext in ("png", "webp", "bmp", "tiff") if SIGNATURES[ext](head)), None)
+    return next((ext for ext in ("jpg", "png", "webp", "bmp", "tiff") if SIGNATURES[ext](head)),
+                None)
 
 
 def _size_problem(size: tuple[int, int] | None, max_pixels: int) -> str | None:
@@ -80,10 +80,10 @@ def check_header(ext: str, data: Data, max_pixels: int = MAX_PIXELS) -> str | No
     if ext in VIDEO_EXTS:
         return video_problem(data)
     if ext in _IMAGE_EXTS:  # a PNG named .jpg decodes: check it as what it is
-        ext = _image_format(data) or ext
-        if ext == "jpg" and data[:3] == b"\xff\xd8\xff":  # one walk for its size and damage
+        if data[:3] == _JPEG:  # one walk for its size and damage
             scan, size = jpeg_header(data)
             return _size_problem(size, max_pixels) or jpeg_truncated(data, scan)
+        ext = _image_format(data) or ext
     check = SIGNATURES.get(ext)
     if check is not None and not check(data[:16]):
         return f"does not start with a {ext.upper()} signature (first bytes {bytes(data[:8])!r})"
