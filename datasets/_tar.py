@@ -30,7 +30,10 @@ _META = frozenset(b"xLgK")  # PAX, GNU long name, PAX global, GNU long link: abo
 _SPACES = 8 * 0x20
 _CHUNK = 4096  # members checked at once: a 2 MiB gather of their headers
 _SIZE_AND_TYPE = struct.Struct("12s20xB").unpack_from  # a header's size field and type flag
-_SHIFTS = np.arange(15, -1, -3, dtype=np.uint32)  # the six octal digits of a checksum, most significant first
+# A checksum field as writers write it: six octal digits (most significant first), NUL, space
+_SHIFTS = np.array([15, 12, 9, 6, 3, 0, 0, 0], np.uint32)
+_MASKS = np.array([7, 7, 7, 7, 7, 7, 0, 0], np.uint32)
+_ZEROS = np.array([0x30, 0x30, 0x30, 0x30, 0x30, 0x30, 0, 0x20], np.uint32)
 
 
 def _byte_sum(header: bytes) -> int:
@@ -221,8 +224,7 @@ def _formatted_checksums(table: np.ndarray) -> np.ndarray:
     as tar writers write it: six octal digits, a NUL and a space."""
     field = table[:, 148:156]
     unsigned = table.sum(axis=1, dtype=np.uint32) - field.sum(axis=1, dtype=np.uint32) + _SPACES
-    digits = (unsigned[:, None] >> _SHIFTS & 7) + 0x30
-    return (field[:, :6] == digits).all(axis=1) & (field[:, 6] == 0) & (field[:, 7] == 0x20)
+    return (field == (unsigned[:, None] >> _SHIFTS & _MASKS) + _ZEROS).all(axis=1)
 
 
 def _names(table: np.ndarray) -> list[str]:
