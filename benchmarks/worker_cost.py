@@ -1,5 +1,6 @@
-"""A worker's CPU cost per sample: shard reading alone, and the whole dataset path (header check,
-proxy call, collate, packing into shared memory) with the send to the server stubbed out.
+"""A worker's CPU cost per sample: shard reading alone, the header checks alone, and the whole
+dataset path (header check, proxy call, collate, packing into shared memory) with the send to
+the server stubbed out.
 
     python benchmarks/worker_cost.py --kind image --data-dir /tmp/bench
 
@@ -16,7 +17,7 @@ import time
 
 def _measure(paths: list[str], ext: str, batch: int, proxy: object, repeat: int, conn: object) -> None:
     """In a forked child, where the server is not local and the proxy sends, as in a worker."""
-    from mmproxy.datasets import MultiModalDataset
+    from mmproxy.datasets import MultiModalDataset, check_header
     from mmproxy.datasets.shards import read_local_tar
 
     from mmproxy import _transport
@@ -24,18 +25,24 @@ def _measure(paths: list[str], ext: str, batch: int, proxy: object, repeat: int,
     _transport.send = lambda path, fds, name: None  # drop each batch instead of sending it
     ds = MultiModalDataset(paths, {"x": (ext, proxy)}, batch_size=batch, shuffle_buffer=256,
                            keep_keys=False)
-    best_read = best_all = float("inf")
+    best_read = best_check = best_all = float("inf")
     n = 0
     for _ in range(repeat):
         start, n = time.perf_counter(), 0
         for path in paths:
             n += sum(1 for _ in read_local_tar(path))
         best_read = min(best_read, (time.perf_counter() - start) / n)
+        fields = [sample[ext] for path in paths for sample in read_local_tar(path)]
+        start = time.perf_counter()
+        for field in fields:
+            check_header(ext, field)
+        best_check = min(best_check, (time.perf_counter() - start) / n)
+        del fields
         start = time.perf_counter()
         for _ in ds:
             pass
         best_all = min(best_all, (time.perf_counter() - start) / n)
-    conn.send((n, best_read, best_all))  # type: ignore[attr-defined]
+    conn.send((n, best_read, best_check, best_all))  # type: ignore[attr-defined]
 
 
 def main() -> None:
@@ -66,13 +73,13 @@ def main() -> None:
     worker.start()
     child.close()  # so that recv() raises EOFError if the worker dies
     try:
-        n, best_read, best_all = parent.recv()
+        n, best_read, best_check, best_all = parent.recv()
     except EOFError:
         raise SystemExit(f"the measuring process failed (exit code {worker.exitcode})") from None
     finally:
         worker.join(timeout=10)
-    print(f"{a.kind}: {n} samples; shard reading {best_read * 1e6:.1f} us/sample, "
-          f"whole worker path {best_all * 1e6:.1f} us/sample")
+    print(f"{a.kind}: {n} samples; shard reading {best_read * 1e6:.1f} us/sample, header checks "
+          f"{best_check * 1e6:.1f}, whole worker path {best_all * 1e6:.1f} us/sample")
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ._audio_headers import ogg_cut, wav_cut, wav_format, wav_frames
-from ._image_headers import image_size, image_truncated
+from ._audio_headers import ogg_cut, wav_problem
+from ._image_headers import image_size, jpeg_header, jpeg_truncated, png_truncated
 from ._video_headers import VIDEO_EXTS, VideoInfo, video_cut, video_info, video_problem
 
 __all__ = ["MAX_PIXELS", "SIGNATURES", "VIDEO_EXTS", "VideoInfo", "check_header", "image_size",
@@ -38,9 +38,10 @@ def _wav(b: Data) -> bool:
 
 
 _TIFF = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # little / big endian, classic / BigTIFF
+_JPEG = b"\xff\xd8\xff"
 SIGNATURES: dict[str, Callable[[Data], bool]] = {
-    "jpg": lambda b: b[:3] == b"\xff\xd8\xff",
-    "jpeg": lambda b: b[:3] == b"\xff\xd8\xff",
+    "jpg": lambda b: b[:3] == _JPEG,
+    "jpeg": lambda b: b[:3] == _JPEG,
     "png": lambda b: b[:8] == b"\x89PNG\r\n\x1a\n",
     "wav": _wav,
     "flac": lambda b: b[:4] == b"fLaC",
@@ -60,6 +61,17 @@ def _image_format(data: Data) -> str | None:
                 None)
 
 
+def _size_problem(size: tuple[int, int] | None, max_pixels: int) -> str | None:
+    if size is None:
+        return None
+    width, height = size
+    if width == 0 or height == 0:
+        return f"declares an empty image ({width}x{height})"
+    if width * height > max_pixels:
+        return f"declares {width}x{height} pixels, more than max_pixels={max_pixels}"
+    return None
+
+
 def check_header(ext: str, data: Data, max_pixels: int = MAX_PIXELS) -> str | None:
     """Returns why ``data`` is not a usable ``ext`` file, or None if it looks right."""
     if not data:
@@ -68,24 +80,20 @@ def check_header(ext: str, data: Data, max_pixels: int = MAX_PIXELS) -> str | No
     if ext in VIDEO_EXTS:
         return video_problem(data)
     if ext in _IMAGE_EXTS:  # a PNG named .jpg decodes: check it as what it is
+        if data[:3] == _JPEG:  # one walk for its size and damage
+            scan, size = jpeg_header(data)
+            return _size_problem(size, max_pixels) or jpeg_truncated(data, scan)
         ext = _image_format(data) or ext
     check = SIGNATURES.get(ext)
     if check is not None and not check(data[:16]):
         return f"does not start with a {ext.upper()} signature (first bytes {bytes(data[:8])!r})"
-    size = image_size(ext, data)
-    if size is not None:
-        width, height = size
-        if width == 0 or height == 0:
-            return f"declares an empty image ({width}x{height})"
-        if width * height > max_pixels:
-            return f"declares {width}x{height} pixels, more than max_pixels={max_pixels}"
+    problem = _size_problem(image_size(ext, data), max_pixels)
+    if problem:
+        return problem
     if ext == "wav":
-        problem = wav_format(data)
-        if problem:
-            return problem
-        if wav_frames(data) == 0:
-            return "holds no audio frames"
-        return wav_cut(data)
+        return wav_problem(data)
     if ext == "ogg":
         return ogg_cut(data)
-    return image_truncated(ext, data)
+    if ext == "png":
+        return png_truncated(data)
+    return None

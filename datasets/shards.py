@@ -30,7 +30,7 @@ from mmproxy import worker
 from mmproxy.errors import ShardError
 
 from ._sources import Permanent, list_s3
-from ._tar import members
+from ._tar import members, streamed_members
 from .remote import RemoteOptions, RemoteShard, is_remote, open_remote, redact
 
 __all__ = ["current_epoch", "expand", "is_local", "is_remote", "local_glob", "read_local_tar",
@@ -179,28 +179,37 @@ def read_remote_tar(url: str, options: RemoteOptions) -> Iterator[dict[str, Any]
 
 def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
              ) -> Iterator[dict[str, Any]]:
-    """The tar's members grouped into samples by key; with ``filling``, each member once its
-    bytes have arrived."""
-    data = view if filling is None else cast(memoryview, filling.members)  # slicing waits
+    """The tar's members grouped into samples by key; with ``filling`` still filling, each
+    member once its bytes have arrived."""
+    streamed = filling is not None and filling.members is not view
+    found = (streamed_members(cast(memoryview, filling.members)) if streamed and filling
+             else members(view))  # the whole shard is there: its headers are read in bulk
     # A sample goes out once the next key starts or the tar ends, so when members() raises for a
     # cut shard the sample being gathered is dropped with the error, even when the cut is only in
     # the padding after its last member and that member is whole: the cut also lost whatever
     # followed, perhaps more fields of the same sample, so it could go out incomplete (a "missing
     # field" skip, or a SampleError in place of the shard's own error). The cut shard stays one
     # record, its unread samples uncounted.
-    current: dict[str, Any] | None = None
-    for name, offset, size in members(data):
-        prefix, suffix = wds.tariterators.base_plus_ext(name)
-        if prefix is None:
-            continue
-        if current is None or current["__key__"] != prefix:
-            if current is not None:
+    key: str | None = None
+    current: dict[str, Any] = {}
+    wait = filling.wait if streamed and filling else None
+    for name, offset, size in found:
+        # webdataset's key and extension (base_plus_ext's regex): around the first dot of the
+        # last path component, which is the name's first dot when no "/" follows it; its regex
+        # only where that is not so, or the name has no dot or starts with one
+        prefix, dot, suffix = name.partition(".")
+        if not (dot and prefix and "/" not in suffix):
+            prefix, suffix = wds.tariterators.base_plus_ext(name)
+            if prefix is None:
+                continue
+        if prefix != key:
+            if key is not None:
                 yield current
-            current = {"__key__": prefix, "__url__": url}
-        if filling is not None:
-            filling.wait(offset + size)
+            key, current = prefix, {"__key__": prefix, "__url__": url}
+        if wait:
+            wait(offset + size)
         current[suffix.lower()] = view[offset:offset + size]
     if filling is not None:
         filling.wait(len(view))
-    if current is not None:
+    if key is not None:
         yield current

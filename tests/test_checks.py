@@ -1,0 +1,132 @@
+"""Header checks where one walk answers what two used to: a JPEG's size and damage, a WAV's
+format, frames and cut, an OGG's last page. The verdicts are the ones of the walks apart."""
+
+from __future__ import annotations
+
+import io
+import struct
+
+import pytest
+from mmproxy.datasets.checks import check_header, image_size
+from PIL import Image
+
+SOI, EOI = b"\xff\xd8", b"\xff\xd9"
+
+
+def _segment(marker: int, body: bytes) -> bytes:
+    return bytes([0xFF, marker]) + struct.pack(">H", len(body) + 2) + body
+
+
+SOF = _segment(0xC0, b"\x08" + struct.pack(">HH", 30, 40) + b"\x01\x01\x11\x00")  # 40x30
+DHT = _segment(0xC4, b"\x00" + bytes([0, 1] + [0] * 14) + b"\x05")  # one table of one code
+BAD_DHT = _segment(0xC4, b"\x00" + bytes([255] * 16))  # 4,080 codes
+TABLE = bytes([0, 2] + [0] * 14) + b"\x05\x06"  # two codes
+TWO_DHT = _segment(0xC4, b"\x00" + TABLE + b"\x11" + TABLE)  # two tables in one segment
+SOS = _segment(0xDA, b"\x01\x01\x00\x00\x3f\x00")
+MALFORMED = "has a malformed header (data where a marker belongs, before the image data)"
+
+
+def _jpeg(*segments: bytes, scan: bytes = b"\x12\x34") -> bytes:
+    return SOI + b"".join(segments) + scan + EOI
+
+
+@pytest.mark.parametrize("data, verdict", [
+    (_jpeg(SOF, DHT, SOS), None),
+    (_jpeg(DHT, b"\xff\xff\xff", SOF, SOS), None),  # fill bytes before a marker
+    (_jpeg(BAD_DHT, SOF, SOS), "has a malformed Huffman table"),
+    (_jpeg(TWO_DHT, SOF, SOS), None),
+    (_jpeg(_segment(0xC4, b"\x00" + TABLE + b"\x14" + TABLE), SOF, SOS),
+     "has a malformed Huffman table"),  # a second table with id 4
+    (_jpeg(_segment(0xC4, b"\x24" + TABLE), SOF, SOS), "has a malformed Huffman table"),  # class 2
+    (_jpeg(_segment(0xC4, b"\x00" + TABLE + b"\x00"), SOF, SOS), "has a malformed Huffman table"),
+    (_jpeg(_segment(0xC4, b"\x00" + TABLE[:-1]), SOF, SOS), "has a malformed Huffman table"),
+    (_jpeg(_segment(0xC4, b"\x00" + bytes([0] * 15 + [1]) + b"\x07"), SOF, SOS), None),
+    (_jpeg(BAD_DHT, _segment(0xC0, b"\x08" + bytes(4) + b"\x01"), SOS),
+     "declares an empty image (0x0)"),  # the size after the bad table is still read first
+    (_jpeg(SOS, SOF), None),  # a scan before the frame: the size is looked for past it
+    (_jpeg(SOF[:-3]), "is truncated (it ends inside its header)"),
+    (SOI + SOF + b"\xff\xc4\x40\x00" + bytes(20), "declares 40x30 pixels, more than max_pixels=100"),
+    # A DHT whose length is shorter than its length field: its table is not looked at, and the
+    # next marker is looked for inside it
+    (SOI + b"\xff\xc4\x00\x01" + SOF + SOS + EOI, MALFORMED),
+    (SOI + b"\xff\xc4\x00\x00" + SOF + SOS + EOI, MALFORMED),
+    (SOI + b"\xff\xc4\x00\x02" + SOF + SOS + EOI, None),
+    (_jpeg(SOF, b"\x00\xc4", SOS), MALFORMED),
+    (_jpeg(SOF, SOS)[:-2] + b"\x00", "is truncated (no end-of-image marker after its image data)"),
+    (_jpeg(SOF, SOS) + b"trailing", None),
+])
+def test_one_jpeg_walk_gives_the_size_and_the_damage(data, verdict):
+    max_pixels = 100 if verdict and "max_pixels=100" in verdict else 1 << 26
+    assert check_header("jpg", data, max_pixels) == verdict
+    assert check_header("jpg", memoryview(data), max_pixels) == verdict
+
+
+def test_a_jpeg_from_pil_and_its_size():
+    buf = io.BytesIO()
+    Image.new("RGB", (50, 37), "red").save(buf, "JPEG")
+    data = buf.getvalue()
+    assert check_header("jpeg", data) is None and image_size("jpg", data) == (50, 37)
+    assert check_header("jpg", data, max_pixels=50 * 37 - 1) == \
+        "declares 50x37 pixels, more than max_pixels=1849"
+
+
+def _wav(fmt: bytes | None, frames: int, declared: int | None = None, big: bool = False,
+         before: bytes = b"") -> bytes:
+    order = ">" if big else "<"
+    chunks = before
+    if fmt is not None:
+        chunks += b"fmt " + struct.pack(order + "I", len(fmt)) + fmt
+    chunks += b"data" + struct.pack(order + "I", frames if declared is None else declared)
+    chunks += bytes(frames)
+    return (b"RIFX" if big else b"RIFF") + struct.pack(order + "I", 4 + len(chunks)) + b"WAVE" + chunks
+
+
+def _fmt(channels=1, rate=16000, bits=16, tag=1, big=False) -> bytes:
+    return struct.pack(">HHIIHH" if big else "<HHIIHH", tag, channels, rate, rate * 2, 2, bits)
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["RIFF", "RIFX"])
+@pytest.mark.parametrize("case, verdict", [
+    (dict(frames=100), None),
+    (dict(frames=0), "holds no audio frames"),
+    (dict(frames=90, declared=100), "is truncated (its data chunk declares 100 bytes, 90 follow)"),
+    (dict(frames=90, declared=0xFFFFFFFF), None),  # a streaming writer's "to the end"
+    (dict(frames=10, fmt=None), "has no 'fmt ' chunk before its audio data"),
+    (dict(frames=10, channels=0), "has a malformed 'fmt ' chunk (0 channels, 16000 Hz, 16 bits "
+                                  "per sample)"),
+    (dict(frames=0, channels=0), "has a malformed 'fmt ' chunk (0 channels, 16000 Hz, 16 bits "
+                                 "per sample)"),  # the format is reported before the frames
+    (dict(frames=10, short=True), "has a malformed 'fmt ' chunk (8 bytes)"),
+    (dict(frames=10, before=b"LIST\x03\x00\x00\x00abc\x00"), None),  # an odd chunk, padded
+])
+def test_one_wav_walk_gives_format_frames_and_cut(big, case, verdict):
+    fmt = None if "fmt" in case else _fmt(case.get("channels", 1), big=big)
+    if case.get("short"):
+        fmt = fmt[:8]
+    before = case.get("before", b"")
+    if big and before:
+        before = before[:4] + before[4:8][::-1] + before[8:]
+    data = _wav(fmt, case["frames"], case.get("declared"), big, before)
+    assert check_header("wav", data) == verdict
+    assert check_header("wav", memoryview(data)) == verdict
+
+
+def test_a_wav_without_fmt_or_data():
+    data = b"RIFF\x00\x00\x00\x00WAVE" + b"JUNK" + struct.pack("<I", 100)
+    assert check_header("wav", data) == "has no 'fmt ' chunk (its chunks run past the end of the file)"
+    long = b"RIFF\x00\x00\x00\x00WAVE" + b"JUNK" + struct.pack("<I", 1 << 21) + bytes((1 << 21) + 100)
+    assert check_header("wav", long) is None  # the header goes on past what is read
+
+
+@pytest.mark.parametrize("tail, verdict", [
+    (b"OggS\x00\x04" + bytes(100), None),
+    (b"OggS\x00\x00" + bytes(100), "is truncated (its last page does not end the stream)"),
+    (b"OggS\x00\x04" + bytes(20_000), None),  # a last page longer than the first look
+    (b"OggS\x00\x00" + bytes(20_000), "is truncated (its last page does not end the stream)"),
+    (b"OggS\x00\x04" + bytes(70_000), "is truncated (its last page does not end the stream)"),
+    (b"OggS\x00\x04" + bytes(8186), None),
+    (bytes(8190) + b"OggS\x00", "is truncated (its last page does not end the stream)"),
+])
+def test_an_oggs_last_page_is_found_near_the_end(tail, verdict):
+    data = b"OggS\x00\x02" + bytes(30) + tail
+    assert check_header("ogg", data) == verdict
