@@ -36,6 +36,7 @@ import torch.utils.data
 
 from mmproxy import worker
 from mmproxy.collate import Collate
+from mmproxy.errors import BatchSizeError
 from mmproxy.protocols import Proxy
 from mmproxy.state import LoaderState
 
@@ -210,13 +211,22 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
 
     def check_loader(self, loader: Any) -> None:
         """Called by :class:`mmproxy.DataLoader` when it is made: mistakes that would otherwise
-        show up only later (a torch batch size on batches, ranks or workers left without shards
-        when every rank must yield ``epoch_length`` batches) raise now, before any batch."""
+        show up only later (a torch batch size on batches, batches larger than a server's
+        pipeline takes, ranks or workers left without shards when every rank must yield
+        ``epoch_length`` batches) raise now, before any batch."""
         if loader.batch_size is not None:
             raise ValueError(
                 f"MultiModalDataset makes its own batches (batch_size={self.batch_size}); give the "
                 f"loader batch_size=None (it got batch_size={loader.batch_size}), or use "
                 "dataset.loader(servers, ...)")
+        mine = {f.fn.server_uid for s in self.sources for f in s.fields.values()
+                if f.server and isinstance(f.fn, Proxy)}
+        for server in loader.servers:
+            if server.uid in mine and self.batch_size > server.max_batch_size:
+                raise BatchSizeError(
+                    f"server {server.name!r}: the dataset makes batches of {self.batch_size} "
+                    f"samples, more than the pipeline's batch_size={server.max_batch_size}; raise "
+                    "the pipeline's batch_size or lower the dataset's")
         if self.resampled:
             return
         rank, world, _, _ = worker_info()

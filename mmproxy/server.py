@@ -144,6 +144,11 @@ class DALIServer:
         return self._pipe.input_names
 
     @property
+    def max_batch_size(self) -> int:
+        """The pipeline's ``batch_size``: the most samples one run may hold."""
+        return self.table.max_batch_size
+
+    @property
     def deterministic(self) -> bool:
         return self.table.deterministic
 

@@ -326,3 +326,23 @@ def test_a_shard_cut_in_its_last_members_padding_reports_the_cut_without_that_sa
     loader = ds.loader(image_server, num_workers=0)
     assert [k for b in loader for k in b["__key__"]] == ["k0"]
     assert loader.skipped.shards == 1 and loader.skipped.by_kind == {"unreadable shard": 1}
+
+
+def test_batches_larger_than_the_servers_pipeline_takes_are_refused_by_the_loader(image_shards):
+    """A dataset whose batches hold more samples than a server's pipeline takes is refused when
+    its loader is made, naming the server and both sizes (before, every batch failed at run
+    time)."""
+    from mmproxy.pipelines import image_eval_pipeline
+
+    pipe = image_eval_pipeline(batch_size=4, size=32, dtype="uint8", device="cpu", num_threads=1)
+    with mmproxy.DALIServer(pipe, name="image") as small:
+        dataset = MultiModalDataset(image_shards, {"image": ("jpg", small.proxy), "cls": int},
+                                    batch_size=6)
+        with pytest.raises(mmproxy.BatchSizeError,
+                           match=r"server 'image'.* batches of 6 samples, more than the "
+                                 r"pipeline's batch_size=4"):
+            dataset.loader(small, num_workers=0)
+        fits = MultiModalDataset(image_shards, {"image": ("jpg", small.proxy), "cls": int},
+                                 batch_size=4)
+        batch = next(iter(fits.loader(small, num_workers=0)))
+        assert batch["image"].shape[0] == 4
