@@ -41,6 +41,8 @@ class Batcher(Stage):
         quota: Batches to make at most (None: until the samples run out).
         collate: Turns a list of samples into a batch.
         transform: Applied to each collated batch (e.g. tokenization), or None.
+        runs: Makes the batch of the processed samples in place of ``collate`` when the
+            fields have batch-route fields (:mod:`mmproxy.datasets._batch_runs`), or None.
     """
 
     NAME = "batcher"
@@ -49,10 +51,11 @@ class Batcher(Stage):
 
     def __init__(self, fields: FieldStage, read: TarReader, *, batch_size: int, partial: bool,
                  quota: int | None, collate: Callable[[list[Any]], Any],
-                 transform: Callable[[Any], Any] | None) -> None:
+                 transform: Callable[[Any], Any] | None,
+                 runs: Callable[[list[Processed]], Any] | None = None) -> None:
         self.fields, self.read = fields, read
         self.batch_size, self.partial, self.quota = batch_size, partial, quota
-        self.collate, self.transform = collate, transform
+        self.collate, self.transform, self.runs = collate, transform, runs
         self.made = 0
         self.batch: list[Processed] = []
         self.pending: list[SkippedSample] = []  # records not yet sent
@@ -93,10 +96,10 @@ class Batcher(Stage):
             self._out.append(sent)
 
     def _emit(self) -> None:
-        samples = [p.sample for p in self.batch]
-        self.batch = []
+        processed, self.batch = self.batch, []
         self.made += 1
-        batch = self.collate(samples)
+        batch = (self.runs(processed) if self.runs is not None
+                 else self.collate([p.sample for p in processed]))
         if self.transform is not None:
             batch = self.transform(batch)
         if isinstance(batch, dict):

@@ -40,6 +40,7 @@ from mmproxy.protocols import Proxy
 from mmproxy.state import LoaderState
 
 from . import elastic
+from ._batch_runs import BatchRuns, batch_fields
 from ._legacy import is_first_version, upgrade
 from ._next_epoch import NextEpoch
 from .batcher import Batcher
@@ -185,6 +186,8 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         proxies = [f.fn for s in self.sources for f in s.fields.values() if f.server]
         known = all(isinstance(p, Proxy) for p in proxies)
         self.collate = collate or Collate(proxies if known else None)
+        # with its own collate, the proxies' fields go as one run each (_batch_runs)
+        self._batched = batch_fields([s.fields for s in self.sources]) if collate is None else frozenset()
         self.batch_transform, self.keep_keys = batch_transform, keep_keys
         self.max_pixels, self.prefetch_next_epoch = max_pixels, prefetch_next_epoch
         self.remote = remote or RemoteOptions()
@@ -244,11 +247,14 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                             self.epoch_length is not None, layout)
         fields = FieldStage(mixer, [(s.name, s.fields) for s in self.sources], seed=self.seed,
                             epoch=epoch, mixed=self.mixed, keep_keys=self.keep_keys,
-                            max_pixels=self.max_pixels, skip=self.on_error == "skip")
+                            max_pixels=self.max_pixels, skip=self.on_error == "skip",
+                            batched=self._batched)
         if quota is None and self.epoch_length is not None:
             quota = split_quota(self.epoch_length, workers)[worker_id]
         batcher = Batcher(fields, self._read, batch_size=self.batch_size, partial=self.partial,
-                          quota=quota, collate=self.collate, transform=self.batch_transform)
+                          quota=quota, collate=self.collate, transform=self.batch_transform,
+                          runs=BatchRuns(self._batched, [s.fields for s in self.sources],
+                                         self.collate) if self._batched else None)
         return PositionStamp(batcher, layout)
 
     def _current(self, state: Any, rank: int | None = None, world: int | None = None) -> Any:

@@ -194,6 +194,15 @@ def collate_sample_refs(batch: list[DALIOutputSampleRef], *,
                               None if rows == tuple(range(len(calls))) else rows)
 
 
+def run_refs(proxy: Submitter, run_id: str) -> DALIOutputBatchRef | list[DALIOutputBatchRef]:
+    """The references to run ``run_id``'s outputs, as ``default_collate`` makes them of one
+    field of its samples' references: one batch reference, or a list of one per output when
+    the pipeline has several (``default_collate`` makes a list of a field of tuples)."""
+    refs = [DALIOutputBatchRef(proxy.server_uid, proxy.server_name, run_id, i)
+            for i in range(proxy.num_outputs)]
+    return refs[0] if proxy.num_outputs == 1 else refs
+
+
 # DALI's proxy is used with torch's own DataLoader and default_collate (seed example 3), so the
 # hook is registered where default_collate looks; this is the one import-time side effect.
 default_collate_fn_map[DALIOutputSampleRef] = collate_sample_refs
