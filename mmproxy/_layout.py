@@ -60,7 +60,9 @@ def place(inputs: list[list[np.ndarray]], registry: FileMappings
 
     Arrays inside a file of ``registry`` (which the caller holds locked) are sent by reference
     (``fds``: the request's file table, descriptors the registry owns); the others are copied,
-    in order, into the payload area (``payloads``, each at an aligned offset), in C order.
+    in order, into the payload area (``payloads``: C-contiguous, each at an aligned offset).
+    Only views are looked for in the files (an array that owns its memory is in none), all of
+    an input's at once.
 
     Raises:
         TransportError: The samples of one input do not share a dtype.
@@ -71,16 +73,16 @@ def place(inputs: list[list[np.ndarray]], registry: FileMappings
     for arrays in inputs:
         dtype = _dtype(arrays)
         arrays = [a if a.flags.c_contiguous else np.asarray(a, order="C") for a in arrays]
-        faces = [a.__array_interface__ for a in arrays]
-        address = np.array([f["data"][0] for f in faces], np.int64)
         nbytes = np.array([a.nbytes for a in arrays], np.int64)
+        address = np.array([0 if a.base is None else a.__array_interface__["data"][0]
+                            for a in arrays], np.int64)
         entry = np.searchsorted(starts, address, side="right") - 1
-        inside = (entry >= 0) & (nbytes > 0)
+        inside = (entry >= 0) & (nbytes > 0) & (address != 0)
         inside[inside] = address[inside] + nbytes[inside] <= ends[entry[inside]]
         found.append((entry, inside))
         offsets = np.zeros(len(arrays), np.int64)
         offsets[inside] = address[inside] - starts[entry[inside]]
-        prepared.append((arrays, dtype, offsets, nbytes, _shapes(faces)))
+        prepared.append((arrays, dtype, offsets, nbytes, _shapes([a.shape for a in arrays])))
     used = np.unique(np.concatenate([e[i] for e, i in found])) if found else np.zeros(0, np.int64)
     placed: list[Placed] = []
     payloads: list[np.ndarray] = []
@@ -93,7 +95,7 @@ def place(inputs: list[list[np.ndarray]], registry: FileMappings
             room = (nbytes[copied] + ALIGN - 1) // ALIGN * ALIGN
             offsets[copied] = position + np.cumsum(room) - room
             position += int(room.sum())
-            payloads.extend(arrays[i] for i in copied.tolist())
+            payloads.extend([arrays[i] for i in copied.tolist()])
         placed.append(Placed(dtype, files, offsets, nbytes, shapes))
     return placed, payloads, [int(fds[i]) for i in used.tolist()]
 
@@ -108,14 +110,29 @@ def _dtype(arrays: list[np.ndarray]) -> str:
     return names[0]
 
 
-def _shapes(faces: list[dict[str, Any]]) -> np.ndarray | list[tuple[int, ...]] | None:
-    shapes = [f["shape"] for f in faces]
+def _shapes(shapes: list[tuple[int, ...]]) -> np.ndarray | list[tuple[int, ...]] | None:
     ndims = {len(s) for s in shapes}
     if ndims <= {1}:
         return None
     if len(ndims) > 1:
         return shapes
     return np.array(shapes, np.int64).reshape(len(shapes), ndims.pop())
+
+
+def padded(payloads: list[np.ndarray]) -> list[Any]:
+    """The buffers that write ``payloads`` where :func:`place` put them: each array, then the
+    zeros up to the next aligned offset."""
+    buffers: list[Any] = []
+    for a in payloads:
+        n = a.nbytes
+        if n:
+            buffers.append(a)
+        if n % ALIGN:
+            buffers.append(_PADS[ALIGN - n % ALIGN])
+    return buffers
+
+
+_PADS = tuple(bytes(n) for n in range(ALIGN))
 
 
 def arrays(placed: Placed, memfd: mmap.mmap, base: int, files: list[mmap.mmap]) -> list[np.ndarray]:

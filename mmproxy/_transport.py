@@ -84,19 +84,11 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
     header = pickle.dumps((run_id, tag, _layout.key_columns(keys), placed),
                           protocol=pickle.HIGHEST_PROTOCOL)
     base = _layout.align(12 + len(header))
-    buffers: list[Any] = [_MAGIC + struct.pack("<Q", len(header)), header, bytes(base - 12 - len(header))]
-    position = 0
-    for a in payloads:
-        if a.nbytes:
-            buffers.append(a.reshape(-1).view(np.uint8))
-        position += a.nbytes
-        pad = _layout.align(position) - position
-        if pad:
-            buffers.append(bytes(pad))
-            position += pad
+    buffers = [_MAGIC + struct.pack("<Q", len(header)), header, bytes(base - 12 - len(header)),
+               *_layout.padded(payloads)]
     fd = os.memfd_create("mmproxy", os.MFD_CLOEXEC)
     try:
-        total = base + position
+        total = base + sum(_layout.align(a.nbytes) for a in payloads)
         written = 0
         for i in range(0, len(buffers), _IOV_MAX):
             written += os.writev(fd, buffers[i:i + _IOV_MAX])
