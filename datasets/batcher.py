@@ -1,7 +1,9 @@
 """Batcher: a worker's samples into batches, each carrying the skip records that came before it.
 
 Every ``batch_size`` samples become one batch: the collate (the composite :class:`~mmproxy.Collate`
-by default: one run per server field) and the batch transform run here, in the worker, and a dict
+by default: one run per server field; with it, the fields of a server's proxy go as one run each
+without a reference per sample, :mod:`mmproxy.datasets._batch_runs`) and the batch transform run
+here, in the worker, and a dict
 batch gets the records so far in ``"__skipped__"`` and the number of shards begun since the last
 batch in ``"__shards_tried__"`` (the loader judges the unreadable shards' share by it). Records
 that no batch can carry travel on their own as ``{"__skipped__": records, "__shards_tried__":

@@ -7,8 +7,9 @@ DataLoader worker::
       -> ShardReader (tar members grouped into samples, by address)
       -> ShuffleBuffer (raw bytes)
     -> SourceMixer (each sample's source drawn by weight)
-    -> FieldStage (header checks, then each field's proxy or function)
-    -> Batcher (composite collate, batch transform, skip records)
+    -> FieldStage (header checks, then each field's proxy or function; a proxy field of the
+                   default collate keeps only its run's inputs)
+    -> Batcher (composite collate, one run per such field, batch transform, skip records)
     -> PositionStamp (each item with the worker's state, for the loader)
 
 Bad samples: a sample with a missing, empty or corrupt field (header checks), or a field function

@@ -1,7 +1,8 @@
 """Transport: how a batch of inputs travels from a DataLoader worker to a server.
 
-The worker writes the batch (a small pickled header, then every payload, 64-byte aligned) into an
-anonymous ``memfd`` with one ``writev`` call, sends the file descriptor over the server's Unix
+The worker writes the batch (a small pickled header that holds the run as a few numpy columns,
+:mod:`mmproxy._layout`, then every payload that is copied, 64-byte aligned) into an anonymous
+``memfd`` with one ``writev`` call, sends the file descriptor over the server's Unix
 datagram socket (``SCM_RIGHTS``) and closes its copy. The server maps the memfd and hands DALI
 numpy views into the mapping, so payloads are never pickled and never copied in the main process.
 Each array arrives as it was packed: its shape (0-d and empty dimensions included), its dtype

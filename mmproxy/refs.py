@@ -4,7 +4,8 @@ A :class:`DALIOutputSampleRef` stands for one output of one proxy call and carri
 inputs. Collating a list of them (``default_collate`` finds the hook this module registers) decides
 the batch a server runs: the calls actually present, in batch order. The hook ships those inputs
 to the server and returns a :class:`DALIOutputBatchRef`, which names the server, the run and the
-output, and which the loader (or ``server.produce_data``) swaps for the real data.
+output, and which the loader (or ``server.produce_data``) swaps for the real data; :func:`run_refs`
+makes the same references for a run sent without sample references.
 
 A sample reference never leaves the process that made it: one found uncollated where a batch is
 handed over (pickled by a DataLoader worker, or iterated by a collation that does not know it,
