@@ -75,19 +75,20 @@ class Batcher(Stage):
         return self._out.pop(0)
 
     def _step(self) -> None:
+        """Takes samples until a batch, or records alone, can go out, or the samples end."""
         if self.quota is not None and self.made >= self.quota:
             return self._finish()
-        got = next(self.fields, None)
-        if got is None:
-            return self._finish()
-        if isinstance(got, SkippedSample):
-            self.pending.append(got)
-        else:
-            self.batch.append(got)
-        if len(self.batch) == self.batch_size:
-            self._emit()
-        elif len(self.pending) >= self.batch_size:
-            self._out.append(self._records())  # nothing to batch yet: records alone
+        batch, pending, size = self.batch, self.pending, self.batch_size
+        for got in self.fields:
+            if isinstance(got, SkippedSample):
+                pending.append(got)
+                if len(pending) >= size:
+                    return self._out.append(self._records())  # nothing to batch yet: records alone
+            else:
+                batch.append(got)
+                if len(batch) == size:
+                    return self._emit()
+        self._finish()
 
     def _finish(self) -> None:
         self._over = True

@@ -235,6 +235,8 @@ class DALIProxy:
             inputs: tuple[np.ndarray, ...] = (_as_array(args[0], names[0], self.server_name),)
         else:
             inputs = tuple(_as_array(v, n, self.server_name) for v, n in zip(args, names))
+        if self.sample_random is None and not self.encoded:
+            return inputs
         key = _context.current_key()
         if self.sample_random is not None:
             inputs = self._draw(dict(zip(names, inputs)), key)
