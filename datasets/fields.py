@@ -164,6 +164,7 @@ class FieldStage(Stage):
         self.mixer, self.sources, self.batched = mixer, list(sources), batched
         self.seed, self.epoch, self.mixed = seed, epoch, mixed
         self.keep_keys, self.max_pixels, self.skip = keep_keys, max_pixels, skip
+        self.seeds = SampleSeeds(seed, epoch, [name for name, _ in self.sources])
 
     def __iter__(self) -> FieldStage:
         return self
@@ -178,7 +179,7 @@ class FieldStage(Stage):
         """The fields of one raw sample of ``source``, or its record."""
         name, fields = self.sources[source]
         key = str(taken.raw.get("__key__", "?"))
-        seed = sample_seed(self.seed, self.epoch, name, key)
+        seed = self.seeds(source, key)
         try:
             out = process(taken.raw, fields, keep_keys=self.keep_keys, max_pixels=self.max_pixels,
                           skip=self.skip, seed=seed, batched=self.batched)
@@ -207,3 +208,18 @@ def sample_seed(seed: int, epoch: int, source: str, key: str) -> int:
     """A sample's own seed: the same wherever and whenever the sample is read in an epoch."""
     digest = hashlib.blake2b(f"{seed}:{epoch}:{source}:{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+class SampleSeeds:
+    """:func:`sample_seed` of one epoch's samples, source by source: each source's hash of the
+    dataset's seed, the epoch and its name made once, and only each key hashed on from there."""
+
+    def __init__(self, seed: int, epoch: int, sources: Sequence[str]) -> None:
+        self._heads = [hashlib.blake2b(f"{seed}:{epoch}:{source}:".encode(), digest_size=8)
+                       for source in sources]
+
+    def __call__(self, source: int, key: str) -> int:
+        """The seed of sample ``key`` of source number ``source``."""
+        h = self._heads[source].copy()
+        h.update(key.encode())
+        return int.from_bytes(h.digest(), "little")

@@ -68,8 +68,8 @@ def place(inputs: list[list[np.ndarray]], registry: FileMappings
         TransportError: The samples of one input do not share a dtype.
     """
     starts, ends, fds = registry.table()
-    found: list[tuple[np.ndarray, np.ndarray]] = []  # per input: registry entry, inside one
-    prepared: list[tuple[list[np.ndarray], str, np.ndarray, np.ndarray, Any]] = []
+    present = np.zeros(len(starts), bool)  # the registry's files this run references
+    prepared: list[tuple[list[np.ndarray], str, np.ndarray, np.ndarray, np.ndarray, Any]] = []
     for arrays in inputs:
         dtype = _dtype(arrays)
         arrays = [a if a.flags.c_contiguous else np.asarray(a, order="C") for a in arrays]
@@ -77,27 +77,27 @@ def place(inputs: list[list[np.ndarray]], registry: FileMappings
         address = np.array([0 if a.base is None else a.__array_interface__["data"][0]
                             for a in arrays], np.int64)
         entry = np.searchsorted(starts, address, side="right") - 1
-        inside = (entry >= 0) & (nbytes > 0) & (address != 0)
-        inside[inside] = address[inside] + nbytes[inside] <= ends[entry[inside]]
-        found.append((entry, inside))
-        offsets = np.zeros(len(arrays), np.int64)
-        offsets[inside] = address[inside] - starts[entry[inside]]
-        prepared.append((arrays, dtype, offsets, nbytes, _shapes([a.shape for a in arrays])))
-    used = np.unique(np.concatenate([e[i] for e, i in found])) if found else np.zeros(0, np.int64)
+        if len(starts):
+            inside = (entry >= 0) & (nbytes > 0) & (address != 0) & (address + nbytes <= ends[entry])
+            present[entry[inside]] = True
+        else:
+            inside = np.zeros(len(arrays), bool)
+        offsets = np.where(inside, address - starts[entry] if len(starts) else 0, 0)
+        prepared.append((arrays, dtype, entry, inside, offsets, nbytes))
+    table = np.cumsum(present) - 1  # a registry entry's index in the request's file table
     placed: list[Placed] = []
     payloads: list[np.ndarray] = []
     position = 0
-    for (entry, inside), (arrays, dtype, offsets, nbytes, shapes) in zip(found, prepared):
-        files = np.full(len(arrays), -1, np.int64)
-        files[inside] = np.searchsorted(used, entry[inside])
-        copied = np.flatnonzero(~inside)
-        if len(copied):
+    for arrays, dtype, entry, inside, offsets, nbytes in prepared:
+        files = np.where(inside, table[entry] if len(starts) else -1, -1)
+        if not inside.all():
+            copied = np.flatnonzero(~inside)
             room = (nbytes[copied] + ALIGN - 1) // ALIGN * ALIGN
             offsets[copied] = position + np.cumsum(room) - room
             position += int(room.sum())
             payloads.extend([arrays[i] for i in copied.tolist()])
-        placed.append(Placed(dtype, files, offsets, nbytes, shapes))
-    return placed, payloads, [int(fds[i]) for i in used.tolist()]
+        placed.append(Placed(dtype, files, offsets, nbytes, _shapes([a.shape for a in arrays])))
+    return placed, payloads, fds[present].tolist()
 
 
 def _dtype(arrays: list[np.ndarray]) -> str:

@@ -183,3 +183,12 @@ def test_a_pipeline_failure_names_the_one_bad_sample_on_both_routes(servers, tmp
     assert "cannot process sample " in messages[0] and "h-000.tar:h04 " in messages[0]
     assert messages[0] == messages[1]
     assert train.state is mmproxy.ServerState.RUNNING
+
+
+def test_the_field_stage_draws_each_samples_own_seed():
+    from mmproxy.datasets.fields import SampleSeeds, sample_seed
+
+    seeds = SampleSeeds(7, 3, ["a", "b"])
+    for source, name in enumerate(["a", "b"]):
+        for key in ["k000", "", "caf\u00e9/0001", "x" * 300]:
+            assert seeds(source, key) == sample_seed(7, 3, name, key)
