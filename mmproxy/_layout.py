@@ -53,6 +53,34 @@ class Placed:
     nbytes: np.ndarray
     shapes: np.ndarray | list[tuple[int, ...]] | None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the columns as bytes: pickling an array costs more than the rest of the header
+        shapes: Any = self.shapes
+        if isinstance(shapes, np.ndarray):
+            shapes = (shapes.shape[1], _raw(shapes))
+        return (_placed, (self.dtype, _raw(self.files), _raw(self.offsets), _raw(self.nbytes),
+                          shapes))
+
+
+def _raw(column: np.ndarray) -> bytes:
+    return np.ascontiguousarray(column, np.int64).tobytes()
+
+
+def _column(raw: bytes) -> np.ndarray:
+    if len(raw) % 8:
+        raise TransportError("a batch's header has a column cut short")
+    return np.frombuffer(raw, np.int64)
+
+
+def _placed(dtype: str, files: bytes, offsets: bytes, nbytes: bytes, shapes: Any) -> Placed:
+    where = _column(files)
+    if isinstance(shapes, tuple):
+        ndim, raw = shapes
+        if len(raw) != 8 * ndim * len(where):
+            raise TransportError("a batch's header has a column cut short")
+        shapes = _column(raw).reshape(len(where), ndim)
+    return Placed(dtype, where, _column(offsets), _column(nbytes), shapes)
+
 
 def place(inputs: list[list[np.ndarray]], registry: FileMappings
           ) -> tuple[list[Placed], list[np.ndarray], list[int]]:
@@ -185,6 +213,10 @@ class KeyColumns:
     seeds: np.ndarray
     seeded: np.ndarray
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_key_columns, (self.names, self.shards, _raw(self.shard),
+                               self.skip.tobytes(), self.seeds.tobytes(), self.seeded.tobytes()))
+
     def keys(self) -> list[SampleId]:
         """The keys, as they were packed."""
         shards = self.shards
@@ -198,21 +230,32 @@ class KeyColumns:
                     self.seeded.tolist())]
 
 
+def _key_columns(names: list[str], shards: list[str | None], shard: bytes, skip: bytes,
+                 seeds: bytes, seeded: bytes) -> KeyColumns:
+    if len(seeds) % 8:
+        raise TransportError("a batch's header has a column cut short")
+    return KeyColumns(names, shards, _column(shard), np.frombuffer(skip, bool),
+                      np.frombuffer(seeds, np.uint64), np.frombuffer(seeded, bool))
+
+
+_NONE = type(None)
+
+
 def key_columns(keys: list[Any]) -> KeyColumns | list[Any]:
     """``keys`` as columns when each is a :class:`~mmproxy._context.SampleId` whose fields the
     columns keep exactly (a ``str`` key, a ``str`` or None shard, a ``bool`` flag, an ``int``
     seed in ``[0, 2**64)`` or None); otherwise the list itself, which is pickled as it is."""
-    if not keys or not all(type(k) is SampleId for k in keys):
+    if not keys or set(map(type, keys)) != {SampleId}:
         return keys
-    names, shards, skips, seeds = (list(c) for c in zip(*keys))
-    if ({type(v) for v in names} != {str} or not {type(v) for v in shards} <= {str, type(None)}
-            or {type(v) for v in skips} != {bool}
-            or not {type(v) for v in seeds} <= {int, type(None)}):
+    names, shards, skips, seeds = zip(*keys)
+    if (set(map(type, names)) != {str} or not set(map(type, shards)) <= {str, _NONE}
+            or set(map(type, skips)) != {bool} or not set(map(type, seeds)) <= {int, _NONE}):
         return keys
-    seeded = [s is not None for s in seeds]
-    numbers = [s if s is not None else 0 for s in seeds]
+    seeded = [s is not None for s in seeds] if None in seeds else [True] * len(seeds)
+    numbers = [s if s is not None else 0 for s in seeds] if None in seeds else seeds
     if min(numbers) < 0 or max(numbers) >= _SEED_LIMIT:
         return keys
     table = {s: i for i, s in enumerate(dict.fromkeys(shards))}
-    return KeyColumns(names, list(table), np.array([table[s] for s in shards], np.int64),
+    return KeyColumns(list(names), list(table), np.array(list(map(table.__getitem__, shards)),
+                                                         np.int64),
                       np.array(skips, bool), np.array(numbers, np.uint64), np.array(seeded, bool))

@@ -133,6 +133,17 @@ def test_a_layout_that_does_not_fit_its_buffers_is_refused(placed, message):
         _layout.arrays(placed, memfd, 64, [])
 
 
+def test_a_header_column_cut_short_is_refused():
+    placed = _placed([-1, -1], [0, 64], [2, 2], shapes=np.array([[2], [2]]))
+    function, (dtype, files, offsets, nbytes, shapes) = placed.__reduce__()
+    rebuilt = function(dtype, files, offsets, nbytes, shapes)
+    assert rebuilt.shapes.tolist() == [[2], [2]] and rebuilt.offsets.tolist() == [0, 64]
+    with pytest.raises(TransportError, match="cut short"):
+        function(dtype, files[:-1], offsets, nbytes, shapes)
+    with pytest.raises(TransportError, match="cut short"):
+        function(dtype, files, offsets, nbytes, (1, shapes[1][:8]))
+
+
 def test_key_columns_that_do_not_match_are_refused():
     columns = _layout.key_columns([SampleId("a", "s", True, 1), SampleId("b", "t", False, 2)])
     assert isinstance(columns, _layout.KeyColumns)
