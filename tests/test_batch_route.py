@@ -192,3 +192,18 @@ def test_the_field_stage_draws_each_samples_own_seed():
     for source, name in enumerate(["a", "b"]):
         for key in ["k000", "", "caf\u00e9/0001", "x" * 300]:
             assert seeds(source, key) == sample_seed(7, 3, name, key)
+
+
+def test_the_collate_finds_references_past_the_lists_it_passes_over(servers):
+    """Collate's checks pass over a dict's tensors and lists of plain values in bulk, and still
+    find a reference anywhere else: in a list beside strings, in a nested dict, in a tuple."""
+    train, small = servers
+    ref = mmproxy.DALIOutputBatchRef(small.uid, small.name, "run", 0)
+    collate = mmproxy.Collate([train], inner=lambda samples: samples[0])
+    assert collate([{"key": ["a", "b"], "n": [1, 2.5, None], "x": torch.zeros(2)}])["n"][1] == 2.5
+    for hidden in (["a", ref], {"deep": {"er": ref}}, ("a", ref)):
+        with pytest.raises(mmproxy.CollateError, match="server 'small', which this collate was not"):
+            collate([{"key": ["a", "b"], "x": hidden}])
+    sample_ref = train.proxy(_image(1))
+    with pytest.raises(mmproxy.CollateError, match="left 1 DALI sample references uncollated"):
+        collate([{"key": ["a"], "x": ["b", sample_ref]}])
