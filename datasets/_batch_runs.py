@@ -56,14 +56,14 @@ class BatchRuns:
         self.proxies = [{n: cast(DALIProxy, fields[n].fn) for n in names} for fields in sources]
 
     def __call__(self, batch: list[Processed]) -> Any:
+        """The batch dict of ``batch`` (whose samples lose their batch-route fields to it)."""
         first = batch[0]
+        order = list(first.sample)
         keys = [p.key for p in batch]
         runs: dict[str, Any] = {}
-        for name in first.sample:  # in the order the collate would send them
+        for name in order:  # in the order the collate would send them
             if name in self.names:
                 proxy = self.proxies[first.source][name]
-                runs[name] = run_refs(proxy, proxy.run(keys, [p.sample[name] for p in batch]))
-        names = self.names
-        rest = self.collate([{k: v for k, v in p.sample.items() if k not in names}
-                             for p in batch])
-        return {k: runs[k] if k in runs else rest[k] for k in first.sample}
+                runs[name] = run_refs(proxy, proxy.run(keys, [p.sample.pop(name) for p in batch]))
+        rest = self.collate([p.sample for p in batch])
+        return {k: runs[k] if k in runs else rest[k] for k in order}
