@@ -4,6 +4,7 @@ with the send to the server stubbed out.
 
     python benchmarks/worker_cost.py --kind image --data-dir /tmp/bench
     python benchmarks/worker_cost.py --kind image --pipeline train   # crops drawn per sample
+    python benchmarks/worker_cost.py --kind audio --labels           # labels and keys as well
     python benchmarks/worker_cost.py --kind audio --profile 30       # the path's top functions
 
 Uses the bench's shards (`mmproxy bench --data-dir DIR` writes them); measures in one forked
@@ -20,8 +21,8 @@ import time
 from typing import Any
 
 
-def _measure(paths: list[str], ext: str, batch: int, proxy: object, repeat: int, profile: int,
-             conn: Any) -> None:
+def _measure(paths: list[str], ext: str, batch: int, proxy: object, repeat: int, labels: bool,
+             profile: int, conn: Any) -> None:
     """In a forked child, where the server is not local and the proxy sends, as in a worker."""
     import cProfile
     import io
@@ -34,8 +35,10 @@ def _measure(paths: list[str], ext: str, batch: int, proxy: object, repeat: int,
     from mmproxy import _transport
 
     _transport.send = lambda path, fds, name: None  # drop each batch instead of sending it
-    ds = MultiModalDataset(paths, {"x": (ext, proxy)}, batch_size=batch, shuffle_buffer=256,
-                           keep_keys=False)
+    fields: dict[str, Any] = {"x": (ext, proxy)}
+    if labels:  # a field that stays in the worker, and the keys, as the recipes have
+        fields["label"] = ("cls", int)
+    ds = MultiModalDataset(paths, fields, batch_size=batch, shuffle_buffer=256, keep_keys=labels)
     best = [float("inf")] * 3
     n = 0
     for _ in range(repeat):
@@ -70,6 +73,8 @@ def main() -> None:
     parser.add_argument("--pipeline", choices=["external", "train"], default="external",
                         help="the server's pipeline: a bare external source, or (images) the "
                              "training pipeline, whose proxy draws crops per sample")
+    parser.add_argument("--labels", action="store_true",
+                        help="also a label field collated in the worker, and the keys")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the dataset path's N costliest functions (cProfile)")
     a = parser.parse_args()
@@ -100,7 +105,8 @@ def main() -> None:
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe()
     worker = ctx.Process(target=_measure,
-                         args=(paths, ext, batch, server.proxy, a.repeat, a.profile, child))
+                         args=(paths, ext, batch, server.proxy, a.repeat, a.labels, a.profile,
+                               child))
     worker.start()
     child.close()  # so that recv() raises EOFError if the worker dies
     try:
