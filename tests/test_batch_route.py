@@ -207,3 +207,27 @@ def test_the_collate_finds_references_past_the_lists_it_passes_over(servers):
     sample_ref = train.proxy(_image(1))
     with pytest.raises(mmproxy.CollateError, match="left 1 DALI sample references uncollated"):
         collate([{"key": ["a"], "x": ["b", sample_ref]}])
+
+
+def test_a_pipeline_of_two_outputs_gives_the_per_sample_routes_list(tmp_path):
+    """A field of a two-output pipeline is a list of two batch references, as default_collate
+    makes of a field of tuples: one run, both outputs."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None)
+    def decode_and_shape():
+        data = fn.external_source(name="data", no_copy=True, dtype=types.UINT8)
+        image = fn.decoders.image(data, output_type=types.RGB)
+        return fn.resize(image, size=[8, 8]), image.shape(dtype=types.INT64)
+
+    write_tar(tmp_path / "t-0.tar", [{"__key__": f"t{i:02d}", "jpg": _image(i)} for i in range(10)])
+    with mmproxy.DALIServer(decode_and_shape(), name="two") as two:
+        got = []
+        for collate in (None, mmproxy.Collate()):
+            ds = MultiModalDataset(str(tmp_path / "t-0.tar"), {"image": ("jpg", two.proxy)},
+                                   batch_size=BATCH, collate=collate)
+            assert bool(ds._batched) == (collate is None)
+            got.append([b["image"] for b in ds.loader(two, num_workers=0)])
+    for (pixels, sizes), (same_pixels, same_sizes) in zip(*got):
+        assert torch.equal(pixels, same_pixels) and torch.equal(sizes, same_sizes)
+    assert [s.tolist() for _, s in got[0]][0][0] == [24, 32, 3]
