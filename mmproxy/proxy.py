@@ -7,7 +7,8 @@ so shuffling, dropping or calling twice per sample is safe. At collate time :met
 batch's inputs to the server as one run (:meth:`run`), directly when the server lives in this
 process, otherwise through shared memory (:mod:`mmproxy._transport`). A dataset that batches its
 samples itself can skip the references: :meth:`sample_inputs` gives what a call would carry, and
-:meth:`run` sends a batch of them (see :mod:`mmproxy.datasets._batch_runs`).
+:meth:`run` sends a batch of them (as :class:`~mmproxy.datasets.MultiModalDataset` does with its own
+collate).
 """
 
 from __future__ import annotations
