@@ -166,3 +166,35 @@ def test_the_registry_table_follows_its_mappings(tmp_path):
     assert list(starts) == sorted(starts) and len(fds) == min(before + 1, _mappings.MAX_FILES)
     _transport.release_file_mapping(mapping)
     assert address not in _mappings.files.table()[0].tolist()
+
+
+def test_a_run_reaches_a_server_the_same_in_its_process_and_from_a_worker(tmp_path, monkeypatch):
+    """DALIProxy.run hands a server in its own process the Request the listener unpacks when the
+    run comes from a worker: same keys, same arrays."""
+    from conftest import cpu, double_pipe
+
+    import mmproxy
+    from mmproxy import _process
+
+    shard = _registered(tmp_path, "d.tar", os.urandom(4000))
+    samples = [(np.frombuffer(shard, np.uint8)[i * 100:i * 100 + 40 + i],) for i in range(6)]
+    samples[2] = (np.arange(7, dtype=np.uint8),)
+    keys = [SampleId(f"k{i}", "d.tar", i % 2 == 0, 3 * i) for i in range(6)]
+    with mmproxy.DALIServer(cpu(double_pipe), name="double") as server:
+        accepted = []
+        monkeypatch.setattr(server.table, "accept", accepted.append)
+        server.proxy.run(keys, samples)  # in this process: no transport
+        sent = []
+        monkeypatch.setattr(_process, "local", lambda uid: None)
+        monkeypatch.setattr(_transport, "send", lambda path, fds, name: sent.append(
+            [os.dup(fd) for fd in fds]))
+        server.proxy.run(keys, samples)  # as from a worker
+    try:
+        received = _transport.unpack(sent[0])
+    finally:
+        for fd in sent[0]:
+            os.close(fd)
+    local = accepted[0]
+    assert received.tag == local.tag and received.run_id != local.run_id
+    _same_request(received, received.run_id, local.tag, local.keys, local.inputs)
+    assert local.keys == keys and [bytes(a) for a in local.inputs[0]] == [bytes(s[0]) for s in samples]
