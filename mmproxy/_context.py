@@ -78,7 +78,7 @@ def current_key() -> SampleId | None:
 
 
 def sample_key(key: str | None, *, shard: str | None = None, skip: bool = False,
-               seed: int | None = None) -> _Naming:
+               seed: int | None = None) -> contextlib.AbstractContextManager[None]:
     """Names the sample being processed, so that proxy calls inside carry its key (a context
     manager: ``with sample_key(key): ...``).
 
