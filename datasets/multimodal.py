@@ -115,7 +115,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             empty, ``.shards_tried`` of how many). ``None`` never raises for a fraction; an epoch
             that delivers nothing always raises.
         partial: Yield the last, smaller batch of each worker.
-        collate: The collate for a list of sample dicts; :class:`~mmproxy.Collate` by default.
+        collate: The collate for a list of sample dicts; :class:`~mmproxy.Collate` by default,
+            and then a field whose function is a server's proxy goes to its server as one run
+            per batch without a reference per sample (the same batch, at less cost in the
+            workers). A collate given gets the samples with their proxies' references.
         batch_transform: Applied to each collated batch in the worker (e.g. tokenization).
         keep_keys: Keep ``"__key__"`` (and ``"__url__"``) in the batches.
         max_pixels: Images whose header declares more pixels are bad samples.
