@@ -1,14 +1,15 @@
 """Batcher: a worker's samples into batches, each carrying the skip records that came before it.
 
 Every ``batch_size`` samples become one batch: the collate (the composite :class:`~mmproxy.Collate`
-by default: one run per server field) and the batch transform run here, in the worker, and a dict
-batch gets the records so far in ``"__skipped__"`` and the number of shards begun since the last
-batch in ``"__shards_tried__"`` (the loader judges the unreadable shards' share by it). Records
-that no batch can carry travel on their own as ``{"__skipped__": records, "__shards_tried__":
-n}``: after the worker's last batch, after a batch that is not a dict, and whenever as many
-records as a batch holds samples are waiting (so a run that skips everything still reports, and
-the loader's limits can stop it). With a quota (``epoch_length``) the batcher stops after that
-many batches; the last, smaller batch is made only with ``partial``.
+by default: one run per server field; with it, the fields of a server's proxy go as one run each
+without a reference per sample, :mod:`mmproxy.datasets._batch_runs`) and the batch transform run
+here, in the worker, and a dict batch gets the records so far in ``"__skipped__"`` and the number
+of shards begun since the last batch in ``"__shards_tried__"`` (the loader judges the unreadable
+shards' share by it). Records that no batch can carry travel on their own as ``{"__skipped__":
+records, "__shards_tried__": n}``: after the worker's last batch, after a batch that is not a
+dict, and whenever as many records as a batch holds samples are waiting (so a run that skips
+everything still reports, and the loader's limits can stop it). With a quota (``epoch_length``)
+the batcher stops after that many batches; the last, smaller batch is made only with ``partial``.
 
 Its state: the batches made, the quota, and the addresses of the samples of the batch being
 filled; a resumed batcher reads those samples again and processes them (their proxies run again,
@@ -41,6 +42,8 @@ class Batcher(Stage):
         quota: Batches to make at most (None: until the samples run out).
         collate: Turns a list of samples into a batch.
         transform: Applied to each collated batch (e.g. tokenization), or None.
+        runs: Makes the batch of the processed samples in place of ``collate`` when the
+            fields have batch-route fields (:mod:`mmproxy.datasets._batch_runs`), or None.
     """
 
     NAME = "batcher"
@@ -49,10 +52,11 @@ class Batcher(Stage):
 
     def __init__(self, fields: FieldStage, read: TarReader, *, batch_size: int, partial: bool,
                  quota: int | None, collate: Callable[[list[Any]], Any],
-                 transform: Callable[[Any], Any] | None) -> None:
+                 transform: Callable[[Any], Any] | None,
+                 runs: Callable[[list[Processed]], Any] | None = None) -> None:
         self.fields, self.read = fields, read
         self.batch_size, self.partial, self.quota = batch_size, partial, quota
-        self.collate, self.transform = collate, transform
+        self.collate, self.transform, self.runs = collate, transform, runs
         self.made = 0
         self.batch: list[Processed] = []
         self.pending: list[SkippedSample] = []  # records not yet sent
@@ -70,19 +74,20 @@ class Batcher(Stage):
         return self._out.pop(0)
 
     def _step(self) -> None:
+        """Takes samples until a batch, or records alone, can go out, or the samples end."""
         if self.quota is not None and self.made >= self.quota:
             return self._finish()
-        got = next(self.fields, None)
-        if got is None:
-            return self._finish()
-        if isinstance(got, SkippedSample):
-            self.pending.append(got)
-        else:
-            self.batch.append(got)
-        if len(self.batch) == self.batch_size:
-            self._emit()
-        elif len(self.pending) >= self.batch_size:
-            self._out.append(self._records())  # nothing to batch yet: records alone
+        batch, pending, size = self.batch, self.pending, self.batch_size
+        for got in self.fields:
+            if isinstance(got, SkippedSample):
+                pending.append(got)
+                if len(pending) >= size:
+                    return self._out.append(self._records())  # nothing to batch yet: records alone
+            else:
+                batch.append(got)
+                if len(batch) == size:
+                    return self._emit()
+        self._finish()
 
     def _finish(self) -> None:
         self._over = True
@@ -93,10 +98,10 @@ class Batcher(Stage):
             self._out.append(sent)
 
     def _emit(self) -> None:
-        samples = [p.sample for p in self.batch]
-        self.batch = []
+        processed, self.batch = self.batch, []
         self.made += 1
-        batch = self.collate(samples)
+        batch = (self.runs(processed) if self.runs is not None
+                 else self.collate([p.sample for p in processed]))
         if self.transform is not None:
             batch = self.transform(batch)
         if isinstance(batch, dict):

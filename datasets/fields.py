@@ -13,7 +13,7 @@ or raises :class:`~mmproxy.errors.SampleError`, according to the dataset's ``on_
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -23,6 +23,7 @@ from mmproxy import worker
 from mmproxy.errors import SampleError
 from mmproxy.protocols import Proxy
 from mmproxy.skips import SkipKind, SkippedSample
+from mmproxy.worker import SampleId
 
 from ._stage import Stage
 from .checks import check_header
@@ -83,16 +84,22 @@ def parse_field(name: str, spec: FieldSpec) -> Parsed:
 
 
 def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: bool,
-            max_pixels: int, skip: bool, seed: int | None = None) -> dict[str, Any]:
+            max_pixels: int, skip: bool, seed: int | None = None,
+            batched: Collection[str] = ()) -> dict[str, Any]:
     """The fields of one raw sample (``{ext: bytes}`` with ``__key__`` and ``__url__``); proxy
-    calls inside are named after the sample, with its skip policy and its own ``seed``."""
+    calls inside are named after the sample, with its skip policy and its own ``seed``. A field
+    in ``batched`` (whose function is a :class:`~mmproxy.DALIProxy`) gets the pipeline's inputs
+    for the sample (:meth:`~mmproxy.DALIProxy.sample_inputs`) in place of a call's references:
+    the batcher runs the batch's (:mod:`mmproxy.datasets._batch_runs`)."""
     key = sample.get("__key__", "?")
     url = sample.get("__url__", "?")
     out: dict[str, Any] = {"__key__": key, "__url__": url} if keep_keys else {}
     with worker.sample_key(key, shard=url, skip=skip, seed=seed):
         for name, (exts, fn, server) in fields.items():
-            ext = next((e for e in exts if e in sample), None)
-            if ext is None:
+            for ext in exts:
+                if ext in sample:
+                    break
+            else:
                 present = sorted(k for k in sample if not k.startswith("__"))
                 raise Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has {present})",
                            SkipKind.MISSING_FIELD)
@@ -105,21 +112,26 @@ def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: 
             if problem:
                 raise Skip(url, key, f"bad header: field {ext!r} {problem}", SkipKind.BAD_HEADER)
             try:
-                out[name] = fn(np.frombuffer(data, np.uint8)) if server else fn(bytes(data))
+                if name in batched:
+                    out[name] = fn.sample_inputs(np.frombuffer(data, np.uint8))  # type: ignore[attr-defined]
+                else:
+                    out[name] = fn(np.frombuffer(data, np.uint8)) if server else fn(bytes(data))
             except Exception as err:  # a user function failed on this sample
                 raise Skip(url, key, f"field function failed: field {ext!r}: "
                                      f"{type(err).__name__}: {err}", SkipKind.FIELD_FUNCTION) from err
     return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Processed:
-    """A sample's fields, with the source and the address it was read from."""
+    """A sample's fields, with the source and the address it was read from, and the key its
+    batch-route fields' runs name it by (None without such fields)."""
 
     source: int
     url: str
     index: int
     sample: dict[str, Any]
+    key: SampleId | None = None
 
 
 class FieldStage(Stage):
@@ -139,6 +151,7 @@ class FieldStage(Stage):
         keep_keys: Keep ``"__key__"`` and ``"__url__"``.
         max_pixels: Images whose header declares more pixels are bad samples.
         skip: Bad samples are records, not errors.
+        batched: The fields that take the batch route (see :func:`process`).
     """
 
     NAME = "fields"
@@ -147,10 +160,11 @@ class FieldStage(Stage):
 
     def __init__(self, mixer: SourceMixer, sources: Sequence[tuple[str, Mapping[str, Parsed]]], *,
                  seed: int, epoch: int, mixed: bool, keep_keys: bool, max_pixels: int,
-                 skip: bool) -> None:
-        self.mixer, self.sources = mixer, list(sources)
+                 skip: bool, batched: frozenset[str] = frozenset()) -> None:
+        self.mixer, self.sources, self.batched = mixer, list(sources), batched
         self.seed, self.epoch, self.mixed = seed, epoch, mixed
         self.keep_keys, self.max_pixels, self.skip = keep_keys, max_pixels, skip
+        self.seeds = SampleSeeds(seed, epoch, [name for name, _ in self.sources])
 
     def __iter__(self) -> FieldStage:
         return self
@@ -165,9 +179,10 @@ class FieldStage(Stage):
         """The fields of one raw sample of ``source``, or its record."""
         name, fields = self.sources[source]
         key = str(taken.raw.get("__key__", "?"))
+        seed = self.seeds(source, key)
         try:
             out = process(taken.raw, fields, keep_keys=self.keep_keys, max_pixels=self.max_pixels,
-                          skip=self.skip, seed=sample_seed(self.seed, self.epoch, name, key))
+                          skip=self.skip, seed=seed, batched=self.batched)
         except Skip as skip:
             if not self.skip:
                 url, key, reason, _ = skip.record
@@ -175,7 +190,8 @@ class FieldStage(Stage):
             return skip.record
         if self.mixed:
             out["__source__"] = name
-        return Processed(source, taken.url, taken.index, out)
+        sample_id = SampleId(key, taken.raw.get("__url__", "?"), self.skip, seed) if self.batched else None
+        return Processed(source, taken.url, taken.index, out, sample_id)
 
     def state_dict(self) -> dict[str, Any]:
         return self._pack(**{self.MIXER: self.mixer.state_dict()})
@@ -192,3 +208,18 @@ def sample_seed(seed: int, epoch: int, source: str, key: str) -> int:
     """A sample's own seed: the same wherever and whenever the sample is read in an epoch."""
     digest = hashlib.blake2b(f"{seed}:{epoch}:{source}:{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+class SampleSeeds:
+    """:func:`sample_seed` of one epoch's samples, source by source: each source's hash of the
+    dataset's seed, the epoch and its name made once, and only each key hashed on from there."""
+
+    def __init__(self, seed: int, epoch: int, sources: Sequence[str]) -> None:
+        self._heads = [hashlib.blake2b(f"{seed}:{epoch}:{source}:".encode(), digest_size=8)
+                       for source in sources]
+
+    def __call__(self, source: int, key: str) -> int:
+        """The seed of sample ``key`` of source number ``source``."""
+        h = self._heads[source].copy()
+        h.update(key.encode())
+        return int.from_bytes(h.digest(), "little")

@@ -7,8 +7,9 @@ DataLoader worker::
       -> ShardReader (tar members grouped into samples, by address)
       -> ShuffleBuffer (raw bytes)
     -> SourceMixer (each sample's source drawn by weight)
-    -> FieldStage (header checks, then each field's proxy or function)
-    -> Batcher (composite collate, batch transform, skip records)
+    -> FieldStage (header checks, then each field's proxy or function; a proxy field of the
+                   default collate keeps only its run's inputs)
+    -> Batcher (composite collate, one run per such field, batch transform, skip records)
     -> PositionStamp (each item with the worker's state, for the loader)
 
 Bad samples: a sample with a missing, empty or corrupt field (header checks), or a field function
@@ -41,6 +42,7 @@ from mmproxy.protocols import Proxy
 from mmproxy.state import LoaderState
 
 from . import elastic
+from ._batch_runs import BatchRuns, batch_fields
 from ._legacy import is_first_version, upgrade
 from ._next_epoch import NextEpoch
 from .batcher import Batcher
@@ -114,7 +116,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             empty, ``.shards_tried`` of how many). ``None`` never raises for a fraction; an epoch
             that delivers nothing always raises.
         partial: Yield the last, smaller batch of each worker.
-        collate: The collate for a list of sample dicts; :class:`~mmproxy.Collate` by default.
+        collate: The collate for a list of sample dicts; :class:`~mmproxy.Collate` by default,
+            and then a field whose function is a server's proxy goes to its server as one run
+            per batch without a reference per sample (the same batch, at less cost in the
+            workers). A collate given gets the samples with their proxies' references.
         batch_transform: Applied to each collated batch in the worker (e.g. tokenization).
         keep_keys: Keep ``"__key__"`` (and ``"__url__"``) in the batches.
         max_pixels: Images whose header declares more pixels are bad samples.
@@ -186,6 +191,8 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         proxies = [f.fn for s in self.sources for f in s.fields.values() if f.server]
         known = all(isinstance(p, Proxy) for p in proxies)
         self.collate = collate or Collate(proxies if known else None)
+        # with its own collate, the proxies' fields go as one run each (_batch_runs)
+        self._batched = batch_fields([s.fields for s in self.sources]) if collate is None else frozenset()
         self.batch_transform, self.keep_keys = batch_transform, keep_keys
         self.max_pixels, self.prefetch_next_epoch = max_pixels, prefetch_next_epoch
         self.remote = remote or RemoteOptions()
@@ -254,11 +261,14 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                             self.epoch_length is not None, layout)
         fields = FieldStage(mixer, [(s.name, s.fields) for s in self.sources], seed=self.seed,
                             epoch=epoch, mixed=self.mixed, keep_keys=self.keep_keys,
-                            max_pixels=self.max_pixels, skip=self.on_error == "skip")
+                            max_pixels=self.max_pixels, skip=self.on_error == "skip",
+                            batched=self._batched)
         if quota is None and self.epoch_length is not None:
             quota = split_quota(self.epoch_length, workers)[worker_id]
         batcher = Batcher(fields, self._read, batch_size=self.batch_size, partial=self.partial,
-                          quota=quota, collate=self.collate, transform=self.batch_transform)
+                          quota=quota, collate=self.collate, transform=self.batch_transform,
+                          runs=BatchRuns(self._batched, [s.fields for s in self.sources],
+                                         self.collate) if self._batched else None)
         return PositionStamp(batcher, layout)
 
     def _current(self, state: Any, rank: int | None = None, world: int | None = None) -> Any:

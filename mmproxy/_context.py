@@ -77,10 +77,10 @@ def current_key() -> SampleId | None:
     return getattr(_sample_key, "value", None)
 
 
-@contextlib.contextmanager
 def sample_key(key: str | None, *, shard: str | None = None, skip: bool = False,
-               seed: int | None = None) -> Iterator[None]:
-    """Names the sample being processed, so that proxy calls inside carry its key.
+               seed: int | None = None) -> contextlib.AbstractContextManager[None]:
+    """Names the sample being processed, so that proxy calls inside carry its key (a context
+    manager: ``with sample_key(key): ...``).
 
     Args:
         key: The sample's key (shown in every message about it).
@@ -91,13 +91,24 @@ def sample_key(key: str | None, *, shard: str | None = None, skip: bool = False,
             a flip) are drawn from it, so the sample gets the same augmentation whichever worker,
             batch or run it lands in (exact resume).
     """
-    previous = getattr(_sample_key, "value", None), getattr(_sample_key, "draws", 0)
-    _sample_key.value = None if key is None else SampleId(str(key), shard, skip, seed)
-    _sample_key.draws = 0
-    try:
-        yield
-    finally:
-        _sample_key.value, _sample_key.draws = previous
+    return _Naming(None if key is None else SampleId(str(key), shard, skip, seed))
+
+
+class _Naming:
+    """:func:`sample_key`'s context manager (a class: entered once per sample, it must be
+    cheap): the sample named inside, the one named before restored after."""
+
+    __slots__ = ("previous", "value")
+
+    def __init__(self, value: SampleId | None) -> None:
+        self.value = value
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_sample_key, "value", None), getattr(_sample_key, "draws", 0)
+        _sample_key.value, _sample_key.draws = self.value, 0
+
+    def __exit__(self, *_: object) -> None:
+        _sample_key.value, _sample_key.draws = self.previous
 
 
 def draw_number() -> int:

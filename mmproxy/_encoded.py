@@ -36,12 +36,13 @@ _IMAGE_SIGNATURES = (
     ("PNM", tuple(b"P%d" % n for n in range(1, 7))),
 )
 IMAGE_FORMATS = ", ".join([name for name, _ in _IMAGE_SIGNATURES] + ["WebP"])
+_EVERY_SIGNATURE = tuple(s for _, signatures in _IMAGE_SIGNATURES for s in signatures)
 
 
 def _is_image(head: bytes) -> bool:
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return True
-    return any(head.startswith(s) for _, signatures in _IMAGE_SIGNATURES for s in signatures)
+    return head.startswith(_EVERY_SIGNATURE)
 
 
 def expected(kind: Encoded) -> str:

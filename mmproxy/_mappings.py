@@ -8,7 +8,6 @@ once per file version and keeps the last ones, so later batches of the same shar
 
 from __future__ import annotations
 
-import bisect
 import mmap
 import os
 import resource
@@ -40,7 +39,7 @@ class FileMappings:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.entries: OrderedDict[int, tuple[int, int, mmap.mmap]] = OrderedDict()  # start -> end, fd
-        self.starts: list[int] = []
+        self._table = _table(self.entries)
 
     def add(self, mapping: mmap.mmap, fd: int) -> None:
         start = _address(mapping)
@@ -51,7 +50,7 @@ class FileMappings:
             self.entries[start] = (start + len(mapping), own, mapping)
             while len(self.entries) > MAX_FILES:
                 os.close(self.entries.popitem(last=False)[1][1])
-            self.starts = sorted(self.entries)
+            self._table = _table(self.entries)
 
     def remove(self, mapping: mmap.mmap) -> None:
         start = _address(mapping)
@@ -59,21 +58,24 @@ class FileMappings:
             entry = self.entries.pop(start, None)
             if entry is not None:
                 os.close(entry[1])
-                self.starts = sorted(self.entries)
+                self._table = _table(self.entries)
 
-    def find(self, address: int, nbytes: int) -> tuple[int, int] | None:
-        """(descriptor, offset) of a registered file holding [address, address + nbytes)."""
-        i = bisect.bisect_right(self.starts, address) - 1
-        if i < 0:
-            return None
-        start = self.starts[i]
-        end, fd, _ = self.entries[start]
-        return (fd, address - start) if address + nbytes <= end else None
+    def table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The registered files sorted by address, as int64 columns: start and end addresses and
+        descriptors (what :func:`mmproxy._layout.place` searches a whole input's arrays in)."""
+        return self._table
 
     def after_fork(self) -> None:
         # A forked child keeps the entries (its mappings and descriptors are copies), not a lock
         # some other thread of the parent may have held.
         self.lock = threading.Lock()
+
+
+def _table(entries: OrderedDict[int, tuple[int, int, mmap.mmap]]
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    starts = sorted(entries)
+    return (np.array(starts, np.int64), np.array([entries[s][0] for s in starts], np.int64),
+            np.array([entries[s][1] for s in starts], np.int64))
 
 
 files = FileMappings()

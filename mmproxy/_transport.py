@@ -1,7 +1,8 @@
 """Transport: how a batch of inputs travels from a DataLoader worker to a server.
 
-The worker writes the batch (a small pickled header, then every payload, 64-byte aligned) into an
-anonymous ``memfd`` with one ``writev`` call, sends the file descriptor over the server's Unix
+The worker writes the batch (a small pickled header that holds the run as a few numpy columns,
+:mod:`mmproxy._layout`, then every payload that is copied, 64-byte aligned) into an anonymous
+``memfd`` with one ``writev`` call, sends the file descriptor over the server's Unix
 datagram socket (``SCM_RIGHTS``) and closes its copy. The server maps the memfd and hands DALI
 numpy views into the mapping, so payloads are never pickled and never copied in the main process.
 Each array arrives as it was packed: its shape (0-d and empty dimensions included), its dtype
@@ -40,10 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from mmproxy import _mappings, _sockdir
+from mmproxy import _layout, _mappings, _sockdir
 from mmproxy.errors import TransportError
 
-_ALIGN = 64
 _IOV_MAX = 1024
 _MAGIC = b"MMPX"
 _MAX_FDS = 1 + _mappings.MAX_FILES
@@ -60,10 +60,6 @@ class Request:
     # memfd's or a shard's mapping: they keep the mapping alive until the run is done)
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 def release_file_mapping(mapping: mmap.mmap) -> None:
     """Stops sending bytes of ``mapping`` by reference (its registry entry and descriptor go, so
     a memfd's memory is freed once nothing else maps it); views sent later are copied."""
@@ -78,52 +74,22 @@ def register_file_mapping(mapping: mmap.mmap, fd: int) -> None:
 
 def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
          inputs: list[list[np.ndarray]]) -> tuple[int, list[int]]:
-    """Writes a run's inputs into a new memfd.
+    """Writes a run's inputs into a new memfd: the header (the run, its keys as columns, where
+    each array lies: :mod:`mmproxy._layout`), then the payloads that are not sent by reference.
 
     Returns the memfd (the caller closes it) and the descriptors of registered files whose bytes
     are sent by reference (owned by the registry: send them, do not close them).
     """
-    layout = []
-    payloads: list[np.ndarray] = []
-    files: list[int] = []
-    offset = 0
-    registry = _mappings.files
-    with registry.lock:
-        for arrays in inputs:
-            shapes: list[Any] = []
-            offsets: list[Any] = []  # an int (memfd) or (file index, offset)
-            dtype = arrays[0].dtype.str if arrays else "|u1"
-            for a in arrays:
-                if a.dtype.str != dtype:
-                    raise TransportError(
-                        f"all samples of one input must share a dtype: {dtype} vs {a.dtype.str}")
-                a = np.asarray(a, order="C")  # not ascontiguousarray: that makes 0-d 1-d
-                shapes.append(a.shape)
-                where = registry.find(a.__array_interface__["data"][0], a.nbytes) if a.nbytes else None
-                if where is not None and (where[0] in files or len(files) < _mappings.MAX_FILES):
-                    if where[0] not in files:
-                        files.append(where[0])
-                    offsets.append((files.index(where[0]), where[1]))
-                    continue
-                offsets.append(offset)
-                payloads.append(a)
-                offset = _align(offset + a.nbytes)
-            layout.append((dtype, shapes, offsets))
-    header = pickle.dumps((run_id, tag, keys, layout), protocol=pickle.HIGHEST_PROTOCOL)
-    base = _align(12 + len(header))
-    buffers: list[Any] = [_MAGIC + struct.pack("<Q", len(header)), header, bytes(base - 12 - len(header))]
-    position = 0
-    for a in payloads:
-        if a.nbytes:
-            buffers.append(a.reshape(-1).view(np.uint8))
-        position += a.nbytes
-        pad = _align(position) - position
-        if pad:
-            buffers.append(bytes(pad))
-            position += pad
+    with _mappings.files.lock:
+        placed, payloads, files = _layout.place(inputs, _mappings.files)
+    header = pickle.dumps((run_id, tag, _layout.key_columns(keys), placed),
+                          protocol=pickle.HIGHEST_PROTOCOL)
+    base = _layout.align(12 + len(header))
+    buffers = [_MAGIC + struct.pack("<Q", len(header)), header, bytes(base - 12 - len(header)),
+               *_layout.padded(payloads)]
     fd = os.memfd_create("mmproxy", os.MFD_CLOEXEC)
     try:
-        total = base + position
+        total = base + sum(_layout.align(a.nbytes) for a in payloads)
         written = 0
         for i in range(0, len(buffers), _IOV_MAX):
             written += os.writev(fd, buffers[i:i + _IOV_MAX])
@@ -137,21 +103,21 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
 
 def unpack(fds: list[int]) -> Request:
     """Maps a memfd written by :func:`pack` (and the files it references); returns views of the
-    payloads. The caller closes ``fds``."""
+    payloads and the keys as they were packed. The caller closes ``fds``."""
     size = os.fstat(fds[0]).st_size
     mm = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
     if mm[:4] != _MAGIC:
         raise TransportError("received a buffer that mmproxy did not write")
     (hlen,) = struct.unpack_from("<Q", mm, 4)
-    run_id, tag, keys, layout = pickle.loads(mm[12:12 + hlen])
-    base = _align(12 + hlen)
+    run_id, tag, keys, placed = pickle.loads(mm[12:12 + hlen])
+    base = _layout.align(12 + hlen)
     files = [_mappings.server_mapping(fd) for fd in fds[1:]]
-    inputs = []
-    for dtype, shapes, offsets in layout:
-        dt = np.dtype(dtype)
-        inputs.append([np.ndarray(shape, dt, buffer=mm, offset=base + off) if isinstance(off, int)
-                       else np.ndarray(shape, dt, buffer=files[off[0]], offset=off[1])
-                       for shape, off in zip(shapes, offsets)])
+    inputs = [_layout.arrays(p, mm, base, files) for p in placed]
+    if isinstance(keys, _layout.KeyColumns):
+        keys = keys.keys()
+    if any(len(arrays) != len(keys) for arrays in inputs):
+        raise TransportError(f"a batch's header has {len(keys)} keys for inputs of "
+                             f"{sorted({len(a) for a in inputs})} samples")
     return Request(run_id, tag, keys, inputs)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch.utils.data import default_collate
 
 from mmproxy import _walk
@@ -47,10 +48,30 @@ class Collate:
 
     def __call__(self, samples: list[Any]) -> Any:
         batch = self._inner(samples)
-        left = _walk.collect(batch, DALIOutputSampleRef)
+        found = _references(batch)
+        left = [r for r in found if isinstance(r, DALIOutputSampleRef)]
         if left:
             raise CollateError(f"the collate left {len(left)} DALI sample references uncollated "
                                f"(first: {left[0]!r}); collate them with default_collate")
         if self._names is not None:
-            check_servers(_walk.collect(batch, DALIOutputBatchRef), self._names, "this collate")
+            check_servers([r for r in found if isinstance(r, DALIOutputBatchRef)], self._names,
+                          "this collate")
         return batch
+
+
+_PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
+
+
+def _references(batch: Any) -> list[Any]:
+    """The sample and batch references inside ``batch``, in one walk; a dict's tensors and its
+    lists of plain values (keys, captions, numbers) are passed over without a look at each item."""
+    kinds = (DALIOutputSampleRef, DALIOutputBatchRef)
+    if not isinstance(batch, dict):
+        return _walk.collect(batch, kinds)
+    found: list[Any] = []
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) or (
+                type(value) is list and set(map(type, value)) <= _PLAIN):
+            continue
+        found += _walk.collect(value, kinds)
+    return found

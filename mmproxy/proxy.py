@@ -4,8 +4,11 @@ Calling it checks the arguments against the pipeline's ``external_source`` input
 :class:`~mmproxy.refs.DALIOutputSampleRef` per pipeline output (a single ref when there is one
 output). Nothing is sent then: the inputs ride inside the references until the batch is collated,
 so shuffling, dropping or calling twice per sample is safe. At collate time :meth:`submit` sends the
-batch's inputs to the server, directly when the server lives in this process, otherwise through
-shared memory (:mod:`mmproxy._transport`).
+batch's inputs to the server as one run (:meth:`run`), directly when the server lives in this
+process, otherwise through shared memory (:mod:`mmproxy._transport`). A dataset that batches its
+samples itself can skip the references: :meth:`sample_inputs` gives what a call would carry, and
+:meth:`run` sends a batch of them (as :class:`~mmproxy.datasets.MultiModalDataset` does with its own
+collate).
 """
 
 from __future__ import annotations
@@ -123,6 +126,8 @@ def _as_array(value: Any, name: str, server_name: str) -> np.ndarray:
         ProxyArgumentError: ``value`` is another proxy call's output, cannot be made an array, or
             has an element type DALI lacks (complex, strings, objects, dates, float128).
     """
+    if type(value) is np.ndarray and value.dtype in _DALI_DTYPES and value.flags.c_contiguous:
+        return value  # already what the pipeline gets (native order: others are not in the set)
     if isinstance(value, DALIOutputSampleRef):
         raise ProxyArgumentError(
             f"server {server_name!r}, input {name!r}: got the output of another proxy call; "
@@ -201,8 +206,23 @@ class DALIProxy:
         return f"DALIProxy(server={self.server_name!r}, signature={self.__signature__})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = _Call(self, _process.new_id(), self.sample_inputs(*args, **kwargs),
+                     _context.current_key())
+        if self.num_outputs == 1:
+            return DALIOutputSampleRef(call, 0)
+        return tuple(DALIOutputSampleRef(call, i) for i in range(self.num_outputs))
+
+    def sample_inputs(self, *args: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        """What a call sends for one sample: one array per pipeline input, in their order
+        (converted, drawn from the sample's seed, checked), without a reference. What
+        :meth:`run` takes per sample; a call is this and a reference.
+
+        Raises:
+            ProxyArgumentError: The arguments do not fit the signature, or one of them (or a
+                drawn input) cannot be a pipeline input, naming the server, input and sample.
+        """
         names = self.argument_names
-        if kwargs or len(args) != len(names):
+        if kwargs or len(args) != len(names):  # named, or not one value per argument
             try:
                 bound = self.__signature__.bind(*args, **kwargs)
             except TypeError as err:
@@ -212,7 +232,12 @@ class DALIProxy:
                     f"server {self.server_name!r}: expected proxy{self.__signature__}, "
                     f"got proxy({got}): {err}") from None
             args = tuple(bound.arguments[n] for n in names)
-        inputs = tuple(_as_array(v, n, self.server_name) for v, n in zip(args, names))
+        if len(names) == 1:
+            inputs: tuple[np.ndarray, ...] = (_as_array(args[0], names[0], self.server_name),)
+        else:
+            inputs = tuple(_as_array(v, n, self.server_name) for v, n in zip(args, names))
+        if self.sample_random is None and not self.encoded:
+            return inputs
         key = _context.current_key()
         if self.sample_random is not None:
             inputs = self._draw(dict(zip(names, inputs)), key)
@@ -223,10 +248,7 @@ class DALIProxy:
                 raise ProxyArgumentError(
                     f"server {self.server_name!r}, input {name!r}{sample}: the pipeline decodes "
                     f"this input and expects {_encoded.expected(kind)}; {problem}")
-        call = _Call(self, _process.new_id(), inputs, key)
-        if self.num_outputs == 1:
-            return DALIOutputSampleRef(call, 0)
-        return tuple(DALIOutputSampleRef(call, i) for i in range(self.num_outputs))
+        return inputs
 
     def _draw(self, given: dict[str, np.ndarray], key: _context.SampleId | None
               ) -> tuple[np.ndarray, ...]:
@@ -251,20 +273,28 @@ class DALIProxy:
         run_id = self._recent.get(key)
         if run_id is not None:
             return run_id
+        run_id = self.run([c.key for c in calls], [c.inputs for c in calls])
+        self._recent[key] = run_id
+        if len(self._recent) > 8:
+            self._recent.popitem(last=False)
+        return run_id
+
+    def run(self, keys: list[_context.SampleId | None], samples: list[tuple[np.ndarray, ...]]
+            ) -> str:
+        """Sends one run to the server: each sample's inputs (what :meth:`sample_inputs` gave),
+        named by its key; returns the run's id. The run belongs to the loader and epoch whose
+        batch is being made here (:mod:`mmproxy._context`)."""
         run_id = _process.new_id()
         tag = _context.current_tag()
-        keys = [c.key for c in calls]
-        inputs = [[c.inputs[i] for c in calls] for i in range(len(self.input_names))]
+        inputs = [list(column) for column in zip(*samples)] if samples else [
+            [] for _ in self.input_names]
         server = _process.local(self.server_uid)
         if server is not None:  # the server lives in this process: no transport
-            server.table.accept(_transport.Request(run_id, tag, keys, inputs))
+            server.table.accept(_transport.Request(run_id, tag, list(keys), inputs))
         else:
             fd, files = _transport.pack(run_id, tag, keys, inputs)
             try:
                 _transport.send(self.address, [fd, *files], self.server_name)
             finally:
                 os.close(fd)
-        self._recent[key] = run_id
-        if len(self._recent) > 8:
-            self._recent.popitem(last=False)
         return run_id

@@ -4,7 +4,8 @@ A :class:`DALIOutputSampleRef` stands for one output of one proxy call and carri
 inputs. Collating a list of them (``default_collate`` finds the hook this module registers) decides
 the batch a server runs: the calls actually present, in batch order. The hook ships those inputs
 to the server and returns a :class:`DALIOutputBatchRef`, which names the server, the run and the
-output, and which the loader (or ``server.produce_data``) swaps for the real data.
+output, and which the loader (or ``server.produce_data``) swaps for the real data; :func:`run_refs`
+makes the same references for a run sent without sample references.
 
 A sample reference never leaves the process that made it: one found uncollated where a batch is
 handed over (pickled by a DataLoader worker, or iterated by a collation that does not know it,
@@ -192,6 +193,15 @@ def collate_sample_refs(batch: list[DALIOutputSampleRef], *,
     run_id = proxy.submit(calls)
     return DALIOutputBatchRef(proxy.server_uid, proxy.server_name, run_id, first.output_idx,
                               None if rows == tuple(range(len(calls))) else rows)
+
+
+def run_refs(proxy: Submitter, run_id: str) -> DALIOutputBatchRef | list[DALIOutputBatchRef]:
+    """The references to run ``run_id``'s outputs, as ``default_collate`` makes them of one
+    field of its samples' references: one batch reference, or a list of one per output when
+    the pipeline has several (``default_collate`` makes a list of a field of tuples)."""
+    refs = [DALIOutputBatchRef(proxy.server_uid, proxy.server_name, run_id, i)
+            for i in range(proxy.num_outputs)]
+    return refs[0] if proxy.num_outputs == 1 else refs
 
 
 # DALI's proxy is used with torch's own DataLoader and default_collate (seed example 3), so the
