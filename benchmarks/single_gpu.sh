@@ -30,20 +30,20 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 one() { CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 timeout "$@"; }
 quiet() { grep -a -v -E "Index file not provided|^\s*$" | tail -"${1:-40}"; }
-bench() { python3 -m mmproxy.cli bench "$@"; }
+bench="python3 -m mmproxy.cli bench"  # a command timeout can run (it cannot run a function)
 case "${PART:-image}" in
 image)  # a system's run costs ~30 s of start-up: 12 runs take ~6-8 minutes
-  one 540 bench --workload image --samples 16384 --workers 15 --threads 8 --data-dir /tmp/bench \
+  one 540 $bench --workload image --samples 16384 --workers 15 --threads 8 --data-dir /tmp/bench \
     --epochs 5 --runs 3 --systems "${SYSTEMS:-mmproxy,dali-reader,dali-proxy,dali-proxy-seed}" \
     --json "$out/image-systems.json" 2>&1 | quiet 12 ;;
 photos)
   python3 benchmarks/photo_shards.py /tmp/photos --count 16384 2>&1 | tail -2
-  one 520 bench --data '/tmp/photos/photo-{0000..0255}.tar' --workers 15 --threads 8 --epochs 5 \
+  one 520 $bench --data '/tmp/photos/photo-{0000..0255}.tar' --workers 15 --threads 8 --epochs 5 \
     --runs 3 --systems "${SYSTEMS:-mmproxy,dali-reader,dali-proxy,dali-proxy-seed}" \
     --json "$out/image-photographs.json" 2>&1 | quiet 12 ;;
 audio)  # --samples counts images: the audio workload writes a quarter as many clips
   clips=${CLIPS:-4096}
-  one 540 bench --workload audio --samples $((clips * 4)) --workers 15 --threads 8 \
+  one 540 $bench --workload audio --samples $((clips * 4)) --workers 15 --threads 8 \
     --data-dir /tmp/bench --epochs 5 --runs 3 \
     --systems "${SYSTEMS:-mmproxy,dali-reader,dali-proxy,torch}" \
     --json "$out/audio-$clips-systems.json" 2>&1 | quiet 12 ;;
@@ -72,7 +72,7 @@ nvdec)  # one system a call: PyTorch's workers crash when they run after NVDEC i
   big --systems torch --json "$out/video-1280x720-torch.json" ;;
 damage)
   kind=${KIND:-truncate}
-  one 400 bench --workload image --systems mmproxy,dali-reader --samples 16384 --workers 15 \
+  one 400 $bench --workload image --systems mmproxy,dali-reader --samples 16384 --workers 15 \
     --threads 8 --epochs 4 --data-dir /tmp/bench --damage 0.01 --damage-kind "$kind" \
     --json "$out/damage-$kind.json" 2>&1 | quiet 12 ;;
 remote)
@@ -83,7 +83,7 @@ remote)
   one 150 python3 benchmarks/remote_bench.py --systems s3 --samples 16384 --workers 15 \
     --threads 8 --rounds 4 --data-dir /tmp/bench \
     --json "$out/remote-interleaved-servers-shared.json" 2>&1 | quiet 4
-  one 200 bench --workload image --samples 16384 --workers 15 --threads 8 --data-dir /tmp/bench \
+  one 200 $bench --workload image --samples 16384 --workers 15 --threads 8 --data-dir /tmp/bench \
     --epochs 5 --runs 2 ${servers:+--server-cpus $servers} \
     --systems mmproxy,mmproxy-http,mmproxy-s3,mmproxy-cached \
     --json "$out/remote-bench.json" 2>&1 | quiet 8 ;;
