@@ -30,6 +30,7 @@ from .checks import check_header
 from .mixer import SourceMixer
 from .plan import Work
 from .reader import Taken
+from .shards import DUPLICATES
 
 __all__ = ["Field", "FieldSpec", "FieldStage", "Processed", "Skip", "parse_field", "process"]
 
@@ -103,6 +104,9 @@ def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: 
                 present = sorted(k for k in sample if not k.startswith("__"))
                 raise Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has {present})",
                            SkipKind.MISSING_FIELD)
+            if ext in sample.get(DUPLICATES, ()):
+                raise Skip(url, key, f"duplicate field {ext!r}: the shard holds more than one "
+                                     f"{ext!r} member for this sample", SkipKind.DUPLICATE_FIELD)
             data = sample[ext]
             try:
                 problem = check_header(ext, data, max_pixels) if server else (

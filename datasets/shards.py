@@ -177,10 +177,15 @@ def read_remote_tar(url: str, options: RemoteOptions) -> Iterator[dict[str, Any]
         yield from _grouped(shard.view, url, shard)
 
 
+DUPLICATES = "__duplicates__"  # a raw sample's extensions that more than one member holds
+
+
 def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
              ) -> Iterator[dict[str, Any]]:
     """The tar's members grouped into samples by key; with ``filling`` still filling, each
-    member once its bytes have arrived."""
+    member once its bytes have arrived. Where two members of one sample have the same
+    extension (case aside) the last is kept and the extension is listed under
+    :data:`DUPLICATES`, so that a field reading it makes the sample a bad one."""
     streamed = filling is not None and filling.members is not view
     found = (streamed_members(cast(memoryview, filling.members)) if streamed and filling
              else members(view))  # the whole shard is there: its headers are read in bulk
@@ -208,7 +213,10 @@ def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
             key, current = prefix, {"__key__": prefix, "__url__": url}
         if wait:
             wait(offset + size)
-        current[suffix.lower()] = view[offset:offset + size]
+        ext = suffix.lower()
+        if ext in current:  # which of the two is meant is unknown: a field that reads it is bad
+            current.setdefault(DUPLICATES, set()).add(ext)
+        current[ext] = view[offset:offset + size]
     if filling is not None:
         filling.wait(len(view))
     if key is not None:

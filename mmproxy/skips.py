@@ -55,6 +55,7 @@ class SkipKind(str, enum.Enum):
     UNREADABLE_SHARD = "unreadable shard"
     EMPTY_SHARD = "empty shard"
     MISSING_FIELD = "missing field"
+    DUPLICATE_FIELD = "duplicate field"
     BAD_HEADER = "bad header"
     FIELD_FUNCTION = "field function failed"
     PIPELINE = "pipeline failed"

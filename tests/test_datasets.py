@@ -346,3 +346,28 @@ def test_batches_larger_than_the_servers_pipeline_takes_are_refused_by_the_loade
                                  batch_size=4)
         batch = next(iter(fits.loader(small, num_workers=0)))
         assert batch["image"].shape[0] == 4
+
+
+def test_a_sample_with_two_members_of_one_extension_is_a_bad_sample_named_in_its_record(tmp_path):
+    """Two members with the same key and extension (a shard written twice into, or 'a.JPG'
+    beside 'a.jpg'): which one is meant is unknown, so a field that reads that extension makes
+    the sample a bad one, with a record; one that reads another extension is not affected."""
+    import io
+
+    path = tmp_path / "dup-000.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, data in [("s0.jpg", image_bytes(np.full((8, 8, 3), 9, np.uint8))),
+                           ("s0.cls", b"0"), ("s0.JPG", image_bytes(np.zeros((8, 8, 3), np.uint8))),
+                           ("s1.jpg", image_bytes(np.full((8, 8, 3), 7, np.uint8))), ("s1.cls", b"1")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    labels = MultiModalDataset(str(path), {"cls": int}, batch_size=2, shuffle_buffer=0, partial=True)
+    assert [b["cls"].tolist() for b in labels] == [[0, 1]]  # the .cls members are single
+    images = MultiModalDataset(str(path), {"jpg": lambda b: len(b), "cls": int}, batch_size=2,
+                               shuffle_buffer=0, partial=True, on_error="skip")
+    (batch,) = list(images)
+    assert batch["cls"].tolist() == [1]
+    (record,) = batch["__skipped__"]
+    assert record.key == "s0" and record.kind is mmproxy.SkipKind.DUPLICATE_FIELD
+    assert "duplicate field 'jpg': the shard holds more than one 'jpg' member" in record.reason
