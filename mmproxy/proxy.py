@@ -283,7 +283,20 @@ class DALIProxy:
             ) -> str:
         """Sends one run to the server: each sample's inputs (what :meth:`sample_inputs` gave),
         named by its key; returns the run's id. The run belongs to the loader and epoch whose
-        batch is being made here (:mod:`mmproxy._context`)."""
+        batch is being made here (:mod:`mmproxy._context`).
+
+        Raises:
+            ProxyArgumentError: ``keys`` and ``samples`` differ in length, or a sample does not
+                hold one array per pipeline input (checked here: the server would take such a
+                run for a damaged one and fail).
+        """
+        width = len(self.input_names)
+        if len(keys) != len(samples) or set(map(len, samples)) - {width}:
+            counts = sorted(set(map(len, samples)))
+            raise ProxyArgumentError(
+                f"server {self.server_name!r}: a run of {len(keys)} keys and {len(samples)} "
+                f"samples of {counts} inputs; give one key per sample and, per sample, one "
+                f"array per pipeline input {list(self.input_names)} (what sample_inputs gives)")
         run_id = _process.new_id()
         tag = _context.current_tag()
         inputs = [list(column) for column in zip(*samples)] if samples else [

@@ -231,3 +231,36 @@ def test_a_pipeline_of_two_outputs_gives_the_per_sample_routes_list(tmp_path):
     for (pixels, sizes), (same_pixels, same_sizes) in zip(*got):
         assert torch.equal(pixels, same_pixels) and torch.equal(sizes, same_sizes)
     assert [s.tolist() for _, s in got[0]][0][0] == [24, 32, 3]
+
+
+def _run_in_child(proxy, keys, samples, answers):
+    try:
+        proxy.run(keys, samples)
+        answers.put("sent")
+    except mmproxy.ProxyArgumentError as err:
+        answers.put(str(err))
+
+
+def test_a_run_whose_keys_or_inputs_do_not_match_its_samples_is_refused_at_the_call(servers):
+    """DALIProxy.run checks its arguments where it is called: sent, such a run would make the
+    server's listener take the memfd for a damaged one and fail the whole server."""
+    import multiprocessing
+
+    from mmproxy._context import SampleId
+
+    _, small = servers
+    one = small.proxy.sample_inputs(np.frombuffer(_image(1), np.uint8))
+    keys = [SampleId("k0"), SampleId("k1")]
+    for bad_keys, samples in ((keys, [one] * 3), (keys, [one, one + one])):
+        with pytest.raises(mmproxy.ProxyArgumentError, match="server 'small': a run of 2 keys"):
+            small.proxy.run(bad_keys, samples)
+    fork = multiprocessing.get_context("fork")
+    answers = fork.Queue()
+    child = fork.Process(target=_run_in_child, args=(small.proxy, keys, [one] * 3, answers))
+    child.start()
+    child.join(60)
+    assert "one key per sample" in answers.get(timeout=10)
+    assert small.state is mmproxy.ServerState.RUNNING
+    run = small.proxy.run(keys, [one, one])  # the server still takes and runs runs
+    out = small.produce_data(mmproxy.DALIOutputBatchRef(small.uid, small.name, run, 0))
+    assert out.shape[0] == 2
