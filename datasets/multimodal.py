@@ -191,6 +191,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         proxies = [f.fn for s in self.sources for f in s.fields.values() if f.server]
         known = all(isinstance(p, Proxy) for p in proxies)
         self.collate = collate or Collate(proxies if known else None)
+        self._own_collate = collate is None
         # with its own collate, the proxies' fields go as one run each (_batch_runs)
         self._batched = batch_fields([s.fields for s in self.sources]) if collate is None else frozenset()
         self.batch_transform, self.keep_keys = batch_transform, keep_keys
@@ -226,8 +227,9 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                 f"MultiModalDataset makes its own batches (batch_size={self.batch_size}); give the "
                 f"loader batch_size=None (it got batch_size={loader.batch_size}), or use "
                 "dataset.loader(servers, ...)")
+        # with its own collate a run holds one batch's calls; a collate of the user's may split it
         mine = {f.fn.server_uid for s in self.sources for f in s.fields.values()
-                if f.server and isinstance(f.fn, Proxy)}
+                if f.server and isinstance(f.fn, Proxy)} if self._own_collate else set()
         for server in loader.servers:
             if server.uid in mine and self.batch_size > server.max_batch_size:
                 raise BatchSizeError(

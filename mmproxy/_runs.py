@@ -137,8 +137,9 @@ class RunTable:
     def accept(self, request: Request) -> None:
         """Takes a run's inputs. Stale runs (a loader's earlier epoch) and duplicates are dropped;
         a run of more samples than the pipeline's ``batch_size`` fails with
-        :class:`~mmproxy.errors.BatchSizeError` (the one place that rule is checked: every run
-        comes through here, from a proxy in this process or from the listener)."""
+        :class:`~mmproxy.errors.BatchSizeError` (every run comes through here, from a proxy in
+        this process or from the listener; a dataset that knows its batches are too large says
+        so earlier, when its loader is made)."""
         n = len(request.inputs[0]) if request.inputs else 0
         with self.cond:
             if self.state is not ServerState.RUNNING:
