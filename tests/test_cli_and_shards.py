@@ -1266,3 +1266,16 @@ def test_the_demo_summarises_decoder_noise_instead_of_printing_it(tmp_path):
                      "--workers", "1", "--device", "cpu", "--quiet", "--debug"], tmp_path)
     assert "Corrupt JPEG data: " in debug.stderr  # --debug: every line, as it comes
     assert "decoder warnings" not in debug.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_bench_runs_its_systems_without_workers(tmp_path):
+    """`mmproxy bench --workers 0` (the main process loads) runs mmproxy and PyTorch's loader;
+    DALI's proxy, which needs workers, is reported by its own reason."""
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--device", "cpu", "--workers", "0", "--samples", "32", "--epochs", "2",
+                     "--data-dir", str(tmp_path / "data"), "--systems", "mmproxy,torch,dali-proxy",
+                     "--json", str(out)]) == 0
+    systems = json.loads(out.read_text())["results"]["image"]["systems"]
+    assert systems["mmproxy"]["samples"] == systems["torch"]["samples"] == 32
+    assert "num_workers" in systems["dali-proxy"]["error"]

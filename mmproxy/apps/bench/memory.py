@@ -26,7 +26,8 @@ def memory(setup: Setup, epochs: int) -> dict[str, Any]:
     with server:
         dataset = MultiModalDataset(setup.paths, {"image": ("jpg", server.proxy)},
                                     batch_size=setup.batch)
-        loader = dataset.loader(server, num_workers=setup.args.workers, persistent_workers=True,
+        workers = setup.args.workers
+        loader = dataset.loader(server, num_workers=workers, persistent_workers=workers > 0,
                                 worker_init_fn=worker_init(setup))
         for epoch in range(epochs):
             for k, _ in enumerate(loader):

@@ -158,7 +158,8 @@ def _torch(setup: Setup, decoder: str) -> dict[str, Any]:
     loader = torch.utils.data.DataLoader(
         WdsSamples(setup.paths, setup.ext, transform), batch_size=setup.batch,
         num_workers=setup.args.workers, collate_fn=pad_collate if setup.modality == "audio" else None,
-        pin_memory=setup.gpu, persistent_workers=True, worker_init_fn=worker_init(setup))
+        pin_memory=setup.gpu, persistent_workers=setup.args.workers > 0,
+        worker_init_fn=worker_init(setup))
     try:
         return time_epochs(lambda: (_on_device(b, setup.gpu) for b in loader), setup.args.epochs,
                            setup.gpu)
@@ -191,7 +192,8 @@ def _dali_proxy(setup: Setup, seed_setting: bool = False) -> dict[str, Any]:
         data = (TinySamples(server.proxy, a.samples) if setup.workload == "machinery"
                 else WdsSamples(setup.paths, setup.ext, ProxyCall(server.proxy)))
         loader = dali_proxy.DataLoader(server, data, batch_size=setup.batch, num_workers=a.workers,
-                                       persistent_workers=True, worker_init_fn=worker_init(setup))
+                                       persistent_workers=a.workers > 0,
+                                       worker_init_fn=worker_init(setup))
         try:
             return time_epochs(lambda: loader, a.epochs, setup.gpu)
         finally:
@@ -221,7 +223,8 @@ def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[s
         if setup.workload == "machinery":
             loader = mmproxy.DataLoader(server, TinySamples(server.proxy, a.samples),
                                         batch_size=setup.batch, num_workers=a.workers,
-                                        persistent_workers=True, worker_init_fn=worker_init(setup))
+                                        persistent_workers=a.workers > 0,
+                                        worker_init_fn=worker_init(setup))
         else:
             fields: dict[str, Any] = {setup.modality: (setup.ext, server.proxy)}
             transform = None
@@ -232,7 +235,7 @@ def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[s
                                         shuffle_buffer=256, keep_keys=False,
                                         batch_transform=transform, prefetch_next_epoch=a.next_epoch,
                                         on_error="skip", max_skipped=a.max_skipped, **options)
-            loader = dataset.loader(server, num_workers=a.workers, persistent_workers=True,
+            loader = dataset.loader(server, num_workers=a.workers, persistent_workers=a.workers > 0,
                                     worker_init_fn=worker_init(setup, worker_init_fn))
         try:
             result = time_epochs(lambda: loader, a.epochs, setup.gpu, server)
