@@ -16,6 +16,9 @@
 #   PART=nvdec     benchmarks/video_bench.py on 256 clips of 596x336, one system a call: NVDEC in
 #                  the server (12 decode threads, then 4, 8, 16, 24), PyTorch workers; then 96
 #                  clips of 1280x720: NVDEC, PyAV in the workers, PyTorch workers
+#   PART=torchcodec  the same clips of 596x336, then 320x240, one system a call: NVDEC driven by
+#                  TorchCodec and by PyNvVideoCodec (12 decode threads each), PyAV in the workers,
+#                  PyTorch workers
 #   PART=damage    mmproxy on a copy of the image shards with 1% of the JPEGs damaged (KIND:
 #                  truncate or corrupt), against the same shards clean
 #   PART=remote    benchmarks/remote_bench.py (rounds interleaved) with the HTTP and S3 servers on
@@ -31,6 +34,20 @@ mkdir -p "$out"
 one() { CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 timeout "$@"; }
 quiet() { grep -a -v -E "Index file not provided|^\s*$" | tail -"${1:-40}"; }
 bench="python3 -m mmproxy.cli bench"  # a command timeout can run (it cannot run a function)
+# TorchCodec loads the system's FFmpeg; where there is none, PyAV's bundled FFmpeg under the plain
+# names it asks for (libavutil.so.N, ...), through LD_LIBRARY_PATH
+if ! ldconfig -p 2>/dev/null | grep -q "libavutil.so"; then
+  bundled=$(python3 -c "import av, pathlib; print(pathlib.Path(av.__file__).parent.parent / 'av.libs')" 2>/dev/null)
+  if [ -d "$bundled" ]; then
+    mkdir -p /tmp/pyav-ffmpeg
+    for f in "$bundled"/*.so*; do
+      b=$(basename "$f")
+      ln -sf "$f" "/tmp/pyav-ffmpeg/$b"
+      ln -sf "$f" "/tmp/pyav-ffmpeg/$(echo "$b" | sed -E 's/-[0-9a-f]{8}//; s/(\.so\.[0-9]+).*/\1/')"
+    done
+    export LD_LIBRARY_PATH="/tmp/pyav-ffmpeg${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+fi
 case "${PART:-image}" in
 image)  # a system's run costs ~30 s of start-up: 12 runs take ~6-8 minutes
   one 540 $bench --workload image --samples 16384 --workers 15 --threads 8 --data-dir /tmp/bench \
@@ -70,6 +87,15 @@ nvdec)  # one system a call: PyTorch's workers crash when they run after NVDEC i
   big --decode-threads 12 --systems mmproxy-nvdec --json "$out/video-1280x720-nvdec.json"
   big --systems mmproxy-pyav --json "$out/video-1280x720-pyav.json"
   big --systems torch --json "$out/video-1280x720-torch.json" ;;
+torchcodec)  # one system a call, as for nvdec
+  for res in 596x336 320x240; do
+    t() { one 150 python3 benchmarks/video_bench.py --clips 256 --resolution $res --workers 15 \
+            --threads 8 --epochs 3 --data-dir /tmp/vbench "$@" 2>&1 | grep -a "clips/s"; }
+    t --decode-threads 12 --systems mmproxy-torchcodec --json "$out/video-$res-torchcodec.json"
+    t --decode-threads 12 --systems mmproxy-nvdec --json "$out/video-$res-nvdec.json"
+    t --systems mmproxy-pyav --json "$out/video-$res-pyav.json"
+    t --systems torch --json "$out/video-$res-torch.json"
+  done ;;
 damage)
   kind=${KIND:-truncate}
   one 400 $bench --workload image --systems mmproxy,dali-reader --samples 16384 --workers 15 \
@@ -94,6 +120,6 @@ resume)
   done ;;
 tests)  # the GPU tests of the code at hand
   one 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -8 ;;
-*) echo "PART must be image, photos, audio, video, video-options, nvdec, damage, remote, resume or tests" >&2
+*) echo "PART must be image, photos, audio, video, video-options, nvdec, torchcodec, damage, remote, resume or tests" >&2
    exit 2 ;;
 esac

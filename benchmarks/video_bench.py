@@ -15,6 +15,10 @@ main process's threads together) and the cores that kept busy. The systems:
   clip, the server decodes it with PyNvVideoCodec on ``--decode-threads`` threads (NVDEC) and the
   GPU resizes, crops and normalizes; ``mmproxy-nvdec[max_width=1280,max_height=720]`` passes
   options to ``SimpleDecoder``.
+- ``mmproxy-torchcodec`` (GPU only): ``decoder="nvdec"`` with ``nvdec_library="torchcodec"``: the
+  same, NVDEC driven by TorchCodec (a ``VideoDecoder`` per clip over its decoder cache);
+  ``mmproxy-torchcodec[seek_mode='exact']`` passes options to ``VideoDecoder``;
+  ``mmproxy-mixed-torchcodec`` is ``mmproxy-mixed`` with TorchCodec.
 - ``mmproxy-mixed`` (GPU only): ``decoder="mixed"``: the workers decode ``--cpu-share`` of the
   clips with PyAV, the server's NVDEC the others (``mmproxy-mixed[0.3]``: that share instead).
 - ``mmproxy-dali`` (GPU only): ``decoder="dali"``: DALI's in-memory NVDEC decoder
@@ -123,7 +127,7 @@ def _graph(video: Any, gpu: bool, train_draws: bool) -> Any:
 
 
 def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str],
-             decoder: str, options: Any = None) -> Any:
+             decoder: str, options: Any = None, library: str = "pynvvideocodec") -> Any:
     from mmproxy.datasets import video_label_dataset
     from mmproxy.pipelines import video_pipeline
 
@@ -135,7 +139,8 @@ def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: lis
                           resize_size=RESIZE, device="gpu" if gpu else "cpu", device_id=device_id,
                           num_threads=args.threads, decoder=decoder,  # type: ignore[arg-type]
                           decoder_options=None if isinstance(options, float) else options,
-                          decode_threads=args.decode_threads, cpu_share=share)
+                          decode_threads=args.decode_threads, cpu_share=share,
+                          nvdec_library=library)  # type: ignore[arg-type]
     with mmproxy.DALIServer(pipe, name="video") as server:
         ds = video_label_dataset(shards, server, batch_size=args.batch_size, shuffle_buffer=64,
                                  keep_keys=False, on_error="skip")
@@ -208,9 +213,12 @@ def _variant(system: str) -> tuple[str, Any]:
 SYSTEMS: dict[str, Callable[..., Any]] = {"mmproxy-pyav": partial(_mmproxy, decoder="pyav"),
            "mmproxy-nvdec": partial(_mmproxy, decoder="nvdec"),
            "mmproxy-mixed": partial(_mmproxy, decoder="mixed"),
+           "mmproxy-torchcodec": partial(_mmproxy, decoder="nvdec", library="torchcodec"),
+           "mmproxy-mixed-torchcodec": partial(_mmproxy, decoder="mixed", library="torchcodec"),
            "mmproxy-dali": partial(_mmproxy, decoder="dali"),
            "torch": _torch, "dali-reader": _dali_reader, "dali-proxy": _dali_proxy}
-GPU_ONLY = ("dali-reader", "dali-proxy", "mmproxy-dali", "mmproxy-nvdec", "mmproxy-mixed")
+GPU_ONLY = ("dali-reader", "dali-proxy", "mmproxy-dali", "mmproxy-nvdec", "mmproxy-mixed",
+            "mmproxy-torchcodec", "mmproxy-mixed-torchcodec")
 
 
 def _cpu_per_clip(r: dict[str, Any]) -> None:
@@ -230,7 +238,7 @@ def main() -> None:
                         help="comma-separated, of " + ", ".join(SYSTEMS) + "; NAME[KEY=VALUE,...] "
                         "passes options to the decoder, mmproxy-mixed[SHARE] a CPU share")
     parser.add_argument("--decode-threads", type=int, default=8,
-                        help="NVDEC decode threads in the server (mmproxy-nvdec, mmproxy-mixed)")
+                        help="NVDEC decode threads in the server (mmproxy-nvdec, -mixed, -torchcodec)")
     parser.add_argument("--cpu-share", type=float, default=0.25,
                         help="mmproxy-mixed: the share of the clips the workers decode")
     parser.add_argument("--resolution", default="320x240", help="WIDTHxHEIGHT of the clips")
@@ -261,7 +269,7 @@ def main() -> None:
               flush=True)
         # after every system: a run cut short keeps what it measured
         _harness.write_json(args.json, args, gpu, {"systems": results})
-    for mine in ("mmproxy-nvdec", "mmproxy-mixed", "mmproxy-pyav"):
+    for mine in ("mmproxy-torchcodec", "mmproxy-nvdec", "mmproxy-mixed", "mmproxy-pyav"):
         for system, r in results.items():
             if mine in results and system != mine:
                 ratio = results[mine]["samples_per_s"] / r["samples_per_s"]

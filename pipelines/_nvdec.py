@@ -1,4 +1,4 @@
-"""NVDEC clip decoder: the video pipeline's server-side decode with NVIDIA's PyNvVideoCodec.
+"""NVDEC clip decoder: the video pipeline's server-side decode on the GPU's NVDEC engines.
 
 With ``video_pipeline(decoder="nvdec")`` (or ``"mixed"``) the worker reads the container header
 and draws the clip as for every decoder (start, crop, flip), then sends the encoded bytes (as the
@@ -8,18 +8,15 @@ the run is fed; DALI's GPU ``external_source`` takes them for the resize, crop, 
 normalize::
 
     worker: header, draws, bytes ─> server: PreparedRuns ─> ClipDecoder.submit (per clip)
-                                        [mmproxy-nvdec_0 .. _N threads: one decoder each]
-                                        bytes -> memory file -> SimpleDecoder.reconfigure_decoder
-                                        -> get_batch_frames_by_index -> torch [T, H, W, 3] uint8
+                                        [mmproxy-nvdec_0 .. _N threads: one session each]
+                                        session.clip(bytes, start) -> torch [T, H, W, 3] uint8
                                   <─ all clips of the run decoded: the run is fed (GPU frames)
 
-Each thread keeps one ``SimpleDecoder`` for its whole life and re-points it at every clip
-(``reconfigure_decoder``): creating a decoder session costs far more than a clip's decode, and
-re-pointing reuses the thread's cached sessions. Re-pointing takes a path, so each clip's bytes
-are written once into one of the thread's two anonymous memory files (``memfd``: nothing on
-disk, nothing left behind) and opened as ``/proc/self/fd/N``. The frames are copied out of the
-decoder's surfaces (the decoder reuses them) on the thread's own CUDA stream, which is
-synchronized before the clip counts as done, so the pipeline reads finished frames.
+Each thread holds one session of the library that drives NVDEC (``nvdec_library``):
+NVIDIA's PyNvVideoCodec, one decoder re-pointed at every clip, or TorchCodec, a decoder per clip
+over its NVDEC decoder cache (:mod:`mmproxy.pipelines._nvdec_session`). A session decodes on the
+thread's own CUDA stream, which is synchronized before the clip counts as done, so the pipeline
+reads finished frames.
 
 A clip the worker already decoded (``"mixed"``'s CPU share, or a codec NVDEC does not decode)
 arrives as its frames and is only copied to the GPU. A clip NVDEC refuses (a size or profile its
@@ -46,22 +43,45 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
-from mmproxy.pipelines._nvdec_session import Slot as _Slot
-from mmproxy.pipelines._nvdec_session import load_nvdec, nvdec_available
+from mmproxy.pipelines._nvdec_session import PyNvSession, Refused, Session, load_nvdec
+from mmproxy.pipelines._torchcodec import TorchCodecSession, load_torchcodec
 
 from mmproxy._prepare import DamagedSampleError
 
-__all__ = ["NVDEC_CODECS", "ClipDecoder", "load_nvdec", "nvdec_available"]
+__all__ = ["NVDEC_CODECS", "NVDEC_LIBRARIES", "ClipDecoder", "check_library", "load_library", "load_nvdec",
+           "nvdec_available"]
 
 # What PyNvVideoCodec decodes on NVDEC (MP4/MOV files; the worker sends anything else to PyAV)
 NVDEC_CODECS = ("h264", "hevc", "vp8", "vp9", "av1")
 _CLOSE_TIMEOUT = 2.0  # seconds close() waits for the decode threads, in all
 _FAILING = 8  # clips NVDEC refuses in a row (none decoded between) before it counts as failing
+# The libraries that drive NVDEC, each a decode thread's session (pipelines/_nvdec_session.py)
+NVDEC_LIBRARIES: dict[str, Callable[[int, Mapping[str, Any]], Session]] = {
+    "pynvvideocodec": PyNvSession, "torchcodec": TorchCodecSession}
 
 
-class _Refused(Exception):
-    """NVDEC did not decode a clip: it raised, or gave fewer frames than the clip needs. The
-    clip may be damaged, or NVDEC may be failing; :meth:`ClipDecoder._decode` tells which."""
+def check_library(library: str) -> None:
+    """ValueError unless ``library`` is one of :data:`NVDEC_LIBRARIES`."""
+    if library not in NVDEC_LIBRARIES:
+        raise ValueError(f"nvdec_library must be one of {', '.join(map(repr, NVDEC_LIBRARIES))}, "
+                         f"got {library!r}")
+
+
+def load_library(library: str) -> None:
+    """Loads ``library`` (of :data:`NVDEC_LIBRARIES`): a missing package or driver, or an unknown
+    name, says so now rather than at the first clip."""
+    check_library(library)
+    (load_nvdec if library == "pynvvideocodec" else load_torchcodec)()
+
+
+def nvdec_available(library: str = "pynvvideocodec") -> bool:
+    """Whether ``library`` loads (PyNvVideoCodec: with the driver's video libraries; TorchCodec:
+    with FFmpeg's)."""
+    try:
+        load_library(library)
+    except (ImportError, RuntimeError):
+        return False
+    return True
 
 
 class _Stage(enum.Enum):
@@ -117,17 +137,21 @@ class ClipDecoder:
         frames: Frames per clip; None: every frame of the video.
         stride: Frames between two frames of a clip.
         device: The CUDA device.
-        threads: Decode threads (each holds one decoder and its sessions).
-        options: More keyword arguments for ``PyNvVideoCodec.SimpleDecoder`` (``max_width``,
-            ``max_height``, ``decoder_cache_size``).
+        threads: Decode threads (each holds one session).
+        options: More keyword arguments for the library's decoder: ``PyNvVideoCodec.SimpleDecoder``
+            (``max_width``, ``max_height``, ``decoder_cache_size``) or TorchCodec's
+            ``VideoDecoder`` (``seek_mode``, default ``"approximate"``).
         others: The pipeline's other inputs, passed on unchanged.
+        library: The library that drives NVDEC, of :data:`NVDEC_LIBRARIES`.
     """
 
     def __init__(self, input_name: str, frames: int | None, stride: int, device: int,
-                 threads: int, options: Mapping[str, Any] | None, others: tuple[str, ...]) -> None:
+                 threads: int, options: Mapping[str, Any] | None, others: tuple[str, ...],
+                 library: str = "pynvvideocodec") -> None:
         if threads < 1:
             raise ValueError(f"decode threads must be at least 1, got {threads}")
-        load_nvdec()  # a missing package or driver says so now, not at the first clip
+        load_library(library)  # a missing package or driver says so now, not at the first clip
+        self.library = library
         self.input_name, self.frames, self.stride = input_name, frames, stride
         self.device, self.threads, self.options = device, threads, dict(options or {})
         self.inputs = (input_name, "start", *others)
@@ -172,51 +196,51 @@ class ClipDecoder:
 
     def _serve(self, crew: _Crew) -> None:
         """A decode thread: takes clips until the stop mark; frees its decoder at the end."""
-        slot: _Slot | None = None
+        session: Session | None = None
         try:
             while (item := crew.queue.get()) is not None:
                 future, sample = item
                 if not future.set_running_or_notify_cancel():
                     continue
                 try:
-                    if slot is None:
-                        slot = _Slot(self.device, self.options)
-                    future.set_result(self._prepare(slot, sample))
+                    if session is None:
+                        session = NVDEC_LIBRARIES[self.library](self.device, self.options)
+                    future.set_result(self._prepare(session, sample))
                 except BaseException as err:  # noqa: BLE001 - the future carries it to the runner
                     future.set_exception(err)
         finally:
-            if slot is not None:
-                slot.close()
+            if session is not None:
+                session.close()
 
-    def _prepare(self, slot: _Slot, sample: dict[str, Any]) -> dict[str, Any]:
+    def _prepare(self, session: Session, sample: dict[str, Any]) -> dict[str, Any]:
         import torch
 
         data = sample[self.input_name]
         out = {name: value for name, value in sample.items() if name not in ("start", self.input_name)}
-        with torch.cuda.stream(slot.stream):
+        with torch.cuda.stream(session.stream):
             if data.ndim == 4:  # frames the worker decoded: to the GPU as they are
-                out[self.input_name] = slot.to_device(data)
+                out[self.input_name] = session.to_device(data)
             else:
-                out[self.input_name] = self._decode(slot, data, int(sample["start"]))
-        slot.stream.synchronize()
+                out[self.input_name] = self._decode(session, data, int(sample["start"]))
+        session.stream.synchronize()
         return out
 
-    def _decode(self, slot: _Slot, data: np.ndarray, start: int) -> Any:
+    def _decode(self, session: Session, data: np.ndarray, start: int) -> Any:
         """The clip's frames on the GPU, by NVDEC, or by PyAV (on this thread) where NVDEC
         refuses the clip (a size or profile its engines lack, e.g. VP9 under 128 pixels); where
         PyAV fails too, the clip is damaged and both say why."""
         try:
-            frames = self._nvdec(slot, data, start)
-        except _Refused as err:
+            frames = session.clip(data, start, self.frames, self.stride)
+        except Refused as err:
             with self._lock:
                 self._refused_in_row += 1
                 failing = self._refused_in_row >= _FAILING
-            return self._fallback(slot, data, start, err, failing)
+            return self._fallback(session, data, start, err, failing)
         with self._lock:
             self._refused_in_row = 0
         return frames
 
-    def _fallback(self, slot: _Slot, data: np.ndarray, start: int, refused: _Refused,
+    def _fallback(self, session: Session, data: np.ndarray, start: int, refused: Refused,
                   failing: bool) -> Any:
         """A clip NVDEC refused: PyAV's frames, or why it is damaged, or NVDEC's own failure."""
         try:
@@ -238,51 +262,4 @@ class ClipDecoder:
             warnings.warn(f"NVDEC clip decoder: NVDEC refused a clip ({refused}); PyAV decodes "
                           "the clips it refuses, on the server's decode threads, much slower "
                           "(said once)", RuntimeWarning, stacklevel=1)
-        return slot.to_device(frames)
-
-    def _nvdec(self, slot: _Slot, data: np.ndarray, start: int) -> Any:
-        """The clip's frames ``[T, H, W, 3]`` (uint8 RGB, on the GPU): ``frames`` frames from
-        ``start`` at ``stride``, the last frame repeated past the video's end. A clip the
-        thread's re-pointed decoder refuses is tried once more on a fresh decoder (a new
-        session) before it counts as refused."""
-        fresh = slot.decoder is None
-        try:
-            return self._frames(slot, data, start)
-        except _Refused:  # a re-pointed session may refuse a clip a fresh one decodes
-            if fresh:
-                raise
-            slot.decoder = None
-        return self._frames(slot, data, start)
-
-    def _frames(self, slot: _Slot, data: np.ndarray, start: int) -> Any:
-        import torch
-
-        path = slot.write(data)
-        try:
-            decoder = slot.point(path)
-            total = len(decoder)
-        except Exception as err:  # noqa: BLE001 - PyNvVideoCodec raises RuntimeError, Exception
-            slot.decoder = None
-            raise _Refused(f"NVDEC cannot open the video: {_said(err)}") from err
-        if total < 1:
-            raise _Refused("NVDEC finds no frames in the video")
-        wanted = (list(range(total)) if self.frames is None else
-                  [min(start + i * self.stride, total - 1) for i in range(self.frames)])
-        unique = sorted(set(wanted))
-        if unique[0] < 0:  # what PyNvVideoCodec would skip with a warning
-            raise ValueError(f"clip start {start} is before the video's first frame")
-        try:
-            got = decoder.get_batch_frames_by_index(unique)
-        except Exception as err:  # noqa: BLE001
-            raise _Refused(f"NVDEC cannot decode frames {unique[0]}-{unique[-1]} of the "
-                           f"{total:,} in the video: {_said(err)}") from err
-        if len(got) != len(unique):
-            raise _Refused(f"NVDEC decoded {len(got)} of the {len(unique)} frames the clip "
-                           f"needs ({unique[0]}-{unique[-1]} of {total:,}): the video is damaged")
-        frame_of = dict(zip(unique, got))
-        return torch.stack([torch.from_dlpack(frame_of[i]) for i in wanted])
-
-
-def _said(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return text[:300] or type(err).__name__
+        return session.to_device(frames)

@@ -1,5 +1,17 @@
-"""NVDEC sessions: PyNvVideoCodec loaded with errors that say what is missing, and one decode
-thread's session (its CUDA stream, its decoder re-pointed at each clip, its memory files).
+"""NVDEC sessions: one decode thread's state, for each library that drives NVDEC.
+
+A session decodes one clip at a time (:meth:`clip`: the frames ``[T, H, W, 3]``, uint8 RGB on
+the GPU, or :class:`Refused`) on its thread's CUDA stream, and copies frames a worker decoded to
+the GPU (:meth:`to_device`):
+
+- :class:`PyNvSession`, NVIDIA's PyNvVideoCodec: one ``SimpleDecoder`` for the thread's life,
+  re-pointed at every clip (creating a decoder session costs far more than a clip's decode).
+  Re-pointing takes a path, so each clip's bytes are written into one of the thread's two
+  anonymous memory files (``memfd``: nothing on disk) and opened as ``/proc/self/fd/N``; the
+  frames are copied out of the decoder's surfaces, which it reuses.
+- :class:`~mmproxy.pipelines._torchcodec.TorchCodecSession`, TorchCodec's NVDEC backend: a new
+  ``VideoDecoder`` per clip over the clip's bytes as they are (no memory file); TorchCodec keeps
+  the NVDEC decoders cached itself.
 """
 
 from __future__ import annotations
@@ -7,15 +19,85 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Slot", "load_nvdec", "nvdec_available"]
+__all__ = ["PyNvSession", "Refused", "Session", "clip_indices", "decode_frames", "load_nvdec",
+           "readonly_tensor", "said"]
 
 _INSTALL = "pip install 'mmproxy[nvdec]'"
 _FILTERS = threading.Lock()  # held by a decode thread while it changes the warning filters
+
+
+class Session(Protocol):
+    """A decode thread's state for one library that drives NVDEC (module docstring)."""
+
+    stream: Any  # the thread's CUDA stream: the clip decoder syncs it before a clip counts done
+
+    def clip(self, data: np.ndarray, start: int, frames: int | None, stride: int) -> Any:
+        """The clip's frames ``[T, H, W, 3]``, uint8 RGB on the GPU (:func:`clip_indices`);
+        raises :class:`Refused` where the library does not decode the clip."""
+
+    def to_device(self, frames: np.ndarray) -> Any:
+        """Frames in host memory (``[T, H, W, 3]``) copied to the GPU, on the current stream."""
+
+    def close(self) -> None:
+        """Frees what the session holds (called on its own thread)."""
+
+
+class Refused(Exception):
+    """NVDEC did not decode a clip: it raised, or gave fewer frames than the clip needs. The
+    clip may be damaged, or NVDEC may be failing; the clip decoder tells which."""
+
+
+def clip_indices(total: int, start: int, frames: int | None, stride: int) -> list[int]:
+    """The frames of a clip of a ``total``-frame video: ``frames`` from ``start`` at ``stride``,
+    the last frame repeated past the video's end; None: every frame."""
+    if frames is None:
+        return list(range(total))
+    if start < 0:
+        raise ValueError(f"clip start {start} is before the video's first frame")
+    return [min(start + i * stride, total - 1) for i in range(frames)]
+
+
+def decode_frames(who: str, total: int, start: int, frames: int | None, stride: int,
+                  get: Callable[[list[int]], Sequence[Any]]) -> tuple[list[int], list[int], Any]:
+    """The clip's frame indices (:func:`clip_indices`), the distinct ones sorted, and what
+    ``get`` decoded for those; :class:`Refused`, naming ``who`` decoded, where ``get`` raises or
+    gives fewer frames."""
+    wanted = clip_indices(total, start, frames, stride)
+    unique = sorted(set(wanted))
+    try:
+        got = get(unique)
+    except Exception as err:  # noqa: BLE001 - the libraries raise RuntimeError, Exception
+        raise Refused(f"{who} cannot decode frames {unique[0]}-{unique[-1]} of the {total:,} in "
+                      f"the video: {said(err)}") from err
+    if len(got) != len(unique):
+        raise Refused(f"{who} decoded {len(got)} of the {len(unique)} frames the clip needs "
+                      f"({unique[0]}-{unique[-1]} of {total:,}): the video is damaged")
+    return wanted, unique, got
+
+
+def said(err: BaseException) -> str:
+    """A library's error message on one line, cut to 300 characters."""
+    text = " ".join(str(err).split())
+    return text[:300] or type(err).__name__
+
+
+def readonly_tensor(array: np.ndarray) -> Any:
+    """A torch tensor over ``array``'s memory (no copy), read-only memory included (torch only
+    reads it)."""
+    import torch
+
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    # The warning filters are the process's: one thread at a time changes and restores them,
+    # so none restores another's change
+    with _FILTERS, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
 
 
 def load_nvdec() -> Any:
@@ -42,15 +124,6 @@ def load_nvdec() -> Any:
     return nvc
 
 
-def nvdec_available() -> bool:
-    """Whether PyNvVideoCodec imports and finds the driver's video libraries."""
-    try:
-        load_nvdec()
-    except (ImportError, RuntimeError):
-        return False
-    return True
-
-
 class _Memfile:
     """An anonymous memory file a decoder opens by path; rewritten for every clip."""
 
@@ -70,8 +143,11 @@ class _Memfile:
         os.close(self.fd)
 
 
-class Slot:
-    """One decode thread's state: its CUDA stream, its decoder, its two memory files."""
+class PyNvSession:
+    """One decode thread's PyNvVideoCodec state: its CUDA stream, its decoder, its two memory
+    files (module docstring)."""
+
+    LIBRARY = "PyNvVideoCodec"
 
     def __init__(self, device: int, options: Mapping[str, Any]) -> None:
         import torch
@@ -104,18 +180,39 @@ class Slot:
             self.decoder.reconfigure_decoder(path)
         return self.decoder
 
-    def to_device(self, frames: np.ndarray) -> Any:
-        """Frames in host memory, copied to the GPU (on the current stream)."""
+    def clip(self, data: np.ndarray, start: int, frames: int | None, stride: int) -> Any:
+        """The clip's frames ``[T, H, W, 3]`` (uint8 RGB, on the GPU; :func:`clip_indices`). A
+        clip the re-pointed decoder refuses is tried once more on a fresh decoder (a new
+        session) before it counts as :class:`Refused`."""
+        fresh = self.decoder is None
+        try:
+            return self._frames(data, start, frames, stride)
+        except Refused:  # a re-pointed session may refuse a clip a fresh one decodes
+            if fresh:
+                raise
+            self.decoder = None
+        return self._frames(data, start, frames, stride)
+
+    def _frames(self, data: np.ndarray, start: int, frames: int | None, stride: int) -> Any:
         import torch
 
-        if frames.flags.writeable:
-            return torch.from_numpy(frames).to(f"cuda:{self.device}")
-        # read-only shared memory: torch only reads it. The warning filters are the process's:
-        # one thread at a time changes and restores them, so none restores another's change
-        with _FILTERS, warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.from_numpy(frames)
-        return tensor.to(f"cuda:{self.device}")
+        path = self.write(data)
+        try:
+            decoder = self.point(path)
+            total = len(decoder)
+        except Exception as err:  # noqa: BLE001 - PyNvVideoCodec raises RuntimeError, Exception
+            self.decoder = None
+            raise Refused(f"NVDEC cannot open the video: {said(err)}") from err
+        if total < 1:
+            raise Refused("NVDEC finds no frames in the video")
+        wanted, unique, got = decode_frames("NVDEC", total, start, frames, stride,
+                                            decoder.get_batch_frames_by_index)
+        frame_of = dict(zip(unique, got))
+        return torch.stack([torch.from_dlpack(frame_of[i]) for i in wanted])
+
+    def to_device(self, frames: np.ndarray) -> Any:
+        """Frames in host memory, copied to the GPU (on the current stream)."""
+        return readonly_tensor(frames).to(f"cuda:{self.device}")
 
     def close(self) -> None:
         self.decoder = None

@@ -38,21 +38,23 @@ Decoders, and which codec is decoded where (DALI 2.4):
 ``"pyav"``     the worker (PyAV, FFmpeg), only the  everything FFmpeg decodes; the server
                frames of the clip; the server       resizes, crops and normalizes
                resizes, crops, normalizes
-``"nvdec"``    the server: PyNvVideoCodec (NVDEC)   H.264, HEVC, VP8, VP9, AV1 in MP4/MOV; the
-               on ``decode_threads`` threads, one   rest (WebM, AVI, MJPEG, MPEG-4, and clips
-               re-pointed decoder each; frames      NVDEC refuses) decoded by PyAV, in the
-               stay on the GPU                      worker (or the decode thread)
+``"nvdec"``    the server: NVDEC, driven by         H.264, HEVC, VP8, VP9, AV1 in MP4/MOV; the
+               PyNvVideoCodec or TorchCodec         rest (WebM, AVI, MJPEG, MPEG-4, and clips
+               (``nvdec_library``), on              NVDEC refuses) decoded by PyAV, in the
+               ``decode_threads`` threads; frames   worker (or the decode thread)
+               stay on the GPU
 ``"mixed"``    ``"nvdec"``, with ``cpu_share`` of   as ``"nvdec"``
                the clips decoded by PyAV in the
                workers (drawn from each seed)
 =============  ===================================  ============================================
 
-``"auto"`` is ``"nvdec"`` on a GPU where PyNvVideoCodec loads (``pip install 'mmproxy[nvdec]'``
-and the driver's NVDEC library), else ``"pyav"`` when PyAV is installed, else ``"dali"``.
-On a GPU, ``"nvdec"`` gives more clips a second than PyAV in the workers for far less CPU, and
-DALI's in-memory decoder (``"dali"``) far fewer than either (BENCHMARKS.md, "Video", has the
-figures); a sample the chosen decoder cannot decode fails with a message naming its codec (a
-skip record with ``on_error="skip"``).
+``"auto"`` is ``"nvdec"`` on a GPU where ``nvdec_library`` loads (PyNvVideoCodec: ``pip install
+'mmproxy[nvdec]'`` and the driver's NVDEC library; TorchCodec: ``pip install
+'mmproxy[torchcodec]'`` and FFmpeg's shared libraries), else ``"pyav"`` when PyAV is
+installed, else ``"dali"``. On a GPU, ``"nvdec"`` gives more clips a second than PyAV in the
+workers for far less CPU, and DALI's in-memory decoder (``"dali"``) far fewer than either
+(BENCHMARKS.md, "Video", has the figures); a sample the chosen decoder cannot decode fails with
+a message naming its codec (a skip record with ``on_error="skip"``).
 
 Cost: the decode dominates. With ``"pyav"`` the workers decode only the clip's frames (seeking
 to the key frame before its start, after reading the packets' timestamps: a small part of the
@@ -60,9 +62,10 @@ decode) and send them to the server as RGB frames, through shared memory (``fram
 size of one decoded frame, far more than the encoded clip); the resize, crop and normalize run
 on the GPU, or on CPU in torchvision inside the pipeline (``cpu_resize``). With ``"dali"``,
 ``"nvdec"`` and ``"mixed"`` on a GPU the worker reads only the container header (a few boxes or
-elements) and sends the encoded bytes; with ``"nvdec"`` each clip is written once into a decode
-thread's memory file (PyNvVideoCodec's re-pointing takes a path) and its frames are copied out
-of the decoder on the GPU (:mod:`mmproxy.pipelines._nvdec`).
+elements) and sends the encoded bytes; with ``"nvdec"`` and PyNvVideoCodec each clip is written
+once into a decode thread's memory file (its re-pointing takes a path) and its frames are copied
+out of the decoder on the GPU; TorchCodec reads the clip's bytes where they are
+(:mod:`mmproxy.pipelines._nvdec`).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ from typing import Any, Literal
 
 from mmproxy.pipelines._clip_draw import CPU_CODECS, ClipDraw, clip_start
 from mmproxy.pipelines._device import Device, resolve_device
-from mmproxy.pipelines._nvdec import ClipDecoder, load_nvdec, nvdec_available
+from mmproxy.pipelines._nvdec import ClipDecoder, check_library, load_library, nvdec_available
 from mmproxy.pipelines._pyav import decode_clip, pyav_installed
 from mmproxy.pipelines.image import (
     IMAGENET_MEAN,
@@ -129,7 +132,9 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
                    prefetch_queue_depth: int = 2, input_name: str = "videos",
                    cpu_resize: CpuResize = "torchvision",
                    decoder_options: Mapping[str, Any] | None = None, decode_threads: int = 8,
-                   cpu_share: float = 0.25) -> Any:
+                   cpu_share: float = 0.25,
+                   nvdec_library: Literal["pynvvideocodec", "torchcodec"] = "pynvvideocodec"
+                   ) -> Any:
     """Builds the video pipeline (see the module docstring for inputs, outputs and decoders).
 
     Args:
@@ -155,24 +160,30 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
         decoder_options: More keyword arguments for the decoder: with ``decoder="dali"`` for
             DALI's ``fn.decoders.video`` (``build_index``, ``affine``, ...); with ``"nvdec"`` and
             ``"mixed"`` for ``PyNvVideoCodec.SimpleDecoder`` (``max_width``, ``max_height``,
-            ``decoder_cache_size``).
+            ``decoder_cache_size``) or, with ``nvdec_library="torchcodec"``, TorchCodec's
+            ``VideoDecoder`` (``seek_mode``: ``"approximate"`` unless given).
         decode_threads: With ``"nvdec"`` and ``"mixed"``: the server's NVDEC decode threads.
         cpu_share: With ``"mixed"``: the share of the clips the workers decode with PyAV (drawn
             per clip from its seed, 0-1).
+        nvdec_library: With ``"nvdec"`` and ``"mixed"``: the library that drives NVDEC,
+            ``"pynvvideocodec"`` (``pip install 'mmproxy[nvdec]'``) or ``"torchcodec"``
+            (``pip install 'mmproxy[torchcodec]'``, and FFmpeg's shared libraries).
     """
     from nvidia.dali import fn, pipeline_def, types
 
-    gpu, dev_id = resolve_device(device, device_id)
     if decoder not in ("auto", "dali", "mixed", "nvdec", "pyav"):
         raise ValueError(f"decoder must be 'auto', 'nvdec', 'mixed', 'pyav' or 'dali', got "
                          f"{decoder!r}")
+    check_library(nvdec_library)
+    gpu, dev_id = resolve_device(device, device_id)
     if decoder == "auto":
-        decoder = "nvdec" if gpu and nvdec_available() else "pyav" if pyav_installed() else "dali"
+        decoder = ("nvdec" if gpu and nvdec_available(nvdec_library) else
+                   "pyav" if pyav_installed() else "dali")
     if decoder in ("nvdec", "mixed"):
         if not gpu:
             raise ValueError(f"decoder={decoder!r} decodes on the GPU (NVDEC): use device='gpu' "
                              "or 'auto' on a machine with CUDA, or decoder='pyav' on CPU")
-        load_nvdec()
+        load_library(nvdec_library)
         if decoder == "mixed" and not 0 <= cpu_share <= 1:
             raise ValueError(f"cpu_share must be between 0 and 1, got {cpu_share}")
     if decoder in ("pyav", "mixed") and not pyav_installed():
@@ -219,5 +230,5 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
         assert dev_id is not None
         prepare = ClipDecoder(input_name, None if every_frame else frames, stride, dev_id,
                               decode_threads, decoder_options,
-                              tuple(n for n in draw.names if n != "start"))
+                              tuple(n for n in draw.names if n != "start"), nvdec_library)
     return SampleSeeded(built, draw, draw.arguments, prepare)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from mmproxy.datasets import make_shards, video_label_dataset, video_text_dataset
 from mmproxy.pipelines import decode_clip, video_pipeline
+from mmproxy.pipelines._nvdec_session import PyNvSession
 from torch.utils.data import default_collate
 
 import mmproxy
@@ -506,14 +507,12 @@ def test_a_codec_nvdec_lacks_without_pyav_is_refused_by_name(monkeypatch):
         draw({"videos": mjpeg}, random.Random(0))
 
 
-class _FakeSlot:
-    """A decode thread's slot without a GPU: ``nvdec(path)`` makes its decoder (or raises as
-    PyNvVideoCodec does), frames stay in host memory."""
-
-    device = 0
+class _FakeSlot(PyNvSession):
+    """A decode thread's PyNvVideoCodec session without a GPU: ``nvdec(path)`` makes its decoder
+    (or raises as PyNvVideoCodec does), frames stay in host memory."""
 
     def __init__(self, nvdec):
-        self.nvdec, self.decoder = nvdec, None
+        self.nvdec, self.decoder, self.device = nvdec, None, 0
 
     def write(self, data):
         return "/proc/self/fd/-1"
@@ -522,9 +521,6 @@ class _FakeSlot:
         if self.decoder is None:
             self.decoder = self.nvdec(path)
         return self.decoder
-
-    def open(self, data):
-        return self.point(self.write(data))
 
     def to_device(self, frames):
         return torch.from_numpy(frames)
@@ -546,7 +542,7 @@ def _clip_decoder(monkeypatch, threads=1, slot=None):
 
     monkeypatch.setattr(_nvdec, "load_nvdec", lambda: None)
     if slot is not None:
-        monkeypatch.setattr(_nvdec, "_Slot", slot)
+        monkeypatch.setitem(_nvdec.NVDEC_LIBRARIES, "pynvvideocodec", slot)
     return _nvdec.ClipDecoder("videos", 3, 2, 0, threads, None, ())
 
 
@@ -658,18 +654,94 @@ def test_closing_the_clip_decoder_never_waits_for_a_decode_stuck_in_the_driver(m
     decoder.close()
 
 
-def _nvdec_ready():
+# -- TorchCodec's session (nvdec_library="torchcodec"), on its CPU decoder here -----------------
+
+
+def _torchcodec_loads():
+    from mmproxy.pipelines._nvdec import nvdec_available
+
+    return nvdec_available("torchcodec")
+
+
+needs_torchcodec = pytest.mark.skipif(not _torchcodec_loads(),
+                                      reason="needs TorchCodec and FFmpeg's shared libraries")
+
+
+@needs_torchcodec
+def test_torchcodec_session_gives_the_clip_pyav_gives():
+    """The session's frames are the clip's (start, stride, the last frame repeated past the
+    end), as PyAV decodes them, in [T, H, W, 3] uint8, from read-only bytes."""
+    from mmproxy.pipelines._torchcodec import TorchCodecSession
+
+    data = np.frombuffer(_encode("h264", frames=30), np.uint8)  # read-only, like a run's bytes
+    session = TorchCodecSession(None, {})
+    for start, frames, stride in [(0, 4, 3), (7, 5, 2), (24, 4, 3), (0, None, 1)]:
+        clip = session.clip(data, start, frames, stride).numpy()
+        expected = decode_clip(data, start, frames, stride) if frames else _reference(data.tobytes())
+        assert clip.dtype == np.uint8 and clip.shape == expected.shape, (start, clip.shape)
+        assert _errors(clip, expected).max() <= 1.0, (start, frames)
+    clip = session.clip(data, 24, 4, 3).numpy()  # frames 24, 27, 29, 29
+    assert np.array_equal(clip[2], clip[3]) and not np.array_equal(clip[1], clip[2])
+
+
+@needs_torchcodec
+def test_a_clip_torchcodec_refuses_is_damaged_only_when_pyav_cannot_decode_it_either(monkeypatch):
+    """Garbage, and an MP4 whose H.264 configuration is garbage (its header checks pass), are
+    refused by TorchCodec and by PyAV: damaged samples whose record says what both said."""
+    from mmproxy.pipelines._nvdec import ClipDecoder
+    from mmproxy.pipelines._nvdec_session import Refused
+    from mmproxy.pipelines._torchcodec import TorchCodecSession
+
+    from mmproxy._prepare import DamagedSampleError
+
+    session = TorchCodecSession(None, {})
+    with pytest.raises(Refused, match="TorchCodec cannot open the video"):
+        session.clip(np.frombuffer(b"not a video" * 100, np.uint8), 0, 4, 1)
+    decoder = ClipDecoder("videos", 4, 2, 0, 1, None, (), "torchcodec")
+    bad = np.frombuffer(_bad_config(_encode("h264")), np.uint8)
+    with pytest.raises(DamagedSampleError, match=r"TorchCodec cannot .*; PyAV cannot decode it"):
+        decoder._decode(session, bad, 0)
+
+
+def test_torchcodec_missing_or_without_ffmpeg_says_what_to_do(monkeypatch):
+    import sys
+    import types
+
+    from mmproxy.pipelines._torchcodec import load_torchcodec
+
+    monkeypatch.setitem(sys.modules, "torchcodec", None)
+    with pytest.raises(ImportError, match=r"TorchCodec: pip install 'mmproxy\[torchcodec\]'"):
+        load_torchcodec()
+    no_ffmpeg = types.ModuleType("torchcodec")
+    no_ffmpeg.ffmpeg_major_version = None
+    monkeypatch.setitem(sys.modules, "torchcodec", no_ffmpeg)
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", types.ModuleType("torchcodec.decoders"))
+    with pytest.raises(RuntimeError, match="loads none of the FFmpeg versions it supports"):
+        load_torchcodec()
+    with pytest.raises(ValueError, match=r"nvdec_library must be one of 'pynvvideocodec', "
+                                         r"'torchcodec', got 'torchcodek'"):
+        video_pipeline(batch_size=2, decoder="nvdec", device="gpu", nvdec_library="torchcodek")
+
+
+def _nvdec_ready(library):
     if not torch.cuda.is_available():
         return False
     from mmproxy.pipelines._nvdec import nvdec_available
 
-    return nvdec_available()
+    return nvdec_available(library)
 
 
-needs_nvdec = pytest.mark.skipif(not _nvdec_ready(), reason="needs CUDA and PyNvVideoCodec")
+# Each GPU test of decoder="nvdec" runs with each library that drives NVDEC, where it loads
+LIBRARIES = [pytest.param(library, marks=pytest.mark.skipif(
+    not _nvdec_ready(library), reason=f"needs CUDA and {name}"), id=library)
+    for library, name in (("pynvvideocodec", "PyNvVideoCodec"), ("torchcodec", "TorchCodec"))]
+# What a library's own refusal says, in the skip records of the clips it refuses
+REFUSAL = {"pynvvideocodec": "NVDEC cannot", "torchcodec": "TorchCodec cannot"}
 
 
-def _gpu_server(decoder, **kw):
+def _gpu_server(decoder, library="pynvvideocodec", **kw):
+    if decoder in ("nvdec", "mixed"):
+        kw["nvdec_library"] = library
     return _server(decoder, device="gpu", **kw)
 
 
@@ -678,8 +750,8 @@ def _errors(a, b):
 
 
 @pytest.mark.gpu
-@needs_nvdec
-def test_nvdec_clips_match_pyav_frame_for_frame():
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_nvdec_clips_match_pyav_frame_for_frame(library):
     """Training clips at twelve seeds (the same start, crop and flip drawn for both decoders):
     NVDEC's frames within the decoders' colour tolerance of PyAV's, and clearly farther from
     the neighbouring frame (the same frame index means the same frame)."""
@@ -687,7 +759,7 @@ def test_nvdec_clips_match_pyav_frame_for_frame():
     seeds = list(range(12))
     with _gpu_server("pyav", train=True, batch_size=12) as pyav:
         expected = _run(pyav, [data] * 12, seeds).cpu().numpy()
-    with _gpu_server("nvdec", train=True, batch_size=12, decode_threads=2) as nvdec:
+    with _gpu_server("nvdec", library, train=True, batch_size=12, decode_threads=2) as nvdec:
         clips = _run(nvdec, [data] * 12, seeds).cpu().numpy()
     assert clips.shape == expected.shape == (12, 4, 64, 64, 3)
     for clip, reference in zip(clips, expected):
@@ -696,7 +768,7 @@ def test_nvdec_clips_match_pyav_frame_for_frame():
         assert np.abs(_luma(clip.astype(float)) - _luma(reference)).mean() <= LUMA_TOLERANCE
     frames = _reference(data)
     start = (60 - 10) // 2
-    with _gpu_server("nvdec", batch_size=1) as nvdec:
+    with _gpu_server("nvdec", library, batch_size=1) as nvdec:
         centred = _run(nvdec, [data])[0].cpu().numpy()
     errors = _errors(centred, frames[start:start + 10:3, :, 16:80])
     shifted = _errors(centred, frames[start + 1:start + 11:3, :, 16:80])
@@ -704,8 +776,8 @@ def test_nvdec_clips_match_pyav_frame_for_frame():
 
 
 @pytest.mark.gpu
-@needs_nvdec
-def test_many_clips_of_different_sizes_through_one_decoder():
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_many_clips_of_different_sizes_through_one_decoder(library):
     """One decode thread, so one decoder re-pointed at every clip: sizes up and down (larger
     than its first clip too), short clips past their end (the last frame repeated), VP9 in MP4,
     and a VP9 clip smaller than NVDEC's VP9 minimum (128 pixels), which PyAV decodes instead."""
@@ -714,7 +786,7 @@ def test_many_clips_of_different_sizes_through_one_decoder():
               for i, (h, w) in enumerate(sizes)]
     videos += [video_bytes(synth_video(9, 40, 144, 192), "libvpx-vp9", "mp4"),
                video_bytes(synth_video(10, 40, 64, 96), "libvpx-vp9", "mp4")]
-    with _gpu_server("nvdec", batch_size=4, decode_threads=1, resize_size=64) as nvdec:
+    with _gpu_server("nvdec", library, batch_size=4, decode_threads=1, resize_size=64) as nvdec:
         clips = [c for part in (videos[:4], videos[4:8], videos[8:])
                  for c in _run(nvdec, part).cpu().numpy()]
     with _gpu_server("pyav", batch_size=4, resize_size=64) as pyav:
@@ -733,14 +805,14 @@ def _bad_config(data):
 
 
 @pytest.mark.gpu
-@needs_nvdec
-def test_nvdec_damaged_clips_are_skipped_and_named_rows_aligned(tmp_path):
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_nvdec_damaged_clips_are_skipped_and_named_rows_aligned(tmp_path, library):
     good = [_encode("h264", seed=i, frames=30 + i) for i in range(6)]
     samples = [{"__key__": f"clip{i}", "mp4": v, "cls": str(i)} for i, v in enumerate(good)]
     samples.insert(2, {"__key__": "bad-config", "mp4": _bad_config(good[0]), "cls": "99"})
     samples.insert(5, {"__key__": "bad-cut", "mp4": good[1][: len(good[1]) // 2], "cls": "99"})
     write_tar(tmp_path / "v-0.tar", samples)
-    with _gpu_server("nvdec", train=True, batch_size=4) as server:
+    with _gpu_server("nvdec", library, train=True, batch_size=4) as server:
         ds = video_label_dataset(str(tmp_path / "v-0.tar"), server, batch_size=4,
                                  on_error="skip", max_skipped=None)
         loader = ds.loader(server, num_workers=1)
@@ -753,16 +825,16 @@ def test_nvdec_damaged_clips_are_skipped_and_named_rows_aligned(tmp_path):
     assert labels == list(range(6))  # every row still its own sample's
     skipped = {r.key: r.reason for r in loader.skipped.records}
     assert sorted(skipped) == ["bad-config", "bad-cut"]
-    assert "truncated" in skipped["bad-cut"] and "NVDEC" in skipped["bad-config"], skipped
+    assert "truncated" in skipped["bad-cut"] and REFUSAL[library] in skipped["bad-config"], skipped
 
 
 @pytest.mark.gpu
-@needs_nvdec
-def test_mixed_decoding_shares_the_clips_and_gives_pyav_clips():
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_mixed_decoding_shares_the_clips_and_gives_pyav_clips(library):
     data = [_encode("h264", seed=i, frames=50) for i in range(8)]
     with _gpu_server("pyav", train=True, batch_size=8) as pyav:
         expected = _run(pyav, data).cpu().numpy()
-    with _gpu_server("mixed", train=True, batch_size=8, cpu_share=0.5) as mixed:
+    with _gpu_server("mixed", library, train=True, batch_size=8, cpu_share=0.5) as mixed:
         clips = _run(mixed, data).cpu().numpy()
     for clip, reference in zip(clips, expected):
         assert _errors(clip, reference).max() <= MEAN_TOLERANCE
