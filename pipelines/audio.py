@@ -16,34 +16,78 @@ Outputs (in this order):
     before any padding, so that a padded batch can be masked.
 
 Cost: decoding runs on CPU threads (DALI has no GPU audio decoder); with a GPU the resampling,
-trimming and spectrogram run on the GPU. Resampling uses DALI's windowed-sinc resampler.
+trimming and spectrogram run on the GPU, with DALI's windowed-sinc resampler. On CPU that
+resampler (16 lobes of its sinc at its default quality) is most of the whole pipeline and costs
+about twice torchaudio's, so CPU pipelines resample with torchaudio inside the DALI pipeline
+(``fn.python_function``: its windowed-sinc resampler with its defaults, a Hann window over 6 zero
+crossings, the kernel made once per input rate) unless ``cpu_resample="dali"``. The two agree to
+within the filters' difference near the cutoff; BENCHMARKS.md ("Audio, 2-core CPU") has the
+figures.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 from mmproxy.pipelines._device import Device, resolve_device
 from mmproxy.pipelines.external import external_pipeline
 
-__all__ = ["audio_graph", "audio_pipeline"]
+__all__ = ["CpuResample", "audio_graph", "audio_pipeline"]
+
+CpuResample = Literal["torchaudio", "dali"]
+
+
+class _TorchaudioResample:
+    """Resamples one clip (float32, ``[time]`` or ``[time, channels]``) to ``rate`` with
+    torchaudio's windowed-sinc resampler, its kernel made once per input rate; DALI calls it
+    through ``fn.python_function`` with the clip and its rate."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._kernels: dict[int, Any] = {}
+        # Imported when the pipeline is built, before the loader freezes the collector's heap
+        import torchaudio.transforms  # noqa: F401
+
+    def __call__(self, audio: Any, in_rate: Any) -> Any:
+        import torch
+        import torchaudio.transforms
+
+        source = round(float(in_rate))
+        if source == self.rate:
+            return audio
+        resample = self._kernels.get(source)
+        if resample is None:
+            resample = self._kernels[source] = torchaudio.transforms.Resample(source, self.rate)
+        clip = torch.from_numpy(audio)
+        with torch.no_grad():
+            if clip.ndim == 1:
+                return resample(clip).numpy()
+            return resample(clip.T).T.contiguous().numpy()
 
 
 def audio_graph(encoded: Any, *, gpu: bool, sample_rate: int = 16000, mono: bool = True,
                 duration: float | None = None, pad_to_longest: bool = False,
                 n_mels: int | None = None, n_fft: int = 400, win_length: int | None = None,
-                hop_length: int = 160, log_mel: bool = True) -> tuple[Any, Any]:
+                hop_length: int = 160, log_mel: bool = True,
+                cpu_resample: CpuResample = "torchaudio") -> tuple[Any, Any]:
     """The audio graph: encoded clips (a DALI node) to (audio, length) nodes. Call it inside a
     ``pipeline_def``; arguments as in :func:`audio_pipeline`, with ``gpu`` from
     :func:`~mmproxy.pipelines.resolve_device`."""
     import numpy as np
     from nvidia.dali import fn, types
 
+    if cpu_resample not in ("torchaudio", "dali"):
+        raise ValueError(f"cpu_resample must be 'torchaudio' or 'dali', got {cpu_resample!r}")
     audio, rate = fn.decoders.audio(encoded, dtype=types.FLOAT, downmix=mono)
     if gpu:
         audio = audio.gpu()
-    audio = fn.audio_resample(audio, in_rate=rate, out_rate=float(sample_rate), dtype=types.FLOAT)
+    if gpu or cpu_resample == "dali":
+        audio = fn.audio_resample(audio, in_rate=rate, out_rate=float(sample_rate),
+                                  dtype=types.FLOAT)
+    else:
+        audio = fn.python_function(audio, rate, function=_TorchaudioResample(sample_rate),
+                                   num_outputs=1)
     if duration is not None:
         audio = fn.slice(audio, start=[0], shape=[round(duration * sample_rate)], axes=[0],
                          out_of_bounds_policy="pad", fill_values=0.0)
@@ -69,7 +113,8 @@ def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = Tr
                    n_mels: int | None = None, n_fft: int = 400,
                    win_length: int | None = None, hop_length: int = 160, log_mel: bool = True,
                    device: Device = "auto", device_id: int | None = None, num_threads: int = 4,
-                   prefetch_queue_depth: int = 2, input_name: str = "audio") -> Any:
+                   prefetch_queue_depth: int = 2, input_name: str = "audio",
+                   cpu_resample: CpuResample = "torchaudio") -> Any:
     """Builds the audio pipeline.
 
     Args:
@@ -89,11 +134,14 @@ def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = Tr
         num_threads: DALI CPU threads.
         prefetch_queue_depth: Runs the server keeps in flight.
         input_name: Name of the ``external_source`` (the proxy's argument).
+        cpu_resample: On CPU, resample with "torchaudio" (inside the DALI pipeline; the faster
+            of the two) or DALI's "dali" ``fn.audio_resample`` (module docstring).
     """
     gpu, dev_id = resolve_device(device, device_id)
     graph = partial(audio_graph, gpu=gpu, sample_rate=sample_rate, mono=mono, duration=duration,
                     pad_to_longest=pad_to_longest, n_mels=n_mels, n_fft=n_fft,
-                    win_length=win_length, hop_length=hop_length, log_mel=log_mel)
+                    win_length=win_length, hop_length=hop_length, log_mel=log_mel,
+                    cpu_resample=cpu_resample)
     return external_pipeline(graph, input_name=input_name, batch_size=batch_size,
                              num_threads=num_threads, device_id=dev_id,
                              prefetch_queue_depth=prefetch_queue_depth)

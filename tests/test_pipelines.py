@@ -211,8 +211,11 @@ def snr_db(ref, got):
     return 10 * torch.log10((ref ** 2).sum() / ((ref - got) ** 2).sum()).item()
 
 
+@pytest.mark.parametrize("cpu_resample,db", [("dali", 30), ("torchaudio", 80)])
 @pytest.mark.parametrize("signal", ["tone", "noise"])
-def test_resampling_matches_torchaudio_above_30_db(signal):
+def test_resampling_matches_torchaudio(signal, cpu_resample, db):
+    """DALI's resampler within 30 dB of torchaudio's; the CPU default, torchaudio's inside the
+    pipeline, is torchaudio's."""
     rate = 44100
     if signal == "tone":
         x = tone(440, rate) + tone(3000, rate) * 0.5
@@ -223,12 +226,40 @@ def test_resampling_matches_torchaudio_above_30_db(signal):
     # 16-bit WAV: compare against the same quantized signal
     payload = audio_bytes(x, rate, "WAV")
     x16 = torch.from_numpy(np.round(np.clip(x, -1, 1) * 32767) / 32768).float()
-    with mmproxy.DALIServer(audio_pipeline(batch_size=2, device="cpu", num_threads=1)) as server:
+    pipe = audio_pipeline(batch_size=2, device="cpu", num_threads=1, cpu_resample=cpu_resample)
+    with mmproxy.DALIServer(pipe) as server:
         audio, length = run(server, [payload])
     ref = torchaudio.functional.resample(x16, rate, 16000)
     assert abs(int(length[0]) - len(ref)) <= 1
     # skip the edges, where the two resamplers pad differently
-    assert snr_db(ref[200:-200], audio[0][200:-200]) > 30
+    assert snr_db(ref[200:-200], audio[0][200:-200]) > db
+
+
+def test_cpu_resample_with_torchaudio_matches_dali_resample():
+    """Clips of several rates in one batch (up and down, one already at the target rate), mono
+    and stereo: the same lengths from both CPU resamplers, and samples within the filters'
+    difference (content below every cutoff)."""
+    rates = [44100, 48000, 8000, 16000, 22050]
+    clips = [tone(440, rate, 0.3 + 0.1 * i) + tone(1800, rate, 0.3 + 0.1 * i) * 0.4
+             for i, rate in enumerate(rates)]
+    for mono in (True, False):
+        payloads = [audio_bytes(np.stack([x, 0.5 * x], 1) if not mono else x, rate, "WAV")
+                    for x, rate in zip(clips, rates)]
+        outs = {}
+        for resample in ("torchaudio", "dali"):
+            pipe = audio_pipeline(batch_size=5, device="cpu", num_threads=2, mono=mono,
+                                  cpu_resample=resample)
+            with mmproxy.DALIServer(pipe, pad=True) as server:
+                audio, length = run(server, payloads)
+            outs[resample] = (audio.data, length.data if hasattr(length, "data") else length)
+        (a, la), (b, lb) = outs["torchaudio"], outs["dali"]
+        assert la.tolist() == lb.tolist() == [round(16000 * (0.3 + 0.1 * i)) for i in range(5)]
+        assert a.shape == b.shape and a.shape[2:] == (() if mono else (2,))
+        for i, n in enumerate(la.tolist()):
+            diff = (a[i, 200:n - 200] - b[i, 200:n - 200]).abs()
+            assert diff.max() < 0.01, (mono, rates[i], diff.max())
+    with pytest.raises(ValueError, match="cpu_resample must be"):
+        audio_pipeline(batch_size=2, device="cpu", cpu_resample="soxr")
 
 
 @pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG"])
