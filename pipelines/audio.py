@@ -19,14 +19,16 @@ Cost: decoding runs on CPU threads (DALI has no GPU audio decoder); with a GPU t
 trimming and spectrogram run on the GPU, with DALI's windowed-sinc resampler. On CPU that
 resampler (16 lobes of its sinc at its default quality) is most of the whole pipeline and costs
 about twice torchaudio's, so CPU pipelines resample with torchaudio inside the DALI pipeline
-(``fn.python_function``: its windowed-sinc resampler with its defaults, a Hann window over 6 zero
-crossings, the kernel made once per input rate) unless ``cpu_resample="dali"``. The two agree to
-within the filters' difference near the cutoff; BENCHMARKS.md ("Audio, 2-core CPU") has the
-figures.
+(``fn.python_function``: its windowed-sinc resampler with its defaults, a Hann window over 6
+zero crossings, the kernel made once per input rate, the clips of a batch on a pool of threads)
+unless ``cpu_resample="dali"``. The two agree to within the filters' difference near the
+cutoff; BENCHMARKS.md ("Audio, 2-core CPU") has the figures.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Literal
 
@@ -39,17 +41,26 @@ CpuResample = Literal["torchaudio", "dali"]
 
 
 class _TorchaudioResample:
-    """Resamples one clip (float32, ``[time]`` or ``[time, channels]``) to ``rate`` with
-    torchaudio's windowed-sinc resampler, its kernel made once per input rate; DALI calls it
-    through ``fn.python_function`` with the clip and its rate."""
+    """Resamples a batch of clips (float32, ``[time]`` or ``[time, channels]``) to ``rate`` with
+    torchaudio's windowed-sinc resampler, its kernel made once per input rate. DALI calls it
+    through ``fn.python_function`` once a batch with the clips and their rates; DALI runs such
+    functions one at a time, so the clips are resampled on a pool of threads of its own (torch
+    releases the GIL while it computes), started at the first batch."""
 
     def __init__(self, rate: int) -> None:
         self.rate = rate
         self._kernels: dict[int, Any] = {}
+        self._pool: ThreadPoolExecutor | None = None
         # Imported when the pipeline is built, before the loader freezes the collector's heap
         import torchaudio.transforms  # noqa: F401
 
-    def __call__(self, audio: Any, in_rate: Any) -> Any:
+    def __call__(self, clips: list[Any], rates: list[Any]) -> list[Any]:
+        if self._pool is None:
+            threads = min(8, len(os.sched_getaffinity(0)), max(1, len(clips)))
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mmproxy-resample")
+        return list(self._pool.map(self._one, clips, rates))
+
+    def _one(self, audio: Any, in_rate: Any) -> Any:
         import torch
         import torchaudio.transforms
 
@@ -57,7 +68,7 @@ class _TorchaudioResample:
         if source == self.rate:
             return audio
         resample = self._kernels.get(source)
-        if resample is None:
+        if resample is None:  # two threads may both make it: the same kernel
             resample = self._kernels[source] = torchaudio.transforms.Resample(source, self.rate)
         clip = torch.from_numpy(audio)
         with torch.no_grad():
@@ -87,7 +98,7 @@ def audio_graph(encoded: Any, *, gpu: bool, sample_rate: int = 16000, mono: bool
                                   dtype=types.FLOAT)
     else:
         audio = fn.python_function(audio, rate, function=_TorchaudioResample(sample_rate),
-                                   num_outputs=1)
+                                   num_outputs=1, batch_processing=True)
     if duration is not None:
         audio = fn.slice(audio, start=[0], shape=[round(duration * sample_rate)], axes=[0],
                          out_of_bounds_policy="pad", fill_values=0.0)

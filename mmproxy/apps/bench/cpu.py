@@ -28,8 +28,11 @@ def cpu_seconds() -> dict[tuple[str, int], float]:
             pass
     for t in me.threads():
         name = names.get(t.id)
-        group = ("main-thread" if name == "MainThread" else "dali-threads" if name is None
-                 else "server-threads")  # DALI's own threads are not Python threads
+        # DALI's own threads are not Python threads; a pipeline's resampling pool
+        # (pipelines/audio.py) does the pipeline's work, as DALI's threads do
+        pipeline = name is None or name.startswith("mmproxy-resample")
+        group = ("main-thread" if name == "MainThread" else "dali-threads" if pipeline
+                 else "server-threads")
         out[group, t.id] = t.user_time + t.system_time
     return out
 
