@@ -17,14 +17,14 @@ those samples again from their shards.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
 from mmproxy.errors import StateError
 
-__all__ = ["VERSION_KEY", "Stage", "generator", "pack_addresses", "unpack_addresses"]
+__all__ = ["VERSION_KEY", "Draws", "Stage", "generator", "pack_addresses", "unpack_addresses"]
 
 VERSION_KEY = "version"
 
@@ -72,6 +72,64 @@ def generator(*key: int) -> np.random.Generator:
     """A random generator seeded by ``key`` (seed, epoch, source, rank, worker, ...): the same
     draws wherever and whenever it is made with the same key."""
     return np.random.Generator(np.random.PCG64(list(key)))
+
+
+class Draws:
+    """One kind of draw from a generator (``draw(rng, count)``: ``count`` values, as an array),
+    made a block at a time and given one by one.
+
+    ``draw`` must consume the generator's stream value by value, so that one call for ``count``
+    values gives what ``count`` calls for one would, and leaves the generator where they would
+    (true of ``rng.random(count)`` and ``rng.integers(high, size=count)``). The values are then
+    those of drawing one at a time, and :attr:`state` is the generator's state after the values
+    given so far, as if each had been drawn alone: a saved state resumes to the same values.
+    A block costs about one draw made alone; :attr:`state` redraws the values given from the
+    block's start (on a generator of its own), once per call.
+
+    Args:
+        rng: The generator.
+        draw: Makes ``count`` values from a generator.
+        block: Values drawn at once.
+    """
+
+    def __init__(self, rng: np.random.Generator, draw: Callable[[np.random.Generator, int], Any],
+                 block: int = 1024) -> None:
+        self.rng, self._draw, self._block = rng, draw, block
+        self._values: list[Any] = []
+        self._next = 0
+        self._start: Mapping[str, Any] = {}  # the generator's state before the block
+
+    def __call__(self) -> Any:
+        """The next value."""
+        if self._next == len(self._values):
+            self._start = self.rng.bit_generator.state
+            self._values, self._next = self._draw(self.rng, self._block).tolist(), 0
+        value = self._values[self._next]
+        self._next += 1
+        return value
+
+    @property
+    def state(self) -> Mapping[str, Any]:
+        """The generator's state after the values given so far."""
+        if not self._values:
+            return self.rng.bit_generator.state
+        scratch = np.random.Generator(type(self.rng.bit_generator)(0))
+        scratch.bit_generator.state = self._start
+        if self._next:
+            self._draw(scratch, self._next)
+        return scratch.bit_generator.state
+
+    @state.setter
+    def state(self, state: Mapping[str, Any]) -> None:
+        self.rng.bit_generator.state = state
+        self._values, self._next = [], 0
+
+    def settle(self) -> np.random.Generator:
+        """The generator, where the values given so far leave it (the rest of the block
+        dropped): for a draw of another kind from it."""
+        if self._values:
+            self.state = self.state
+        return self.rng
 
 
 def pack_addresses(addresses: Sequence[tuple[int, str, int]]) -> tuple[list[str], list[tuple]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from mmproxy.skips import SkippedSample
 
-from ._stage import Stage, generator, pack_addresses, unpack_addresses
+from ._stage import Draws, Stage, generator, pack_addresses, unpack_addresses
 from .plan import Work
 from .reader import ShardReader, Taken
 
@@ -47,8 +47,9 @@ class ShuffleBuffer(Stage):
         self.held: list[Taken] = []
         self.taken, self.ended = 0, False
         self._records: list[SkippedSample] = []  # of shards read again on loading a state
-        self._rng = generator(lay.seed, lay.epoch, plan.source, lay.rank, lay.worker, plan.pass_,
-                              1)
+        rng = generator(lay.seed, lay.epoch, plan.source, lay.rank, lay.worker, plan.pass_, 1)
+        size = self.size  # a full buffer's draws, made in blocks
+        self._draws = Draws(rng, lambda g, count: g.integers(size, size=count))
 
     @property
     def pass_(self) -> int:
@@ -70,7 +71,8 @@ class ShuffleBuffer(Stage):
         if not self.held:
             self.ended = True
             return None
-        j = int(self._rng.integers(len(self.held)))
+        n = len(self.held)
+        j = self._draws() if n == self.size else int(self._draws.settle().integers(n))
         self.held[j], self.held[-1] = self.held[-1], self.held[j]
         self.taken += 1
         return self.held.pop()
@@ -83,7 +85,7 @@ class ShuffleBuffer(Stage):
     def state_dict(self) -> dict[str, Any]:
         urls, held = pack_addresses([(0, t.url, t.index) for t in self.held])
         return self._pack(**{self.TAKEN: self.taken, self.ENDED: self.ended,
-                             self.RNG: self._rng.bit_generator.state, self.URLS: urls,
+                             self.RNG: self._draws.state, self.URLS: urls,
                              self.HELD: held, self.READER: self.reader.state_dict()})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -92,7 +94,7 @@ class ShuffleBuffer(Stage):
         self.reader.load_state_dict(state[self.READER])
         self._start_pass()
         self.taken, self.ended = int(state[self.TAKEN]), bool(state[self.ENDED])
-        self._rng.bit_generator.state = state[self.RNG]
+        self._draws.state = state[self.RNG]
         wanted = [(url, i) for _, url, i in unpack_addresses(state[self.URLS], state[self.HELD])]
         found, self._records = self.reader.read.fetch(wanted)
         self.held = [Taken(url, i, found[url, i]) for url, i in wanted if (url, i) in found]

@@ -12,14 +12,16 @@ or raises :class:`~mmproxy.errors.SampleError`, according to the dataset's ``on_
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from mmproxy import worker
+from mmproxy import _context
 from mmproxy.errors import SampleError
 from mmproxy.protocols import Proxy
 from mmproxy.skips import SkipKind, SkippedSample
@@ -92,11 +94,47 @@ def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: 
     in ``batched`` (whose function is a :class:`~mmproxy.DALIProxy`) gets the pipeline's inputs
     for the sample (:meth:`~mmproxy.DALIProxy.sample_inputs`) in place of a call's references:
     the batcher runs the batch's (:mod:`mmproxy.datasets._batch_runs`)."""
-    key = sample.get("__key__", "?")
-    url = sample.get("__url__", "?")
-    out: dict[str, Any] = {"__key__": key, "__url__": url} if keep_keys else {}
-    with worker.sample_key(key, shard=url, skip=skip, seed=seed):
-        for name, (exts, fn, server) in fields.items():
+    sample_id = SampleId(str(sample.get("__key__", "?")), sample.get("__url__", "?"), skip, seed)
+    return _fields(sample, _plan(fields, batched), sample_id, keep_keys, max_pixels)
+
+
+class _Route(Enum):
+    """How a field's bytes reach its function."""
+
+    WORKER = "bytes, to a function run in the worker"
+    SERVER = "a checked uint8 array, to a proxy call"
+    BATCHED = "a checked uint8 array, to the proxy's sample_inputs (the batch route)"
+
+
+class _Plan(NamedTuple):
+    """One source's fields as the per-sample loop reads them: ``(name, extensions, function,
+    route)`` each, and whether any function reads which sample is being processed (then the
+    sample is named around the loop: :func:`mmproxy.sample_key`)."""
+
+    fields: tuple[tuple[str, tuple[str, ...], Callable[[Any], Any], _Route], ...]
+    named: bool
+
+
+def _plan(fields: Mapping[str, Parsed], batched: Collection[str]) -> _Plan:
+    rows = tuple((name, exts, fn, _Route.BATCHED if name in batched
+                  else _Route.SERVER if server else _Route.WORKER)
+                 for name, (exts, fn, server) in fields.items())
+    # a function of the user's may call a proxy; a batch-route proxy says whether it reads it
+    return _Plan(rows, any(route is not _Route.BATCHED or fn.reads_sample  # type: ignore[attr-defined]
+                           for _, _, fn, route in rows))
+
+
+_UNNAMED = contextlib.nullcontext()
+
+
+def _fields(sample: dict[str, Any], plan: _Plan, sample_id: SampleId, keep_keys: bool,
+            max_pixels: int) -> dict[str, Any]:
+    """:func:`process`, with the fields planned and the sample's id made."""
+    key, url = sample_id.key, str(sample_id.shard)
+    out: dict[str, Any] = {"__key__": sample.get("__key__", "?"), "__url__": url} if keep_keys else {}
+    duplicates = sample.get(DUPLICATES, ())
+    with _context.naming(sample_id) if plan.named else _UNNAMED:
+        for name, exts, fn, route in plan.fields:
             for ext in exts:
                 if ext in sample:
                     break
@@ -104,22 +142,24 @@ def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: 
                 present = sorted(k for k in sample if not k.startswith("__"))
                 raise Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has {present})",
                            SkipKind.MISSING_FIELD)
-            if ext in sample.get(DUPLICATES, ()):
+            if ext in duplicates:
                 raise Skip(url, key, f"duplicate field {ext!r}: the shard holds more than one "
                                      f"{ext!r} member for this sample", SkipKind.DUPLICATE_FIELD)
             data = sample[ext]
             try:
-                problem = check_header(ext, data, max_pixels) if server else (
-                    None if data else "is empty")
+                problem = (None if data else "is empty") if route is _Route.WORKER else (
+                    check_header(ext, data, max_pixels))
             except Exception as err:  # a header no check foresaw: the sample is bad, not the run
                 problem = f"cannot be read ({type(err).__name__}: {err})"
             if problem:
                 raise Skip(url, key, f"bad header: field {ext!r} {problem}", SkipKind.BAD_HEADER)
             try:
-                if name in batched:
+                if route is _Route.BATCHED:
                     out[name] = fn.sample_inputs(np.frombuffer(data, np.uint8))  # type: ignore[attr-defined]
+                elif route is _Route.SERVER:
+                    out[name] = fn(np.frombuffer(data, np.uint8))
                 else:
-                    out[name] = fn(np.frombuffer(data, np.uint8)) if server else fn(bytes(data))
+                    out[name] = fn(bytes(data))
             except Exception as err:  # a user function failed on this sample
                 raise Skip(url, key, f"field function failed: field {ext!r}: "
                                      f"{type(err).__name__}: {err}", SkipKind.FIELD_FUNCTION) from err
@@ -169,6 +209,7 @@ class FieldStage(Stage):
         self.seed, self.epoch, self.mixed = seed, epoch, mixed
         self.keep_keys, self.max_pixels, self.skip = keep_keys, max_pixels, skip
         self.seeds = SampleSeeds(seed, epoch, [name for name, _ in self.sources])
+        self.plans = [_plan(fields, batched) for _, fields in self.sources]
 
     def __iter__(self) -> FieldStage:
         return self
@@ -181,21 +222,19 @@ class FieldStage(Stage):
 
     def apply(self, source: int, taken: Taken) -> Processed | SkippedSample:
         """The fields of one raw sample of ``source``, or its record."""
-        name, fields = self.sources[source]
-        key = str(taken.raw.get("__key__", "?"))
-        seed = self.seeds(source, key)
+        raw = taken.raw
+        key = str(raw.get("__key__", "?"))
+        sample_id = SampleId(key, raw.get("__url__", "?"), self.skip, self.seeds(source, key))
         try:
-            out = process(taken.raw, fields, keep_keys=self.keep_keys, max_pixels=self.max_pixels,
-                          skip=self.skip, seed=seed, batched=self.batched)
+            out = _fields(raw, self.plans[source], sample_id, self.keep_keys, self.max_pixels)
         except Skip as skip:
             if not self.skip:
                 url, key, reason, _ = skip.record
                 raise SampleError(f"shard {url}, sample {key!r}: {reason}") from skip.__cause__
             return skip.record
         if self.mixed:
-            out["__source__"] = name
-        sample_id = SampleId(key, taken.raw.get("__url__", "?"), self.skip, seed) if self.batched else None
-        return Processed(source, taken.url, taken.index, out, sample_id)
+            out["__source__"] = self.sources[source][0]
+        return Processed(source, taken.url, taken.index, out, sample_id if self.batched else None)
 
     def state_dict(self) -> dict[str, Any]:
         return self._pack(**{self.MIXER: self.mixer.state_dict()})

@@ -11,6 +11,7 @@ leaving its share to the others.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -20,7 +21,7 @@ import numpy as np
 from mmproxy.errors import ShardError, StateError
 from mmproxy.skips import SkippedSample
 
-from ._stage import Stage, generator
+from ._stage import Draws, Stage, generator
 from .buffer import ShuffleBuffer
 from .plan import Layout, Work
 from .reader import Taken
@@ -76,14 +77,15 @@ class SourceMixer(Stage):
         self.buffers = list(buffers.values())
         self.weights = list(weights)
         self.on_exhausted, self.endless, self.layout = on_exhausted, endless, layout
-        self._rng = generator(layout.seed, layout.epoch, layout.rank, layout.worker, 3)
+        self._draws = Draws(generator(layout.seed, layout.epoch, layout.rank, layout.worker, 3),
+                            lambda g, count: g.random(count))  # one per sample of several sources
         self._set_active(list(range(len(self.buffers))))
 
     def _set_active(self, active: list[int]) -> None:
         self._active = active
         if active:
             shares = [self.weights[s] for s in active]
-            self._cumulative = np.cumsum([w / sum(shares) for w in shares])
+            self._cumulative = np.cumsum([w / sum(shares) for w in shares]).tolist()
 
     def __iter__(self) -> SourceMixer:
         return self
@@ -91,7 +93,7 @@ class SourceMixer(Stage):
     def __next__(self) -> tuple[int, Taken] | SkippedSample:
         while self._active:
             s = self._active[0] if len(self._active) == 1 else self._active[min(
-                int(np.searchsorted(self._cumulative, self._rng.random(), side="right")),
+                bisect.bisect_right(self._cumulative, self._draws()),
                 len(self._active) - 1)]
             buffer = self.buffers[s]
             got = buffer.take()
@@ -121,7 +123,7 @@ class SourceMixer(Stage):
         return self.buffers[source].reader.reasons.most_common(3)
 
     def state_dict(self) -> dict[str, Any]:
-        return self._pack(**{self.RNG: self._rng.bit_generator.state,
+        return self._pack(**{self.RNG: self._draws.state,
                              self.ACTIVE: [self.names[s] for s in self._active],
                              self.SOURCES: {name: b.state_dict()
                                             for name, b in zip(self.names, self.buffers)}})
@@ -131,7 +133,7 @@ class SourceMixer(Stage):
         sources = state[self.SOURCES]
         if sorted(sources) != sorted(self.names) or not set(state[self.ACTIVE]) <= set(sources):
             raise self._other_sources(sorted(sources))
-        self._rng.bit_generator.state = state[self.RNG]
+        self._draws.state = state[self.RNG]
         self._set_active([self.names.index(name) for name in state[self.ACTIVE]])
         for name, buffer in zip(self.names, self.buffers):
             buffer.load_state_dict(sources[name])

@@ -31,7 +31,7 @@ from .shards import is_local, is_remote, read_local_tar, read_remote_tar
 __all__ = ["ShardReader", "Taken", "TarReader"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass is slower to make, once per sample
 class Taken:
     """A raw sample (``{ext: bytes}`` with ``__key__`` and ``__url__``) and its address."""
 

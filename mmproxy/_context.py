@@ -94,6 +94,11 @@ def sample_key(key: str | None, *, shard: str | None = None, skip: bool = False,
     return _Naming(None if key is None else SampleId(str(key), shard, skip, seed))
 
 
+def naming(sample: SampleId) -> contextlib.AbstractContextManager[None]:
+    """:func:`sample_key` for a sample whose :class:`SampleId` is made already."""
+    return _Naming(sample)
+
+
 class _Naming:
     """:func:`sample_key`'s context manager (a class: entered once per sample, it must be
     cheap): the sample named inside, the one named before restored after."""

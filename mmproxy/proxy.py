@@ -212,6 +212,13 @@ class DALIProxy:
             return DALIOutputSampleRef(call, 0)
         return tuple(DALIOutputSampleRef(call, i) for i in range(self.num_outputs))
 
+    @property
+    def reads_sample(self) -> bool:
+        """Whether :meth:`sample_inputs` reads which sample is being processed
+        (:func:`mmproxy.sample_key`): to draw inputs from its seed, or to name it when it
+        refuses an input."""
+        return self.sample_random is not None or bool(self.encoded)
+
     def sample_inputs(self, *args: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
         """What a call sends for one sample: one array per pipeline input, in their order
         (converted, drawn from the sample's seed, checked), without a reference. What

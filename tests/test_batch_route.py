@@ -264,3 +264,33 @@ def test_a_run_whose_keys_or_inputs_do_not_match_its_samples_is_refused_at_the_c
     run = small.proxy.run(keys, [one, one])  # the server still takes and runs runs
     out = small.produce_data(mmproxy.DALIOutputBatchRef(small.uid, small.name, run, 0))
     assert out.shape[0] == 2
+
+
+def test_the_sample_is_named_only_where_a_field_function_reads_it():
+    """Per sample, the field stage names the sample (``sample_key``) around its fields only
+    when a function may read it: a batch-route proxy that draws from the seed or checks its
+    inputs, or any function of the user's (which may call a proxy); each then sees the sample."""
+    from mmproxy.datasets.fields import _plan, parse_field, process
+
+    from mmproxy import _context
+
+    plain = DALIProxy("s", "uid", ("data",), 1, "unused")
+    drawing = image_train_pipeline(batch_size=2, device="cpu", sample_seeded=True).sample_random
+    seeded = DALIProxy("t", "uid2", ("data", *drawing.names), 1, "unused", sample_random=drawing)
+    seen = []
+
+    def label(data: bytes) -> int:
+        seen.append(_context.current_key())
+        return int(data)
+
+    fields = {"image": parse_field("image", ("jpg", plain))}
+    assert not _plan(fields, {"image"}).named
+    assert _plan({"image": parse_field("image", ("jpg", seeded))}, {"image"}).named
+    assert _plan(fields, set()).named  # a proxy call of the per-sample route
+    both = {**fields, "label": parse_field("label", ("cls", label))}
+    assert _plan(both, {"image"}).named
+    sample = {"__key__": "k", "__url__": "u.tar", "jpg": _image(0), "cls": b"3"}
+    out = process(sample, both, keep_keys=False, max_pixels=2**26, skip=True, seed=5,
+                  batched={"image"})
+    assert out["label"] == 3 and seen == [_context.SampleId("k", "u.tar", True, 5)]
+    assert _context.current_key() is None

@@ -163,3 +163,57 @@ def test_a_stage_refuses_a_state_of_another_stage(shards, name):
         where(chain).load_state_dict(wrong)
     with pytest.raises(mmproxy.StateError, match=r"unknown keys \['surprise'\]"):
         where(chain).load_state_dict({**others[0], "surprise": 1})
+
+
+@pytest.mark.parametrize("kind", ["integers", "random"])
+def test_draws_made_in_blocks_are_the_draws_made_one_at_a_time(kind):
+    """The buffer's and the mixer's draws come a block at a time: the same values as drawing
+    each alone, and at every point the state a saved state holds is the one-at-a-time
+    generator's (so states saved either way resume to the same draws)."""
+    from mmproxy.datasets._stage import Draws, generator
+
+    def many(g, count):
+        return g.integers(5, size=count) if kind == "integers" else g.random(count)
+
+    def one(g):
+        return int(g.integers(5)) if kind == "integers" else g.random()
+
+    alone, draws = generator(9, 1), Draws(generator(9, 1), many, block=4)
+    for _ in range(11):  # across block boundaries
+        assert draws.state == alone.bit_generator.state
+        assert draws() == one(alone)
+    resumed = Draws(generator(0), many, block=4)
+    resumed.state = draws.state
+    assert [resumed() for _ in range(6)] == [one(alone) for _ in range(6)]
+    assert one(resumed.settle()) == one(alone)  # a draw of another kind, where the last left it
+    assert resumed.state == alone.bit_generator.state
+
+
+def test_the_shuffle_buffer_draws_one_index_per_sample_in_order(shards):
+    """The buffer's order is that of one ``integers(len(held))`` draw per sample from its
+    generator (its order before the draws came in blocks), and its saved generator state is
+    that draw-by-draw generator's after each sample, as states saved before hold it."""
+    from mmproxy.datasets._stage import generator
+
+    def fresh():
+        return _dataset(shards, shuffle_buffer=5)._chain(0, 0, 1).batcher.fields.mixer.buffers[0]
+
+    buffer, reader = fresh(), fresh().reader  # the buffer, and a reader of its own to check it
+    plan, lay = reader.plan, reader.plan.layout
+    rng = generator(lay.seed, lay.epoch, plan.source, lay.rank, lay.worker, plan.pass_, 1)
+    held: list[Taken] = []
+    while True:
+        while len(held) < 5 and (got := reader.take()) is not None:
+            if isinstance(got, Taken):
+                held.append(got)
+        if not held:
+            break
+        j = int(rng.integers(len(held)))
+        held[j], held[-1] = held[-1], held[j]
+        want = held.pop()
+        got = buffer.take()
+        while isinstance(got, SkippedSample):
+            got = buffer.take()
+        assert (got.url, got.index) == (want.url, want.index)
+        assert buffer.state_dict()[buffer.RNG] == rng.bit_generator.state
+    assert buffer.take() is None
