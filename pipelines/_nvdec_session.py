@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 __all__ = ["PyNvSession", "Refused", "Session", "clip_indices", "decode_frames", "load_nvdec",
+           "not_the_clip",
            "readonly_tensor", "said"]
 
 _INSTALL = "pip install 'mmproxy[nvdec]'"
@@ -62,6 +63,16 @@ def clip_indices(total: int, start: int, frames: int | None, stride: int) -> lis
     return [min(start + i * stride, total - 1) for i in range(frames)]
 
 
+def not_the_clip(err: BaseException) -> BaseException | None:
+    """``err`` itself where it is the GPU's failure, not the clip's (CUDA out of memory, a CUDA
+    or driver error): that fails the run instead of refusing the clip; else None."""
+    import torch
+
+    if isinstance(err, (torch.OutOfMemoryError, torch.AcceleratorError)) or "CUDA error" in str(err):
+        return err
+    return None
+
+
 def decode_frames(who: str, total: int, start: int, frames: int | None, stride: int,
                   get: Callable[[list[int]], Sequence[Any]]) -> tuple[list[int], list[int], Any]:
     """The clip's frame indices (:func:`clip_indices`), the distinct ones sorted, and what
@@ -72,6 +83,8 @@ def decode_frames(who: str, total: int, start: int, frames: int | None, stride: 
     try:
         got = get(unique)
     except Exception as err:  # noqa: BLE001 - the libraries raise RuntimeError, Exception
+        if not_the_clip(err):
+            raise
         raise Refused(f"{who} cannot decode frames {unique[0]}-{unique[-1]} of the {total:,} in "
                       f"the video: {said(err)}") from err
     if len(got) != len(unique):
@@ -202,6 +215,8 @@ class PyNvSession:
             total = len(decoder)
         except Exception as err:  # noqa: BLE001 - PyNvVideoCodec raises RuntimeError, Exception
             self.decoder = None
+            if not_the_clip(err):
+                raise
             raise Refused(f"NVDEC cannot open the video: {said(err)}") from err
         if total < 1:
             raise Refused("NVDEC finds no frames in the video")

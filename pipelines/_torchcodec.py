@@ -5,7 +5,10 @@ decodes on NVDEC through its own backend, which keeps NVDEC decoders cached acro
 ``VideoDecoder`` objects. A session makes one ``VideoDecoder`` per clip, over a tensor that views
 the clip's bytes where the worker sent them (no copy, no memory file), asks for the clip's frames
 in NHWC (TorchCodec's own order, so no transpose), and refuses the clip
-(:class:`~mmproxy.pipelines._nvdec_session.Refused`) where TorchCodec cannot open or decode it.
+(:class:`~mmproxy.pipelines._nvdec_session.Refused`) where TorchCodec cannot open or decode it,
+or would decode it on the CPU because NVDEC does not take it (TorchCodec falls back silently;
+PyAV then decodes it, and the clip decoder says so). The session's stream is synchronized before
+the clip's decoder is let go: TorchCodec hands its NVDEC decoder to the next clip.
 
 TorchCodec loads the system's FFmpeg shared libraries (majors 4 to 9) when it is imported;
 without them it imports but decodes nothing, and :func:`load_torchcodec` says so.
@@ -17,7 +20,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from mmproxy.pipelines._nvdec_session import Refused, decode_frames, readonly_tensor, said
+from mmproxy.pipelines._nvdec_session import (
+    Refused,
+    decode_frames,
+    not_the_clip,
+    readonly_tensor,
+    said,
+)
 
 __all__ = ["TorchCodecSession", "load_torchcodec"]
 
@@ -68,7 +77,11 @@ class TorchCodecSession:
                                                  dimension_order="NHWC", **self.options)
             total = decoder.metadata.num_frames
         except Exception as err:  # noqa: BLE001 - TorchCodec raises RuntimeError, ValueError
+            if not_the_clip(err):
+                raise
             raise Refused(f"TorchCodec cannot open the video: {said(err)}") from err
+        if self.device is not None:
+            self._on_nvdec(decoder)
         if not total:
             raise Refused("TorchCodec finds no frames in the video")
         wanted, unique, got = decode_frames("TorchCodec", total, start, frames, stride,
@@ -76,7 +89,26 @@ class TorchCodecSession:
         if wanted != unique:  # frames repeated past the video's end
             place = {index: k for k, index in enumerate(unique)}
             got = got[[place[i] for i in wanted]]
-        return got.contiguous()
+        got = got.contiguous()
+        if self.stream is not None:  # done before the decoder goes back to TorchCodec's cache
+            self.stream.synchronize()
+        return got
+
+    @staticmethod
+    def _on_nvdec(decoder: Any) -> None:
+        """Refuses a clip TorchCodec would decode on the CPU rather than on NVDEC (a codec, size
+        or chroma format NVDEC lacks: TorchCodec's single FFmpeg thread would decode it, slowly
+        and silently), so that PyAV decodes it and says so; a machine where TorchCodec cannot
+        reach NVDEC at all fails the run."""
+        fallback = decoder.cpu_fallback
+        if not fallback:
+            return
+        if "nvcuvid" in str(fallback).lower():
+            raise RuntimeError(f"nvdec_library='torchcodec': TorchCodec cannot use NVDEC here "
+                               f"({fallback}): the NVIDIA driver's video library (libnvcuvid) "
+                               "is missing, or the container lacks the driver's video "
+                               "capability (NVIDIA_DRIVER_CAPABILITIES=compute,utility,video)")
+        raise Refused(f"NVDEC does not decode this video ({fallback})")
 
     def to_device(self, frames: np.ndarray) -> Any:
         """Frames in host memory, copied to the session's device (on the current stream)."""

@@ -51,13 +51,15 @@ class _TorchaudioResample:
         self.rate = rate
         self._kernels: dict[int, Any] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._pid = 0  # the process whose threads the pool has (a forked child has none of them)
         # Imported when the pipeline is built, before the loader freezes the collector's heap
         import torchaudio.transforms  # noqa: F401
 
     def __call__(self, clips: list[Any], rates: list[Any]) -> list[Any]:
-        if self._pool is None:
+        if self._pool is None or self._pid != os.getpid():
             threads = min(8, len(os.sched_getaffinity(0)), max(1, len(clips)))
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mmproxy-resample")
+            self._pid = os.getpid()
         return list(self._pool.map(self._one, clips, rates))
 
     def _one(self, audio: Any, in_rate: Any) -> Any:
@@ -65,7 +67,7 @@ class _TorchaudioResample:
         import torchaudio.transforms
 
         source = round(float(in_rate))
-        if source == self.rate:
+        if source == self.rate or audio.shape[0] == 0:  # nothing to resample
             return audio
         resample = self._kernels.get(source)
         if resample is None:  # two threads may both make it: the same kernel

@@ -262,6 +262,49 @@ def test_cpu_resample_with_torchaudio_matches_dali_resample():
         audio_pipeline(batch_size=2, device="cpu", cpu_resample="soxr")
 
 
+@pytest.mark.parametrize("mono", [True, False])
+def test_cpu_resample_keeps_an_empty_clip_empty(mono):
+    """A clip of no samples in a batch: length 0 from the torchaudio resampler, as from DALI's,
+    and the batch's other clip resampled."""
+    empty = audio_bytes(np.zeros((0,) if mono else (0, 2), np.float32), 44100, "WAV")
+    x = tone(440, 44100, 0.1)
+    other = audio_bytes(x if mono else np.stack([x, x], 1), 44100, "WAV")
+    for resample in ("torchaudio", "dali"):
+        pipe = audio_pipeline(batch_size=2, device="cpu", num_threads=1, mono=mono,
+                              cpu_resample=resample)
+        with mmproxy.DALIServer(pipe, pad=True) as server:
+            _, length = run(server, [empty, other])
+        assert (length.data if hasattr(length, "data") else length).tolist() == [0, 1600], resample
+
+
+@pytest.mark.timeout(60)
+def test_cpu_resampler_works_in_a_forked_child():
+    """A child forked after the resampler ran has none of the parent's pool threads: it makes
+    its own instead of waiting for them."""
+    import os
+    import threading
+
+    from mmproxy.pipelines.audio import _TorchaudioResample
+
+    resample = _TorchaudioResample(16000)
+    clips = [tone(440, 44100, 0.2)] * 3
+    assert [len(c) for c in resample(clips, [44100.0] * 3)] == [3200] * 3
+    pid = os.fork()
+    if pid == 0:  # the child: exits 0 only if the resampler answers within 20 s
+        code = 1
+        try:
+            got: list = []
+            call = threading.Thread(target=lambda: got.append(resample(clips, [44100.0] * 3)),
+                                    daemon=True)
+            call.start()
+            call.join(20)
+            code = 0 if got and [len(c) for c in got[0]] == [3200] * 3 else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
 @pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG"])
 def test_decodes_wav_flac_ogg_downmix_and_fixed_duration(fmt):
     x = synth_speech(1, 0.7, rate=16000, channels=2)
