@@ -44,23 +44,20 @@ class _TorchaudioResample:
     """Resamples a batch of clips (float32, ``[time]`` or ``[time, channels]``) to ``rate`` with
     torchaudio's windowed-sinc resampler, its kernel made once per input rate. DALI calls it
     through ``fn.python_function`` once a batch with the clips and their rates; DALI runs such
-    functions one at a time, so the clips are resampled on a pool of threads of its own (torch
-    releases the GIL while it computes), started at the first batch."""
+    functions one at a time, so the clips are resampled on threads of the call's own (torch
+    releases the GIL while it computes), which end with the call: nothing outlives a server's
+    stop, and a forked child starts its own."""
 
     def __init__(self, rate: int) -> None:
         self.rate = rate
         self._kernels: dict[int, Any] = {}
-        self._pool: ThreadPoolExecutor | None = None
-        self._pid = 0  # the process whose threads the pool has (a forked child has none of them)
         # Imported when the pipeline is built, before the loader freezes the collector's heap
         import torchaudio.transforms  # noqa: F401
 
     def __call__(self, clips: list[Any], rates: list[Any]) -> list[Any]:
-        if self._pool is None or self._pid != os.getpid():
-            threads = min(8, len(os.sched_getaffinity(0)), max(1, len(clips)))
-            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mmproxy-resample")
-            self._pid = os.getpid()
-        return list(self._pool.map(self._one, clips, rates))
+        threads = min(8, len(os.sched_getaffinity(0)), max(1, len(clips)))
+        with ThreadPoolExecutor(threads, thread_name_prefix="mmproxy-resample") as pool:
+            return list(pool.map(self._one, clips, rates))
 
     def _one(self, audio: Any, in_rate: Any) -> Any:
         import torch

@@ -279,8 +279,8 @@ def test_cpu_resample_keeps_an_empty_clip_empty(mono):
 
 @pytest.mark.timeout(60)
 def test_cpu_resampler_works_in_a_forked_child():
-    """A child forked after the resampler ran has none of the parent's pool threads: it makes
-    its own instead of waiting for them."""
+    """A child forked after the resampler ran resamples too: with threads of its own, not
+    waiting for threads of the parent's that the child does not have."""
     import os
     import threading
 
