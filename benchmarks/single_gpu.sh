@@ -16,9 +16,10 @@
 #   PART=nvdec     benchmarks/video_bench.py on 256 clips of 596x336, one system a call: NVDEC in
 #                  the server (12 decode threads, then 4, 8, 16, 24), PyTorch workers; then 96
 #                  clips of 1280x720: NVDEC, PyAV in the workers, PyTorch workers
-#   PART=torchcodec  the same clips of 596x336, then 320x240, one system a call: NVDEC driven by
-#                  TorchCodec and by PyNvVideoCodec (12 decode threads each), PyAV in the workers,
-#                  PyTorch workers
+#   PART=torchcodec  the same clips of 596x336, then 320x240 (RES: the sizes; CLIPS: how many,
+#                  default 256, 96 of 1280x720), one system a call: NVDEC driven by TorchCodec, TorchCodec with the
+#                  workers' PyAV on a SHARE of the clips (default 0.15), NVDEC driven by
+#                  PyNvVideoCodec (12 decode threads each), PyAV in the workers, PyTorch workers
 #   PART=damage    mmproxy on a copy of the image shards with 1% of the JPEGs damaged (KIND:
 #                  truncate or corrupt), against the same shards clean
 #   PART=remote    benchmarks/remote_bench.py (rounds interleaved) with the HTTP and S3 servers on
@@ -87,11 +88,14 @@ nvdec)  # one system a call: PyTorch's workers crash when they run after NVDEC i
   big --decode-threads 12 --systems mmproxy-nvdec --json "$out/video-1280x720-nvdec.json"
   big --systems mmproxy-pyav --json "$out/video-1280x720-pyav.json"
   big --systems torch --json "$out/video-1280x720-torch.json" ;;
-torchcodec)  # one system a call, as for nvdec
-  for res in 596x336 320x240; do
-    t() { one 150 python3 benchmarks/video_bench.py --clips 256 --resolution $res --workers 15 \
+torchcodec)  # one system a call, as for nvdec; RES picks the sizes, SHARE the mixed system's CPU share
+  for res in ${RES:-596x336 320x240}; do
+    n=${CLIPS:-256}; [ "$res" = 1280x720 ] && n=${CLIPS:-96}
+    t() { one 300 python3 benchmarks/video_bench.py --clips $n --resolution $res --workers 15 \
             --threads 8 --epochs 3 --data-dir /tmp/vbench "$@" 2>&1 | grep -a "clips/s"; }
     t --decode-threads 12 --systems mmproxy-torchcodec --json "$out/video-$res-torchcodec.json"
+    t --decode-threads 12 --systems "mmproxy-mixed-torchcodec[${SHARE:-0.15}]" \
+      --json "$out/video-$res-mixed-torchcodec.json"
     t --decode-threads 12 --systems mmproxy-nvdec --json "$out/video-$res-nvdec.json"
     t --systems mmproxy-pyav --json "$out/video-$res-pyav.json"
     t --systems torch --json "$out/video-$res-torch.json"

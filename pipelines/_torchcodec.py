@@ -108,7 +108,7 @@ class TorchCodecSession:
                                f"({fallback}): the NVIDIA driver's video library (libnvcuvid) "
                                "is missing, or the container lacks the driver's video "
                                "capability (NVIDIA_DRIVER_CAPABILITIES=compute,utility,video)")
-        raise Refused(f"NVDEC does not decode this video ({fallback})")
+        raise Refused(f"TorchCodec cannot decode the video on NVDEC ({fallback})")
 
     def to_device(self, frames: np.ndarray) -> Any:
         """Frames in host memory, copied to the session's device (on the current stream)."""

@@ -18,10 +18,11 @@ Outputs (in this order):
 Cost: decoding runs on CPU threads (DALI has no GPU audio decoder); with a GPU the resampling,
 trimming and spectrogram run on the GPU, with DALI's windowed-sinc resampler. On CPU that
 resampler (16 lobes of its sinc at its default quality) is most of the whole pipeline and costs
-about twice torchaudio's, so CPU pipelines resample with torchaudio inside the DALI pipeline
-(``fn.python_function``: its windowed-sinc resampler with its defaults, a Hann window over 6
-zero crossings, the kernel made once per input rate, the clips of a batch on a pool of threads)
-unless ``cpu_resample="dali"``. The two agree to within the filters' difference near the
+about twice torchaudio's, and torchaudio's about four times libsoxr's, so CPU pipelines resample
+with libsoxr (``soxr``, its "HQ" quality) inside the DALI pipeline (``fn.python_function``, the
+clips of a batch on a pool of threads) unless ``cpu_resample`` says "torchaudio" (its
+windowed-sinc resampler with its defaults, a Hann window over 6 zero crossings, the kernel made
+once per input rate) or "dali". The three agree to within their filters' difference near the
 cutoff; BENCHMARKS.md ("Audio, 2-core CPU") has the figures.
 """
 
@@ -37,35 +38,71 @@ from mmproxy.pipelines.external import external_pipeline
 
 __all__ = ["CpuResample", "audio_graph", "audio_pipeline"]
 
-CpuResample = Literal["torchaudio", "dali"]
+CpuResample = Literal["soxr", "torchaudio", "dali"]
 
 
-class _TorchaudioResample:
-    """Resamples a batch of clips (float32, ``[time]`` or ``[time, channels]``) to ``rate`` with
-    torchaudio's windowed-sinc resampler, its kernel made once per input rate. DALI calls it
-    through ``fn.python_function`` once a batch with the clips and their rates; DALI runs such
-    functions one at a time, so the clips are resampled on threads of the call's own (torch
-    releases the GIL while it computes), which end with the call: nothing outlives a server's
-    stop, and a forked child starts its own."""
+class _Resample:
+    """Resamples a batch of clips (float32, ``[time]`` or ``[time, channels]``) to ``rate``. DALI
+    calls it through ``fn.python_function`` once a batch with the clips and their rates; DALI runs
+    such functions one at a time, so the clips are resampled on threads of the call's own (the
+    resamplers release the GIL while they compute), which end with the call: nothing outlives a
+    server's stop, and a forked child starts its own. Subclasses resample one clip."""
 
     def __init__(self, rate: int) -> None:
         self.rate = rate
-        self._kernels: dict[int, Any] = {}
-        # Imported when the pipeline is built, before the loader freezes the collector's heap
-        import torchaudio.transforms  # noqa: F401
 
     def __call__(self, clips: list[Any], rates: list[Any]) -> list[Any]:
         threads = min(8, len(os.sched_getaffinity(0)), max(1, len(clips)))
         with ThreadPoolExecutor(threads, thread_name_prefix="mmproxy-resample") as pool:
-            return list(pool.map(self._one, clips, rates))
+            return list(pool.map(self._clip, clips, rates))
 
-    def _one(self, audio: Any, in_rate: Any) -> Any:
-        import torch
-        import torchaudio.transforms
-
+    def _clip(self, audio: Any, in_rate: Any) -> Any:
         source = round(float(in_rate))
         if source == self.rate or audio.shape[0] == 0:  # nothing to resample
             return audio
+        return self._one(audio, source)
+
+    def _one(self, audio: Any, source: int) -> Any:
+        raise NotImplementedError
+
+
+class _SoxrResample(_Resample):
+    """libsoxr's resampler at its "HQ" quality; ``[time, channels]`` as it is. Its clip is as
+    long as DALI's and torchaudio's, ``ceil(n * rate / source)`` samples (libsoxr may give one
+    fewer: a zero is added)."""
+
+    def __init__(self, rate: int) -> None:
+        super().__init__(rate)
+        try:  # imported when the pipeline is built, before the loader freezes the collector's heap
+            import soxr  # noqa: F401
+        except ImportError as e:
+            raise ImportError("cpu_resample='soxr' needs the soxr package (pip install soxr, part "
+                              "of mmproxy's dependencies); cpu_resample='torchaudio' or 'dali' "
+                              "resample without it") from e
+
+    def _one(self, audio: Any, source: int) -> Any:
+        import numpy as np
+        import soxr
+
+        out = soxr.resample(audio, source, self.rate, quality="HQ")
+        n = -(-audio.shape[0] * self.rate // source)
+        if out.shape[0] < n:
+            out = np.concatenate([out, np.zeros((n - out.shape[0],) + out.shape[1:], out.dtype)])
+        return out[:n]
+
+
+class _TorchaudioResample(_Resample):
+    """torchaudio's windowed-sinc resampler, its kernel made once per input rate."""
+
+    def __init__(self, rate: int) -> None:
+        super().__init__(rate)
+        self._kernels: dict[int, Any] = {}
+        import torchaudio.transforms  # noqa: F401  (as above)
+
+    def _one(self, audio: Any, source: int) -> Any:
+        import torch
+        import torchaudio.transforms
+
         resample = self._kernels.get(source)
         if resample is None:  # two threads may both make it: the same kernel
             resample = self._kernels[source] = torchaudio.transforms.Resample(source, self.rate)
@@ -76,19 +113,22 @@ class _TorchaudioResample:
             return resample(clip.T).T.contiguous().numpy()
 
 
+_RESAMPLERS: dict[str, type[_Resample]] = {"soxr": _SoxrResample, "torchaudio": _TorchaudioResample}
+
+
 def audio_graph(encoded: Any, *, gpu: bool, sample_rate: int = 16000, mono: bool = True,
                 duration: float | None = None, pad_to_longest: bool = False,
                 n_mels: int | None = None, n_fft: int = 400, win_length: int | None = None,
                 hop_length: int = 160, log_mel: bool = True,
-                cpu_resample: CpuResample = "torchaudio") -> tuple[Any, Any]:
+                cpu_resample: CpuResample = "soxr") -> tuple[Any, Any]:
     """The audio graph: encoded clips (a DALI node) to (audio, length) nodes. Call it inside a
     ``pipeline_def``; arguments as in :func:`audio_pipeline`, with ``gpu`` from
     :func:`~mmproxy.pipelines.resolve_device`."""
     import numpy as np
     from nvidia.dali import fn, types
 
-    if cpu_resample not in ("torchaudio", "dali"):
-        raise ValueError(f"cpu_resample must be 'torchaudio' or 'dali', got {cpu_resample!r}")
+    if cpu_resample not in ("soxr", "torchaudio", "dali"):
+        raise ValueError(f"cpu_resample must be 'soxr', 'torchaudio' or 'dali', got {cpu_resample!r}")
     audio, rate = fn.decoders.audio(encoded, dtype=types.FLOAT, downmix=mono)
     if gpu:
         audio = audio.gpu()
@@ -96,7 +136,7 @@ def audio_graph(encoded: Any, *, gpu: bool, sample_rate: int = 16000, mono: bool
         audio = fn.audio_resample(audio, in_rate=rate, out_rate=float(sample_rate),
                                   dtype=types.FLOAT)
     else:
-        audio = fn.python_function(audio, rate, function=_TorchaudioResample(sample_rate),
+        audio = fn.python_function(audio, rate, function=_RESAMPLERS[cpu_resample](sample_rate),
                                    num_outputs=1, batch_processing=True)
     if duration is not None:
         audio = fn.slice(audio, start=[0], shape=[round(duration * sample_rate)], axes=[0],
@@ -124,7 +164,7 @@ def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = Tr
                    win_length: int | None = None, hop_length: int = 160, log_mel: bool = True,
                    device: Device = "auto", device_id: int | None = None, num_threads: int = 4,
                    prefetch_queue_depth: int = 2, input_name: str = "audio",
-                   cpu_resample: CpuResample = "torchaudio") -> Any:
+                   cpu_resample: CpuResample = "soxr") -> Any:
     """Builds the audio pipeline.
 
     Args:
@@ -144,8 +184,8 @@ def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = Tr
         num_threads: DALI CPU threads.
         prefetch_queue_depth: Runs the server keeps in flight.
         input_name: Name of the ``external_source`` (the proxy's argument).
-        cpu_resample: On CPU, resample with "torchaudio" (inside the DALI pipeline; the faster
-            of the two) or DALI's "dali" ``fn.audio_resample`` (module docstring).
+        cpu_resample: On CPU, resample with libsoxr ("soxr", the fastest) or "torchaudio" inside
+            the DALI pipeline, or with DALI's "dali" ``fn.audio_resample`` (module docstring).
     """
     gpu, dev_id = resolve_device(device, device_id)
     graph = partial(audio_graph, gpu=gpu, sample_rate=sample_rate, mono=mono, duration=duration,

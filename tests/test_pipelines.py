@@ -211,11 +211,11 @@ def snr_db(ref, got):
     return 10 * torch.log10((ref ** 2).sum() / ((ref - got) ** 2).sum()).item()
 
 
-@pytest.mark.parametrize("cpu_resample,db", [("dali", 30), ("torchaudio", 80)])
+@pytest.mark.parametrize("cpu_resample,db", [("dali", 30), ("soxr", 50), ("torchaudio", 80)])
 @pytest.mark.parametrize("signal", ["tone", "noise"])
 def test_resampling_matches_torchaudio(signal, cpu_resample, db):
-    """DALI's resampler within 30 dB of torchaudio's; the CPU default, torchaudio's inside the
-    pipeline, is torchaudio's."""
+    """DALI's resampler within 30 dB of torchaudio's and the CPU default, libsoxr's, within 50
+    dB; torchaudio's inside the pipeline is torchaudio's."""
     rate = 44100
     if signal == "tone":
         x = tone(440, rate) + tone(3000, rate) * 0.5
@@ -235,9 +235,9 @@ def test_resampling_matches_torchaudio(signal, cpu_resample, db):
     assert snr_db(ref[200:-200], audio[0][200:-200]) > db
 
 
-def test_cpu_resample_with_torchaudio_matches_dali_resample():
+def test_cpu_resamplers_match_dali_resample():
     """Clips of several rates in one batch (up and down, one already at the target rate), mono
-    and stereo: the same lengths from both CPU resamplers, and samples within the filters'
+    and stereo: the same lengths from every CPU resampler, and samples within the filters'
     difference (content below every cutoff)."""
     rates = [44100, 48000, 8000, 16000, 22050]
     clips = [tone(440, rate, 0.3 + 0.1 * i) + tone(1800, rate, 0.3 + 0.1 * i) * 0.4
@@ -246,30 +246,33 @@ def test_cpu_resample_with_torchaudio_matches_dali_resample():
         payloads = [audio_bytes(np.stack([x, 0.5 * x], 1) if not mono else x, rate, "WAV")
                     for x, rate in zip(clips, rates)]
         outs = {}
-        for resample in ("torchaudio", "dali"):
+        for resample in ("soxr", "torchaudio", "dali"):
             pipe = audio_pipeline(batch_size=5, device="cpu", num_threads=2, mono=mono,
                                   cpu_resample=resample)
             with mmproxy.DALIServer(pipe, pad=True) as server:
                 audio, length = run(server, payloads)
             outs[resample] = (audio.data, length.data if hasattr(length, "data") else length)
-        (a, la), (b, lb) = outs["torchaudio"], outs["dali"]
-        assert la.tolist() == lb.tolist() == [round(16000 * (0.3 + 0.1 * i)) for i in range(5)]
-        assert a.shape == b.shape and a.shape[2:] == (() if mono else (2,))
-        for i, n in enumerate(la.tolist()):
-            diff = (a[i, 200:n - 200] - b[i, 200:n - 200]).abs()
-            assert diff.max() < 0.01, (mono, rates[i], diff.max())
+        b, lb = outs["dali"]
+        assert lb.tolist() == [round(16000 * (0.3 + 0.1 * i)) for i in range(5)]
+        for resample in ("soxr", "torchaudio"):
+            a, la = outs[resample]
+            assert la.tolist() == lb.tolist(), resample
+            assert a.shape == b.shape and a.shape[2:] == (() if mono else (2,))
+            for i, n in enumerate(la.tolist()):
+                diff = (a[i, 200:n - 200] - b[i, 200:n - 200]).abs()
+                assert diff.max() < 0.01, (resample, mono, rates[i], diff.max())
     with pytest.raises(ValueError, match="cpu_resample must be"):
-        audio_pipeline(batch_size=2, device="cpu", cpu_resample="soxr")
+        audio_pipeline(batch_size=2, device="cpu", cpu_resample="scipy")
 
 
 @pytest.mark.parametrize("mono", [True, False])
 def test_cpu_resample_keeps_an_empty_clip_empty(mono):
-    """A clip of no samples in a batch: length 0 from the torchaudio resampler, as from DALI's,
-    and the batch's other clip resampled."""
+    """A clip of no samples in a batch: length 0 from libsoxr's and torchaudio's resamplers, as
+    from DALI's, and the batch's other clip resampled."""
     empty = audio_bytes(np.zeros((0,) if mono else (0, 2), np.float32), 44100, "WAV")
     x = tone(440, 44100, 0.1)
     other = audio_bytes(x if mono else np.stack([x, x], 1), 44100, "WAV")
-    for resample in ("torchaudio", "dali"):
+    for resample in ("soxr", "torchaudio", "dali"):
         pipe = audio_pipeline(batch_size=2, device="cpu", num_threads=1, mono=mono,
                               cpu_resample=resample)
         with mmproxy.DALIServer(pipe, pad=True) as server:
@@ -278,15 +281,16 @@ def test_cpu_resample_keeps_an_empty_clip_empty(mono):
 
 
 @pytest.mark.timeout(60)
-def test_cpu_resampler_works_in_a_forked_child():
+@pytest.mark.parametrize("kind", ["soxr", "torchaudio"])
+def test_cpu_resampler_works_in_a_forked_child(kind):
     """A child forked after the resampler ran resamples too: with threads of its own, not
     waiting for threads of the parent's that the child does not have."""
     import os
     import threading
 
-    from mmproxy.pipelines.audio import _TorchaudioResample
+    from mmproxy.pipelines.audio import _RESAMPLERS
 
-    resample = _TorchaudioResample(16000)
+    resample = _RESAMPLERS[kind](16000)
     clips = [tone(440, 44100, 0.2)] * 3
     assert [len(c) for c in resample(clips, [44100.0] * 3)] == [3200] * 3
     pid = os.fork()
