@@ -18,7 +18,7 @@ Outputs (in this order):
 Cost: decoding runs on CPU threads (DALI has no GPU audio decoder); with a GPU the resampling,
 trimming and spectrogram run on the GPU, with DALI's windowed-sinc resampler. On CPU that
 resampler (16 lobes of its sinc at its default quality) is most of the whole pipeline and costs
-about twice torchaudio's, and torchaudio's about four times libsoxr's, so CPU pipelines resample
+about twice torchaudio's, and torchaudio's about three times libsoxr's, so CPU pipelines resample
 with libsoxr (``soxr``, its "HQ" quality) inside the DALI pipeline (``fn.python_function``, the
 clips of a batch on a pool of threads) unless ``cpu_resample`` says "torchaudio" (its
 windowed-sinc resampler with its defaults, a Hann window over 6 zero crossings, the kernel made
