@@ -93,12 +93,12 @@ torchcodec)  # one system a call, as for nvdec; RES picks the sizes, SHARE the m
     n=${CLIPS:-256}; [ "$res" = 1280x720 ] && n=${CLIPS:-96}
     t() { one 300 python3 benchmarks/video_bench.py --clips $n --resolution $res --workers 15 \
             --threads 8 --epochs 3 --data-dir /tmp/vbench "$@" 2>&1 | grep -a "clips/s"; }
-    t --decode-threads 12 --systems mmproxy-torchcodec --json "$out/video-$res-torchcodec.json"
+    t --decode-threads 12 --systems mmproxy-torchcodec --json "$out/video-$res-torchcodec-$n.json"
     t --decode-threads 12 --systems "mmproxy-mixed-torchcodec[${SHARE:-0.15}]" \
-      --json "$out/video-$res-mixed-torchcodec.json"
-    t --decode-threads 12 --systems mmproxy-nvdec --json "$out/video-$res-nvdec.json"
-    t --systems mmproxy-pyav --json "$out/video-$res-pyav.json"
-    t --systems torch --json "$out/video-$res-torch.json"
+      --json "$out/video-$res-mixed-torchcodec-$n.json"
+    t --decode-threads 12 --systems mmproxy-nvdec --json "$out/video-$res-nvdec-$n.json"
+    t --systems mmproxy-pyav --json "$out/video-$res-pyav-$n.json"
+    t --systems torch --json "$out/video-$res-torch-$n.json"
   done ;;
 damage)
   kind=${KIND:-truncate}

@@ -32,7 +32,7 @@ from .checks import check_header
 from .mixer import SourceMixer
 from .plan import Work
 from .reader import Taken
-from .shards import DUPLICATES
+from .shards import DUPLICATES, SPLIT
 
 __all__ = ["Field", "FieldSpec", "FieldStage", "Processed", "Skip", "parse_field", "process"]
 
@@ -133,6 +133,13 @@ def _fields(sample: dict[str, Any], plan: _Plan, sample_id: SampleId, keep_keys:
     key, url = sample_id.key, str(sample_id.shard)
     out: dict[str, Any] = {"__key__": sample.get("__key__", "?"), "__url__": url} if keep_keys else {}
     duplicates = sample.get(DUPLICATES, ())
+    if SPLIT in sample:
+        here = sorted(k for k in sample if not k.startswith("__"))
+        raise Skip(url, key, f"split sample: its members {here} come after other samples' "
+                             "members, apart from its earlier ones; a sample's files must follow "
+                             "each other in the tar (write it sorted by name: tar --sort=name "
+                             "-cf SHARD.tar -C FOLDER ., or mmproxy make-shards)",
+                   SkipKind.SPLIT_SAMPLE)
     with _context.naming(sample_id) if plan.named else _UNNAMED:
         for name, exts, fn, route in plan.fields:
             for ext in exts:

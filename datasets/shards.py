@@ -178,6 +178,7 @@ def read_remote_tar(url: str, options: RemoteOptions) -> Iterator[dict[str, Any]
 
 
 DUPLICATES = "__duplicates__"  # a raw sample's extensions that more than one member holds
+SPLIT = "__split__"  # in a raw sample whose key named members earlier in the tar, others between
 
 
 def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
@@ -185,7 +186,10 @@ def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
     """The tar's members grouped into samples by key; with ``filling`` still filling, each
     member once its bytes have arrived. Where two members of one sample have the same
     extension (case aside) the last is kept and the extension is listed under
-    :data:`DUPLICATES`, so that a field reading it makes the sample a bad one."""
+    :data:`DUPLICATES`, so that a field reading it makes the sample a bad one. A key whose
+    members came earlier in the tar, with other keys' between (a tar made from ``*.jpg *.txt``
+    rather than sorted by name), starts a second sample marked :data:`SPLIT`, so that its record
+    says why fields are missing."""
     streamed = filling is not None and filling.members is not view
     found = (streamed_members(cast(memoryview, filling.members)) if streamed and filling
              else members(view))  # the whole shard is there: its headers are read in bulk
@@ -197,6 +201,7 @@ def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
     # record, its unread samples uncounted.
     key: str | None = None
     current: dict[str, Any] = {}
+    ended: set[str] = set()  # the keys whose members have ended
     wait = filling.wait if streamed and filling else None
     for name, offset, size in found:
         # webdataset's key and extension (base_plus_ext's regex): around the first dot of the
@@ -209,8 +214,11 @@ def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
                 continue
         if prefix != key:
             if key is not None:
+                ended.add(key)
                 yield current
             key, current = prefix, {"__key__": prefix, "__url__": url}
+            if prefix in ended:
+                current[SPLIT] = True
         if wait:
             wait(offset + size)
         ext = suffix.lower()

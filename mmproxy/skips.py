@@ -56,6 +56,7 @@ class SkipKind(str, enum.Enum):
     EMPTY_SHARD = "empty shard"
     MISSING_FIELD = "missing field"
     DUPLICATE_FIELD = "duplicate field"
+    SPLIT_SAMPLE = "split sample"
     BAD_HEADER = "bad header"
     FIELD_FUNCTION = "field function failed"
     PIPELINE = "pipeline failed"

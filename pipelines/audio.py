@@ -76,9 +76,9 @@ class _SoxrResample(_Resample):
         try:  # imported when the pipeline is built, before the loader freezes the collector's heap
             import soxr  # noqa: F401
         except ImportError as e:
-            raise ImportError("cpu_resample='soxr' needs the soxr package (pip install soxr, part "
-                              "of mmproxy's dependencies); cpu_resample='torchaudio' or 'dali' "
-                              "resample without it") from e
+            raise ImportError(f"cpu_resample='soxr' cannot import soxr ({e}): pip install "
+                              "'soxr>=0.4' (one of mmproxy's dependencies); cpu_resample="
+                              "'torchaudio' or 'dali' resample without it") from e
 
     def _one(self, audio: Any, source: int) -> Any:
         import numpy as np

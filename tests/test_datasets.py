@@ -348,6 +348,35 @@ def test_batches_larger_than_the_servers_pipeline_takes_are_refused_by_the_loade
         assert batch["image"].shape[0] == 4
 
 
+def test_a_sample_whose_members_are_not_next_to_each_other_is_named_split(tmp_path):
+    """A tar written from ``*.jpg *.cls`` (each sample's members apart): every sample's second
+    part is a "split sample" whose reason says how to write the tar; its first part is missing
+    the field; a sample whose members are together in the same shard is read."""
+    import io
+
+    path = tmp_path / "split-000.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, data in [("a.jpg", b"x"), ("b.jpg", b"y"), ("a.cls", b"0"), ("b.cls", b"1"),
+                           ("c.jpg", b"z"), ("c.cls", b"2")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    ds = MultiModalDataset(str(path), {"jpg": lambda b: len(b), "cls": int}, batch_size=4,
+                           shuffle_buffer=0, partial=True, on_error="skip")
+    batches = list(ds)
+    assert [b["cls"].tolist() for b in batches if "cls" in b] == [[2]]
+    records = [r for b in batches for r in b["__skipped__"]]
+    assert sorted((r.key, r.kind.value) for r in records) == [
+        ("a", "missing field"), ("a", "split sample"), ("b", "missing field"), ("b", "split sample")]
+    split = next(r for r in records if r.kind is mmproxy.SkipKind.SPLIT_SAMPLE)
+    assert split.reason.startswith("split sample: its members ['cls'] come after")
+    assert "tar --sort=name" in split.reason
+    strict = MultiModalDataset(str(path), {"jpg": lambda b: len(b), "cls": int}, batch_size=4,
+                               shuffle_buffer=0, partial=True)
+    with pytest.raises(mmproxy.SampleError, match="sample 'a'"):
+        list(strict)
+
+
 def test_a_sample_with_two_members_of_one_extension_is_a_bad_sample_named_in_its_record(tmp_path):
     """Two members with the same key and extension (a shard written twice into, or 'a.JPG'
     beside 'a.jpg'): which one is meant is unknown, so a field that reads that extension makes

@@ -258,6 +258,7 @@ def test_cpu_resamplers_match_dali_resample():
             a, la = outs[resample]
             assert la.tolist() == lb.tolist(), resample
             assert a.shape == b.shape and a.shape[2:] == (() if mono else (2,))
+            assert a.dtype == b.dtype == torch.float32, (resample, a.dtype)
             for i, n in enumerate(la.tolist()):
                 diff = (a[i, 200:n - 200] - b[i, 200:n - 200]).abs()
                 assert diff.max() < 0.01, (resample, mono, rates[i], diff.max())
