@@ -162,10 +162,15 @@ def _tensor_list(arrays: Sequence[Any]) -> Any:
     no other thread of the main process (the training loop included) runs; one tensor list is
     built and fed in a fraction of that time, so the training loop waits less for each feed.
     Samples DALI cannot put in one list (different dimensionality, types) are fed as the list,
-    so that DALI's own error names the problem.
+    so that DALI's own error names the problem; so are samples that are not numpy arrays (a
+    prepare stage's frames on the GPU): offered to ``TensorCPU``, which refuses them, they would
+    be formatted into its error message, the whole tensor copied and printed with the GIL held.
     """
+    import numpy as np
     from nvidia.dali.backend import TensorCPU, TensorListCPU
 
+    if not all(isinstance(a, np.ndarray) for a in arrays):
+        return list(arrays)
     try:
         # DALI's type stubs lack ``contiguous`` (DALI 2.x has it: False shares the samples)
         return TensorListCPU([TensorCPU(a) for a in arrays], contiguous=False)  # type: ignore[call-overload]

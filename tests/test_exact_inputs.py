@@ -217,3 +217,25 @@ def test_a_run_reaches_dali_as_one_tensor_list_sharing_the_samples_memory():
     mixed = [np.zeros(3, np.uint8), np.zeros((3, 2), np.uint8)]
     assert _tensor_list(mixed) == mixed
     pipe.close()
+
+
+def test_samples_that_are_not_numpy_arrays_are_fed_as_the_list_without_being_formatted():
+    """A prepare stage's frames (torch tensors, on the GPU in the NVDEC video pipeline) are fed
+    as the list: offered to DALI's TensorCPU they would be formatted into its TypeError, the
+    whole tensor summarized and printed, with the GIL held, at every run."""
+    from mmproxy._dali import _tensor_list
+
+    formatted = []
+
+    class Watched(torch.Tensor):
+        def __repr__(self, *args, **kwargs):
+            formatted.append(1)
+            return super().__repr__(*args, **kwargs)
+
+        __format__ = __str__ = __repr__  # type: ignore[assignment]
+
+    frames = [torch.zeros(2, 4, 4, 3, dtype=torch.uint8).as_subclass(Watched) for _ in range(3)]
+    assert repr(frames[0]) and formatted == [1]  # the watch works
+    formatted.clear()
+    fed = _tensor_list(frames)
+    assert fed == frames and formatted == []
