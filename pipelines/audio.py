@@ -31,12 +31,11 @@ filter on CPU too. BENCHMARKS.md ("Audio, 2-core CPU") has the figures.
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Literal
 
 from mmproxy.pipelines._device import Device, resolve_device
+from mmproxy.pipelines._threads import map_batch
 from mmproxy.pipelines.external import external_pipeline
 
 __all__ = ["CpuResample", "audio_graph", "audio_pipeline"]
@@ -46,18 +45,15 @@ CpuResample = Literal["soxr", "torchaudio", "dali"]
 
 class _Resample:
     """Resamples a batch of clips (float32, ``[time]`` or ``[time, channels]``) to ``rate``. DALI
-    calls it through ``fn.python_function`` once a batch with the clips and their rates; DALI runs
-    such functions one at a time, so the clips are resampled on threads of the call's own (the
-    resamplers release the GIL while they compute), which end with the call: nothing outlives a
-    server's stop, and a forked child starts its own. Subclasses resample one clip."""
+    calls it through ``fn.python_function`` once a batch with the clips and their rates; the
+    clips are resampled on threads of the call's own (:func:`~mmproxy.pipelines._threads.map_batch`;
+    the resamplers release the GIL while they compute). Subclasses resample one clip."""
 
     def __init__(self, rate: int) -> None:
         self.rate = rate
 
     def __call__(self, clips: list[Any], rates: list[Any]) -> list[Any]:
-        threads = min(8, len(os.sched_getaffinity(0)), max(1, len(clips)))
-        with ThreadPoolExecutor(threads, thread_name_prefix="mmproxy-resample") as pool:
-            return list(pool.map(self._clip, clips, rates))
+        return map_batch(self._clip, clips, rates)
 
     def _clip(self, audio: Any, in_rate: Any) -> Any:
         source = round(float(in_rate))

@@ -17,23 +17,30 @@ def cpu_seconds() -> dict[tuple[str, int], float]:
 
     import psutil
 
+    from mmproxy.pipelines._threads import THREAD_PREFIX
+
     me = psutil.Process()
     names = {t.native_id: t.name for t in threading.enumerate()}
-    out = {}
+    out: dict[tuple[str, int], float] = {}
     for child in me.children(recursive=True):
         try:
             times = child.cpu_times()
             out["workers", child.pid] = times.user + times.system
         except psutil.NoSuchProcess:
             pass
+    # The pipeline's CPU: the process's, less its named Python threads'. DALI's own threads are
+    # not Python threads, and the pools of a pipeline's Python functions (pipelines/_threads.py)
+    # live for one call each, so threads that ended between two snapshots count here too.
+    own = me.cpu_times()
+    named = 0.0
     for t in me.threads():
         name = names.get(t.id)
-        # DALI's own threads are not Python threads; a pipeline's resampling pool
-        # (pipelines/audio.py) does the pipeline's work, as DALI's threads do
-        pipeline = name is None or name.startswith("mmproxy-resample")
-        group = ("main-thread" if name == "MainThread" else "dali-threads" if pipeline
-                 else "server-threads")
-        out[group, t.id] = t.user_time + t.system_time
+        if name is None or name.startswith(THREAD_PREFIX):
+            continue
+        group = "main-thread" if name == "MainThread" else "server-threads"
+        out[group, t.id] = seconds = t.user_time + t.system_time
+        named += seconds
+    out["dali-threads", 0] = own.user + own.system - named
     return out
 
 
