@@ -37,23 +37,18 @@ main process's threads together) and the cores that kept busy. The systems:
     python benchmarks/video_bench.py --clips 128 --workers 2 --threads 2 --epochs 3 --batch-size 8 \\
         --systems mmproxy-pyav,torch --json benchmarks/results/cpu-2core/video-systems.json
 
-``--stacks`` samples every thread's innermost Python frame every 10 ms while a system runs and
-adds, per thread group (names without their ``_N``), the frames where the threads were found
-most often (a thread inside a C call that released the GIL is found at the line of that call);
-on a GPU ``nvidia-smi``'s decoder and GPU utilization are sampled beside it.
+``--stacks`` adds to each system's result where this process's threads were found, sampled every
+10 ms, and on a GPU NVDEC's utilization (:mod:`mmproxy.apps.bench.stacks`).
 """
 
 from __future__ import annotations
 
 import ast
-import collections
 import multiprocessing
 import os
 import random
 import re
-import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -62,6 +57,8 @@ from typing import Any
 import _harness  # this script's folder is on the path
 import numpy as np
 import torch
+
+from mmproxy.apps.bench.stacks import ThreadStacks
 
 FRAMES, STRIDE, SIZE, RESIZE = 16, 4, 224, 256
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1, 1) * 255
@@ -237,52 +234,6 @@ def _cpu_per_clip(r: dict[str, Any]) -> None:
     r["cpu_cores_busy"] = round(per_clip * r["samples_per_s"] / 1000, 2)
 
 
-class Sampler:
-    """``--stacks``: each thread group's innermost Python frames, and on a GPU ``nvidia-smi``'s
-    decoder and GPU utilization, sampled while a system runs (module docstring)."""
-
-    def __init__(self, gpu: bool, interval: float = 0.01) -> None:
-        self.interval, self.stop = interval, threading.Event()
-        self.frames: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self.thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
-        self.smi = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=utilization.decoder,utilization.gpu", "--format=csv,noheader,nounits",
-             "-lms", "200"], stdout=subprocess.PIPE, text=True) if gpu else None
-
-    def __enter__(self) -> Sampler:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def _run(self) -> None:
-        me = threading.get_ident()
-        while not self.stop.wait(self.interval):
-            names = {t.ident: re.sub(r"_\d+$", "", t.name) for t in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
-                if ident != me:
-                    code = frame.f_code
-                    self.frames[names.get(ident, "?")][
-                        f"{Path(code.co_filename).name}:{frame.f_lineno} {code.co_name}"] += 1
-
-    def report(self) -> dict[str, Any]:
-        out: dict[str, Any] = {group: {"samples": sum(c.values()), "top": c.most_common(8)}
-                               for group, c in sorted(self.frames.items())}
-        if self.smi is not None:
-            self.smi.terminate()
-            rows = [line.split(",") for line in self.smi.communicate()[0].splitlines() if "," in line]
-            util = np.array([[float(v) for v in row] for row in rows]).reshape(-1, 2)
-            some = len(util) > 0
-            out["nvidia_smi"] = {
-                "samples": len(util),
-                "decoder_util_pct_median": float(np.median(util[:, 0])) if some else None,
-                "decoder_util_pct_max": float(util[:, 0].max()) if some else None,
-                "gpu_util_pct_median": float(np.median(util[:, 1])) if some else None}
-        return out
-
-
 def main() -> None:
     parser = _harness.parser(__doc__, workers=15, threads=8, batch_size=32)
     parser.add_argument("--clips", type=int, default=2048, help="clips written (5-10 s each)")
@@ -319,7 +270,7 @@ def main() -> None:
             raise SystemExit(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
         more = {"options": options} if options else {}
         if args.stacks:
-            with Sampler(gpu) as sampler:
+            with ThreadStacks(gpu) as sampler:
                 results[system] = r = SYSTEMS[name](args, gpu, device_id, shards, files, **more)
             r["stacks"] = sampler.report()
         else:

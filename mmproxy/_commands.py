@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "list, or all (default image; with --data, what your shards' field is)")
     bench.add_argument("--no-next-epoch-prefetch", dest="next_epoch", action="store_false",
                        help="mmproxy: do not prepare the next epoch's first batch early")
+    bench.add_argument("--stacks", action="store_true",
+                       help="sample this process's threads' Python frames every 10 ms (and on a "
+                       "GPU nvidia-smi's decoder and GPU utilization) while each system runs: "
+                       "each result's 'stacks'")
     bench.add_argument("--prefetch", type=_POSITIVE, default=2,
                        help="prefetch_queue_depth of the proxied pipelines (mmproxy, dali-proxy)")
     bench.add_argument("--systems", default="mmproxy,torch,torch-tensor,dali-proxy,dali-reader",

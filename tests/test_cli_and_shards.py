@@ -1279,3 +1279,55 @@ def test_the_bench_runs_its_systems_without_workers(tmp_path):
     systems = json.loads(out.read_text())["results"]["image"]["systems"]
     assert systems["mmproxy"]["samples"] == systems["torch"]["samples"] == 32
     assert "num_workers" in systems["dali-proxy"]["error"]
+
+
+@pytest.mark.timeout(60)
+def test_bench_stacks_finds_each_thread_group_where_it_spends_its_time():
+    """--stacks: threads named ``spin_0``, ``spin_1`` busy in one function are one group whose
+    most frequent frame is that function; without a GPU there is no nvidia-smi entry."""
+    import threading
+    import time
+
+    from mmproxy.apps.bench.stacks import ThreadStacks
+
+    done = threading.Event()
+
+    def spin_here() -> None:
+        while not done.is_set():
+            sum(range(1000))
+
+    threads = [threading.Thread(target=spin_here, name=f"spin_{i}") for i in range(2)]
+    with ThreadStacks(gpu=False) as stacks:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        done.set()
+        for t in threads:
+            t.join()
+    report = stacks.report()
+    assert "nvidia_smi" not in report and "bench-stacks" not in report
+    top = report["spin"]["top"]
+    assert report["spin"]["samples"] >= 10 and top[0][0].endswith("spin_here"), top
+
+
+@pytest.mark.timeout(60)
+def test_bench_cpu_counts_the_pipelines_threads_that_ended_between_snapshots():
+    """A pipeline function's pool lives for one call (pipelines/_threads.py): its CPU still
+    counts as the pipeline's (dali-threads), not lost, and the bench's own threads in no group."""
+    from mmproxy.pipelines._threads import map_batch
+
+    from mmproxy.apps.bench.cpu import cpu_ms_per_batch, cpu_seconds
+
+    def burn(_: int) -> int:
+        import time
+
+        end = time.thread_time() + 0.1
+        while time.thread_time() < end:
+            pass
+        return 0
+
+    before = cpu_seconds()
+    map_batch(burn, list(range(4)))  # 4 x 100 ms of CPU on threads that end with the call
+    per_batch = cpu_ms_per_batch(before, cpu_seconds(), 1)
+    assert per_batch["dali-threads"] >= 350, per_batch
+    assert per_batch["server-threads"] < 50, per_batch

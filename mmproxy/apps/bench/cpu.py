@@ -31,11 +31,15 @@ def cpu_seconds() -> dict[tuple[str, int], float]:
     # The pipeline's CPU: the process's, less its named Python threads'. DALI's own threads are
     # not Python threads, and the pools of a pipeline's Python functions (pipelines/_threads.py)
     # live for one call each, so threads that ended between two snapshots count here too.
+    # The bench's own threads ("bench-": the --stacks sampler) count in no group.
     own = me.cpu_times()
     named = 0.0
     for t in me.threads():
         name = names.get(t.id)
         if name is None or name.startswith(THREAD_PREFIX):
+            continue
+        if name.startswith("bench-"):
+            named += t.user_time + t.system_time
             continue
         group = "main-thread" if name == "MainThread" else "server-threads"
         out[group, t.id] = seconds = t.user_time + t.system_time

@@ -31,6 +31,7 @@ from mmproxy.apps.bench.report import (
     system_line,
 )
 from mmproxy.apps.bench.shards import write_shards
+from mmproxy.apps.bench.stacks import ThreadStacks
 from mmproxy.apps.bench.systems import WORKLOADS, Setup, select
 
 __all__ = ["run"]
@@ -87,13 +88,18 @@ def run(args: argparse.Namespace) -> int:
                     pin_threads(apart[1] if system.has_workers else apart[0])  # gets them all
                 gc.collect()  # destroy the last system's pipelines here, not in forked workers
                 if damaged and system.dali_without_checks:
-                    result = {"error": f"not run: mmproxy found damaged files in your data "
+                    result: dict[str, Any] = {"error": f"not run: mmproxy found damaged files in your data "
                               f"({damaged}); {system.name} would feed them to DALI's decoders "
                               "unchecked, and some damaged files crash the process (bench clean "
                               "shards to compare)"}
                 else:
                     try:
-                        result = system.run(setup)
+                        if args.stacks:
+                            with ThreadStacks(gpu) as stacks:
+                                result = system.run(setup)
+                            result["stacks"] = stacks.report()
+                        else:
+                            result = system.run(setup)
                     except Exception as err:  # a reference system that cannot run is reported
                         result = {"error": error_line(err)}
                 if system.name == "mmproxy" and args.data:
