@@ -31,10 +31,12 @@ def cpu_seconds() -> dict[tuple[str, int], float]:
     # The pipeline's CPU: the process's, less its named Python threads'. DALI's own threads are
     # not Python threads, and the pools of a pipeline's Python functions (pipelines/_threads.py)
     # live for one call each, so threads that ended between two snapshots count here too.
-    # The bench's own threads ("bench-": the --stacks sampler) count in no group.
-    own = me.cpu_times()
+    # The bench's own threads ("bench-": the --stacks sampler) count in no group. The process's
+    # total is read after its threads', so that it holds at least their sum.
     named = 0.0
-    for t in me.threads():
+    threads = me.threads()
+    own = me.cpu_times()
+    for t in threads:
         name = names.get(t.id)
         if name is None or name.startswith(THREAD_PREFIX):
             continue
