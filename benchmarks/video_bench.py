@@ -270,7 +270,7 @@ def main() -> None:
             raise SystemExit(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
         more = {"options": options} if options else {}
         if args.stacks:
-            with ThreadStacks(gpu) as sampler:
+            with ThreadStacks(gpu, device_id) as sampler:
                 results[system] = r = SYSTEMS[name](args, gpu, device_id, shards, files, **more)
             r["stacks"] = sampler.report()
         else:

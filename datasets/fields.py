@@ -32,7 +32,7 @@ from .checks import check_header
 from .mixer import SourceMixer
 from .plan import Work
 from .reader import Taken
-from .shards import DUPLICATES, SPLIT
+from .shards import DUPLICATES, KEY_RUNS, SPLIT
 
 __all__ = ["Field", "FieldSpec", "FieldStage", "Processed", "Skip", "parse_field", "process"]
 
@@ -127,6 +127,15 @@ def _plan(fields: Mapping[str, Parsed], batched: Collection[str]) -> _Plan:
 _UNNAMED = contextlib.nullcontext()
 
 
+def _split(url: str, key: str, sample: dict[str, Any]) -> Skip:
+    here = ", ".join(repr(k) for k in sorted(k for k in sample if not k.startswith("__")))
+    return Skip(url, key, f"split sample: its {here} file(s) lie apart from its other files in "
+                          "the tar, other samples' files between them; a sample's files must "
+                          "follow each other (write the tar sorted by name, e.g. GNU tar "
+                          "--sort=name -cf SHARD.tar -C FOLDER ., or with mmproxy make-shards)",
+                SkipKind.SPLIT_SAMPLE)
+
+
 def _fields(sample: dict[str, Any], plan: _Plan, sample_id: SampleId, keep_keys: bool,
             max_pixels: int) -> dict[str, Any]:
     """:func:`process`, with the fields planned and the sample's id made."""
@@ -134,18 +143,16 @@ def _fields(sample: dict[str, Any], plan: _Plan, sample_id: SampleId, keep_keys:
     out: dict[str, Any] = {"__key__": sample.get("__key__", "?"), "__url__": url} if keep_keys else {}
     duplicates = sample.get(DUPLICATES, ())
     if SPLIT in sample:
-        here = sorted(k for k in sample if not k.startswith("__"))
-        raise Skip(url, key, f"split sample: its members {here} come after other samples' "
-                             "members, apart from its earlier ones; a sample's files must follow "
-                             "each other in the tar (write it sorted by name: tar --sort=name "
-                             "-cf SHARD.tar -C FOLDER ., or mmproxy make-shards)",
-                   SkipKind.SPLIT_SAMPLE)
+        raise _split(url, key, sample)
     with _context.naming(sample_id) if plan.named else _UNNAMED:
         for name, exts, fn, route in plan.fields:
             for ext in exts:
                 if ext in sample:
                     break
             else:
+                runs = sample.get(KEY_RUNS)
+                if runs is not None and runs.split(key):
+                    raise _split(url, key, sample)
                 present = sorted(k for k in sample if not k.startswith("__"))
                 raise Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has {present})",
                            SkipKind.MISSING_FIELD)

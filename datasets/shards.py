@@ -179,6 +179,54 @@ def read_remote_tar(url: str, options: RemoteOptions) -> Iterator[dict[str, Any]
 
 DUPLICATES = "__duplicates__"  # a raw sample's extensions that more than one member holds
 SPLIT = "__split__"  # in a raw sample whose key named members earlier in the tar, others between
+KEY_RUNS = "__key_runs__"  # in a raw sample of a whole shard: its _KeyRuns, asked on a missing field
+
+
+def _key_ext(name: str) -> tuple[str | None, str]:
+    """webdataset's key and extension of a member (base_plus_ext's regex): around the first dot
+    of the last path component, which is the name's first dot when no "/" follows it; its regex
+    only where that is not so, or the name has no dot or starts with one (key None: not a
+    sample's member)."""
+    prefix, dot, suffix = name.partition(".")
+    if not (dot and prefix and "/" not in suffix):
+        return wds.tariterators.base_plus_ext(name)
+    return prefix, suffix
+
+
+class _KeyRuns:
+    """Which keys of a whole shard name members in more than one run (other samples' members
+    between): made on the first question, which comes only where a sample misses a field, so
+    that the first part of a split sample is named as such too. One walk over the names."""
+
+    def __init__(self, view: memoryview, url: str) -> None:
+        self.view, self.url = view, url
+        self._split: set[str] | None = None
+
+    def __eq__(self, other: object) -> bool:  # one shard's, however often it is read
+        return isinstance(other, _KeyRuns) and other.url == self.url
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+    def __repr__(self) -> str:
+        return f"_KeyRuns({self.url!r})"
+
+    def split(self, key: str) -> bool:
+        if self._split is None:
+            seen: set[str] = set()
+            split: set[str] = set()
+            last = None
+            try:
+                for name, _, _ in members(self.view):
+                    prefix, _ = _key_ext(name)
+                    if prefix is None or prefix == last:
+                        continue
+                    (split if prefix in seen else seen).add(prefix)
+                    last = prefix
+            except tarfile.ReadError:  # a cut shard: what came before the cut
+                pass
+            self._split = split
+        return key in self._split
 
 
 def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
@@ -188,8 +236,10 @@ def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
     extension (case aside) the last is kept and the extension is listed under
     :data:`DUPLICATES`, so that a field reading it makes the sample a bad one. A key whose
     members came earlier in the tar, with other keys' between (a tar made from ``*.jpg *.txt``
-    rather than sorted by name), starts a second sample marked :data:`SPLIT`, so that its record
-    says why fields are missing."""
+    rather than sorted by name), starts a second sample marked :data:`SPLIT`; in a whole shard
+    each sample also holds the shard's :class:`_KeyRuns` (:data:`KEY_RUNS`), which the field
+    stage asks where a field is missing, so that the first part is named a split sample too. (A
+    sample appended again, ``tar -r``, is such a second part.)"""
     streamed = filling is not None and filling.members is not view
     found = (streamed_members(cast(memoryview, filling.members)) if streamed and filling
              else members(view))  # the whole shard is there: its headers are read in bulk
@@ -201,13 +251,11 @@ def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
     # record, its unread samples uncounted.
     key: str | None = None
     current: dict[str, Any] = {}
-    ended: set[str] = set()  # the keys whose members have ended
+    ended: set[str] = set()  # the keys whose members have ended (about 100 bytes each)
+    runs = None if streamed else _KeyRuns(view, url)
     wait = filling.wait if streamed and filling else None
     for name, offset, size in found:
-        # webdataset's key and extension (base_plus_ext's regex): around the first dot of the
-        # last path component, which is the name's first dot when no "/" follows it; its regex
-        # only where that is not so, or the name has no dot or starts with one
-        prefix, dot, suffix = name.partition(".")
+        prefix, dot, suffix = name.partition(".")  # _key_ext's fast case, inline
         if not (dot and prefix and "/" not in suffix):
             prefix, suffix = wds.tariterators.base_plus_ext(name)
             if prefix is None:
@@ -216,7 +264,7 @@ def _grouped(view: memoryview, url: str, filling: RemoteShard | None = None
             if key is not None:
                 ended.add(key)
                 yield current
-            key, current = prefix, {"__key__": prefix, "__url__": url}
+            key, current = prefix, {"__key__": prefix, "__url__": url, KEY_RUNS: runs}
             if prefix in ended:
                 current[SPLIT] = True
         if wait:

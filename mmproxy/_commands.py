@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="mmproxy: do not prepare the next epoch's first batch early")
     bench.add_argument("--stacks", action="store_true",
                        help="sample this process's threads' Python frames every 10 ms (and on a "
-                       "GPU nvidia-smi's decoder and GPU utilization) while each system runs: "
+                       "GPU NVML's decoder and GPU utilization) while each system runs: "
                        "each result's 'stacks'")
     bench.add_argument("--prefetch", type=_POSITIVE, default=2,
                        help="prefetch_queue_depth of the proxied pipelines (mmproxy, dali-proxy)")

@@ -11,14 +11,25 @@ stop, and a forked child starts threads of its own.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["THREAD_PREFIX", "map_batch"]
+__all__ = ["THREAD_PREFIX", "map_batch", "pool_cpu_seconds"]
 
-THREAD_PREFIX = "mmproxy-pyfn"  # their names: the bench counts their CPU as the pipeline's
+THREAD_PREFIX = "mmproxy-pyfn"  # their names
 _MOST = 8
+_spent = 0.0  # CPU seconds the pools' threads have spent in this process, all calls together
+_spent_lock = threading.Lock()
+
+
+def pool_cpu_seconds() -> float:
+    """CPU seconds spent on :func:`map_batch`'s threads so far in this process (threads that
+    live for one call each, which a count of the live threads misses): the bench counts them as
+    the pipeline's."""
+    return _spent
 
 
 def map_batch(function: Callable[..., Any], *columns: Sequence[Any]) -> list[Any]:
@@ -28,4 +39,15 @@ def map_batch(function: Callable[..., Any], *columns: Sequence[Any]) -> list[Any
     if threads <= 1:
         return [function(*row) for row in zip(*columns)]
     with ThreadPoolExecutor(threads, thread_name_prefix=THREAD_PREFIX) as pool:
-        return list(pool.map(function, *columns))
+        return list(pool.map(lambda *row: _timed(function, row), *columns))
+
+
+def _timed(function: Callable[..., Any], row: tuple[Any, ...]) -> Any:
+    global _spent
+    start = time.thread_time()
+    try:
+        return function(*row)
+    finally:
+        spent = time.thread_time() - start
+        with _spent_lock:
+            _spent += spent

@@ -349,9 +349,10 @@ def test_batches_larger_than_the_servers_pipeline_takes_are_refused_by_the_loade
 
 
 def test_a_sample_whose_members_are_not_next_to_each_other_is_named_split(tmp_path):
-    """A tar written from ``*.jpg *.cls`` (each sample's members apart): every sample's second
-    part is a "split sample" whose reason says how to write the tar; its first part is missing
-    the field; a sample whose members are together in the same shard is read."""
+    """A tar written from ``*.jpg *.cls`` (each sample's members apart): both parts of every
+    such sample are "split sample" records whose reason says how to write the tar (the first
+    part too, also when it raises); a sample whose members are together in the same shard is
+    read."""
     import io
 
     path = tmp_path / "split-000.tar"
@@ -367,13 +368,14 @@ def test_a_sample_whose_members_are_not_next_to_each_other_is_named_split(tmp_pa
     assert [b["cls"].tolist() for b in batches if "cls" in b] == [[2]]
     records = [r for b in batches for r in b["__skipped__"]]
     assert sorted((r.key, r.kind.value) for r in records) == [
-        ("a", "missing field"), ("a", "split sample"), ("b", "missing field"), ("b", "split sample")]
-    split = next(r for r in records if r.kind is mmproxy.SkipKind.SPLIT_SAMPLE)
-    assert split.reason.startswith("split sample: its members ['cls'] come after")
-    assert "tar --sort=name" in split.reason
+        ("a", "split sample"), ("a", "split sample"), ("b", "split sample"), ("b", "split sample")]
+    reasons = sorted(r.reason for r in records if r.key == "a")
+    assert reasons[0].startswith("split sample: its 'cls' file(s) lie apart from its other files")
+    assert reasons[1].startswith("split sample: its 'jpg' file(s) lie apart")
+    assert all("tar --sort=name" in r for r in reasons)
     strict = MultiModalDataset(str(path), {"jpg": lambda b: len(b), "cls": int}, batch_size=4,
                                shuffle_buffer=0, partial=True)
-    with pytest.raises(mmproxy.SampleError, match="sample 'a'"):
+    with pytest.raises(mmproxy.SampleError, match="sample 'a': split sample: its 'jpg' file"):
         list(strict)
 
 

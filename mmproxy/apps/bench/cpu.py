@@ -17,10 +17,14 @@ def cpu_seconds() -> dict[tuple[str, int], float]:
 
     import psutil
 
-    from mmproxy.pipelines._threads import THREAD_PREFIX
+    from mmproxy.pipelines._threads import THREAD_PREFIX, pool_cpu_seconds
 
     me = psutil.Process()
-    names = {t.native_id: t.name for t in threading.enumerate()}
+    # Python's own threads by name; a thread Python did not start (DALI's, torch's, FFmpeg's)
+    # shows up only as a placeholder once it has called Python code: such threads count as the
+    # pipeline's, as threads Python does not know at all do
+    names = {t.native_id: t.name for t in threading.enumerate()
+             if not isinstance(t, threading._DummyThread)}  # type: ignore[attr-defined]
     out: dict[tuple[str, int], float] = {}
     for child in me.children(recursive=True):
         try:
@@ -28,32 +32,25 @@ def cpu_seconds() -> dict[tuple[str, int], float]:
             out["workers", child.pid] = times.user + times.system
         except psutil.NoSuchProcess:
             pass
-    # The pipeline's CPU: the process's, less its named Python threads'. DALI's own threads are
-    # not Python threads, and the pools of a pipeline's Python functions (pipelines/_threads.py)
-    # live for one call each, so threads that ended between two snapshots count here too.
-    # The bench's own threads ("bench-": the --stacks sampler) count in no group. The process's
-    # total is read after its threads', so that it holds at least their sum.
-    named = 0.0
-    threads = me.threads()
-    own = me.cpu_times()
-    for t in threads:
+    # The pools of a pipeline's Python functions live for one call each: their CPU comes from
+    # their own count (pipelines/_threads.py), not from the threads alive now. The bench's own
+    # threads ("bench-": the --stacks sampler) count in no group.
+    for t in me.threads():
         name = names.get(t.id)
-        if name is None or name.startswith(THREAD_PREFIX):
+        if name is not None and name.startswith((THREAD_PREFIX, "bench-")):
             continue
-        if name.startswith("bench-"):
-            named += t.user_time + t.system_time
-            continue
-        group = "main-thread" if name == "MainThread" else "server-threads"
-        out[group, t.id] = seconds = t.user_time + t.system_time
-        named += seconds
-    out["dali-threads", 0] = own.user + own.system - named
+        group = ("dali-threads" if name is None else "main-thread" if name == "MainThread"
+                 else "server-threads")
+        out[group, t.id] = t.user_time + t.system_time
+    out["dali-threads", 0] = pool_cpu_seconds()
     return out
 
 
 def cpu_ms_per_batch(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float],
                      batches: int) -> dict[str, float]:
     """CPU per batch by group, between two snapshots (a process or thread that ended in between
-    is not counted; one that started counts from zero)."""
+    is not counted, but for the pipeline functions' pools, counted apart; one that started
+    counts from zero)."""
     out = dict.fromkeys(CPU_GROUPS, 0.0)
     for (group, ident), seconds in after.items():
         out[group] += seconds - before.get((group, ident), 0.0)

@@ -88,14 +88,14 @@ def run(args: argparse.Namespace) -> int:
                     pin_threads(apart[1] if system.has_workers else apart[0])  # gets them all
                 gc.collect()  # destroy the last system's pipelines here, not in forked workers
                 if damaged and system.dali_without_checks:
-                    result: dict[str, Any] = {"error": f"not run: mmproxy found damaged files in your data "
-                              f"({damaged}); {system.name} would feed them to DALI's decoders "
-                              "unchecked, and some damaged files crash the process (bench clean "
-                              "shards to compare)"}
+                    result: dict[str, Any] = {"error": (
+                        f"not run: mmproxy found damaged files in your data ({damaged}); "
+                        f"{system.name} would feed them to DALI's decoders unchecked, and some "
+                        "damaged files crash the process (bench clean shards to compare)")}
                 else:
                     try:
                         if args.stacks:
-                            with ThreadStacks(gpu) as stacks:
+                            with ThreadStacks(gpu, device_id) as stacks:
                                 result = system.run(setup)
                             result["stacks"] = stacks.report()
                         else:
