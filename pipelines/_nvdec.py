@@ -43,7 +43,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
-from mmproxy.pipelines._nvdec_session import PyNvSession, Refused, Session, load_nvdec
+from mmproxy.pipelines._nvdec_session import Refused, Session
+from mmproxy.pipelines._pynvvideocodec import PyNvSession, load_nvdec
 from mmproxy.pipelines._torchcodec import TorchCodecSession, load_torchcodec
 
 from mmproxy._prepare import DamagedSampleError
@@ -55,7 +56,8 @@ __all__ = ["NVDEC_CODECS", "NVDEC_LIBRARIES", "ClipDecoder", "check_library", "l
 NVDEC_CODECS = ("h264", "hevc", "vp8", "vp9", "av1")
 _CLOSE_TIMEOUT = 2.0  # seconds close() waits for the decode threads, in all
 _FAILING = 8  # clips NVDEC refuses in a row (none decoded between) before it counts as failing
-# The libraries that drive NVDEC, each a decode thread's session (pipelines/_nvdec_session.py)
+# The libraries that drive NVDEC, each a decode thread's session (pipelines/_nvdec_session.py's
+# Session: pipelines/_pynvvideocodec.py, pipelines/_torchcodec.py)
 NVDEC_LIBRARIES: dict[str, Callable[[int, Mapping[str, Any]], Session]] = {
     "pynvvideocodec": PyNvSession, "torchcodec": TorchCodecSession}
 

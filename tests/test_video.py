@@ -14,7 +14,7 @@ import pytest
 import torch
 from mmproxy.datasets import make_shards, video_label_dataset, video_text_dataset
 from mmproxy.pipelines import decode_clip, video_pipeline
-from mmproxy.pipelines._nvdec_session import PyNvSession
+from mmproxy.pipelines._pynvvideocodec import PyNvSession
 from torch.utils.data import default_collate
 
 import mmproxy
