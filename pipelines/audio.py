@@ -126,7 +126,7 @@ def audio_graph(encoded: Any, *, gpu: bool, sample_rate: int = 16000, mono: bool
     import numpy as np
     from nvidia.dali import fn, types
 
-    if cpu_resample not in ("soxr", "torchaudio", "dali"):
+    if cpu_resample not in (*_RESAMPLERS, "dali"):
         raise ValueError(f"cpu_resample must be 'soxr', 'torchaudio' or 'dali', got {cpu_resample!r}")
     audio, rate = fn.decoders.audio(encoded, dtype=types.FLOAT, downmix=mono)
     if gpu:
