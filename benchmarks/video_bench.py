@@ -19,8 +19,10 @@ main process's threads together) and the cores that kept busy. The systems:
   same, NVDEC driven by TorchCodec (a ``VideoDecoder`` per clip over its decoder cache);
   ``mmproxy-torchcodec[seek_mode='exact']`` passes options to ``VideoDecoder``;
   ``mmproxy-mixed-torchcodec`` is ``mmproxy-mixed`` with TorchCodec.
-- ``mmproxy-mixed`` (GPU only): ``decoder="mixed"``: the workers decode ``--cpu-share`` of the
-  clips with PyAV, the server's NVDEC the others (``mmproxy-mixed[0.3]``: that share instead).
+- ``mmproxy-mixed`` (GPU only): ``decoder="mixed"``: the workers decode with PyAV the clips
+  NVDEC's queue would keep waiting longer than they take (``--cpu-share auto``, the default), the
+  server's NVDEC the others (``mmproxy-mixed[0.3]``: a fixed share drawn per clip instead); the
+  result's ``worker_share`` says how many the workers decoded.
 - ``mmproxy-dali`` (GPU only): ``decoder="dali"``: DALI's in-memory NVDEC decoder
   (``fn.decoders.video``, ``mixed``); ``mmproxy-dali[build_index=False]`` passes options to it.
 - ``torch``: a ``torch.utils.data.DataLoader`` over the files; each worker decodes the clip with
@@ -139,18 +141,23 @@ def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: lis
     import mmproxy
     from mmproxy.apps.bench.timing import time_epochs
 
-    share = options if isinstance(options, float) else args.cpu_share
+    share = options if isinstance(options, (float, str)) else args.cpu_share
     pipe = video_pipeline(batch_size=args.batch_size, frames=FRAMES, stride=STRIDE, size=SIZE,
                           resize_size=RESIZE, device="gpu" if gpu else "cpu", device_id=device_id,
                           num_threads=args.threads, decoder=decoder,  # type: ignore[arg-type]
-                          decoder_options=None if isinstance(options, float) else options,
+                          decoder_options=None if isinstance(options, (float, str)) else options,
                           decode_threads=args.decode_threads, cpu_share=share,
                           nvdec_library=library)  # type: ignore[arg-type]
     with mmproxy.DALIServer(pipe, name="video") as server:
         ds = video_label_dataset(shards, server, batch_size=args.batch_size, shuffle_buffer=64,
                                  keep_keys=False, on_error="skip")
         loader = ds.loader(server, num_workers=args.workers, persistent_workers=True)
-        return time_epochs(lambda: loader, args.epochs, gpu, server)
+        result = time_epochs(lambda: loader, args.epochs, gpu, server)
+    if pipe.prepare is not None:  # NVDEC: where the clips were decoded, all epochs
+        clips = pipe.prepare.clips
+        result["clips_decoded"] = dict(clips)
+        result["worker_share"] = round(clips["workers"] / max(1, sum(clips.values())), 3)
+    return result
 
 
 def _torch(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str]) -> Any:
@@ -206,11 +213,12 @@ def _dali_proxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: 
 
 def _variant(system: str) -> tuple[str, Any]:
     """``mmproxy-dali[build_index=False,affine=False]`` -> the name and the decoder's extra
-    arguments (Python literals); ``mmproxy-mixed[0.3]`` -> the name and the CPU share."""
+    arguments (Python literals); ``mmproxy-mixed[0.3]`` -> the name and the CPU share
+    (``mmproxy-mixed[auto]``: balanced by load)."""
     name, _, rest = system.partition("[")
     rest = rest.rstrip("]")
     if rest and "=" not in rest:
-        return name, float(rest)
+        return name, rest if rest == "auto" else float(rest)
     pairs = (item.split("=", 1) for item in rest.split(",") if item)
     return name, {key.strip(): ast.literal_eval(value.strip()) for key, value in pairs}
 
@@ -244,8 +252,9 @@ def main() -> None:
                         "passes options to the decoder, mmproxy-mixed[SHARE] a CPU share")
     parser.add_argument("--decode-threads", type=int, default=8,
                         help="NVDEC decode threads in the server (mmproxy-nvdec, -mixed, -torchcodec)")
-    parser.add_argument("--cpu-share", type=float, default=0.25,
-                        help="mmproxy-mixed: the share of the clips the workers decode")
+    parser.add_argument("--cpu-share", type=lambda v: v if v == "auto" else float(v),
+                        default="auto", help="mmproxy-mixed: the share of the clips the workers "
+                        "decode, or 'auto' (balanced by NVDEC's backlog)")
     parser.add_argument("--resolution", default="320x240", help="WIDTHxHEIGHT of the clips")
     parser.add_argument("--stacks", action="store_true",
                         help="sample the threads' Python frames (and NVDEC's utilization) while "
@@ -276,10 +285,11 @@ def main() -> None:
         else:
             results[system] = r = SYSTEMS[name](args, gpu, device_id, shards, files, **more)
         _cpu_per_clip(r)
+        share = f", workers decoded {r['worker_share']:.0%}" if r.get("worker_share") else ""
         print(f"{system:14s} best epoch {r['samples_per_s']:.1f} clips/s, sustained "
               f"{r['sustained_samples_per_s'] or 0:.1f}, epochs {r['epochs']}, CPU "
-              f"{r['cpu_ms_per_clip']:.1f} ms a clip ({r['cpu_cores_busy']:.1f} cores busy)",
-              flush=True)
+              f"{r['cpu_ms_per_clip']:.1f} ms a clip ({r['cpu_cores_busy']:.1f} cores busy)"
+              f"{share}", flush=True)
         # after every system: a run cut short keeps what it measured
         _harness.write_json(args.json, args, gpu, {"systems": results})
     for mine in ("mmproxy-torchcodec", "mmproxy-nvdec", "mmproxy-mixed", "mmproxy-pyav"):

@@ -9,9 +9,11 @@ where the frames are decoded in the worker.
 from __future__ import annotations
 
 import random
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
+from mmproxy.pipelines._backlog import Backlog
 from mmproxy.pipelines._nvdec import NVDEC_CODECS
 from mmproxy.pipelines._pyav import count_frames, decode_clip, pyav_installed
 
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["CPU_CODECS", "ClipDraw", "clip_start"]
 
 CPU_CODECS = ("vp8", "vp9", "mjpeg")  # what DALI 2.4's CPU video decoder decodes
+_PACE = 0.2  # weight of the latest clip in a worker's running PyAV time a clip
 _NAMES = {"h264": "H.264", "hevc": "HEVC", "av1": "AV1", "mpeg4": "MPEG-4", "vp8": "VP8",
           "vp9": "VP9", "mjpeg": "MJPEG"}
 
@@ -42,16 +45,21 @@ class ClipDraw:
     With ``nvdec`` the start is drawn as for DALI's decoder and the encoded clip goes to the
     server's NVDEC decoder; a clip NVDEC cannot take (:data:`NVDEC_CODECS` in MP4/MOV) and, with
     ``cpu_share``, that share of the others (one more draw, after the clip's), are decoded here
-    with PyAV and sent as frames instead.
+    with PyAV and sent as frames instead. With a ``backlog`` instead (``cpu_share="auto"``), a
+    clip is decoded here when the server's NVDEC work queued (:class:`Backlog`) would take
+    longer than this worker takes to decode a clip (its running time a clip with PyAV, starting
+    at 0: the first clip with any NVDEC work queued is decoded here).
     """
 
     def __init__(self, input_name: str, frames: int, stride: int, train: bool,
                  flip_probability: float, every_frame: bool, decode_in_worker: bool,
-                 cpu_decoder: bool, nvdec: bool = False, cpu_share: float = 0.0) -> None:
+                 cpu_decoder: bool, nvdec: bool = False, cpu_share: float = 0.0,
+                 backlog: Backlog | None = None) -> None:
         self.input_name, self.frames, self.stride, self.train = input_name, frames, stride, train
         self.flip_probability, self.every_frame = flip_probability, every_frame
         self.decode_in_worker, self.cpu_decoder = decode_in_worker, cpu_decoder
-        self.nvdec, self.cpu_share = nvdec, cpu_share
+        self.nvdec, self.cpu_share, self.backlog = nvdec, cpu_share, backlog
+        self.pace = 0.0  # this process's running time to decode a clip with PyAV, seconds
         place = ("frames",) if decode_in_worker else ("start",) if nvdec or not every_frame else ()
         self.names = (*place, *(("crop_x", "crop_y") if train else ()), "flip")
         self.arguments = (input_name,)
@@ -82,9 +90,14 @@ class ClipDraw:
         out["flip"] = np.array(self.train and rng.random() < self.flip_probability, np.int32)
         if self.nvdec and not here and self.cpu_share > 0:
             here = self.cpu_share >= 1 or rng.random() < self.cpu_share
+        elif self.nvdec and not here and self.backlog is not None:
+            here = self.backlog.seconds() > self.pace
         if here:
+            began = time.perf_counter()
             decoded = decode_clip(data, start, None if self.every_frame else self.frames,
                                   self.stride)
+            took = time.perf_counter() - began
+            self.pace = took if self.pace == 0 else self.pace + _PACE * (took - self.pace)
             out[self.input_name if self.nvdec else "frames"] = decoded
         if "start" in self.names:
             out["start"] = np.array(start, np.int32)

@@ -43,6 +43,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
+from mmproxy.pipelines._backlog import Backlog
 from mmproxy.pipelines._nvdec_session import Refused, Session
 from mmproxy.pipelines._pynvvideocodec import PyNvSession, load_nvdec
 from mmproxy.pipelines._torchcodec import TorchCodecSession, load_torchcodec
@@ -56,6 +57,7 @@ __all__ = ["NVDEC_CODECS", "NVDEC_LIBRARIES", "ClipDecoder", "check_library", "l
 NVDEC_CODECS = ("h264", "hevc", "vp8", "vp9", "av1")
 _CLOSE_TIMEOUT = 2.0  # seconds close() waits for the decode threads, in all
 _FAILING = 8  # clips NVDEC refuses in a row (none decoded between) before it counts as failing
+_PACE = 0.1  # weight of the latest clip in the decode threads' running time a clip
 # The libraries that drive NVDEC, each a decode thread's session (pipelines/_nvdec_session.py's
 # Session: pipelines/_pynvvideocodec.py, pipelines/_torchcodec.py)
 NVDEC_LIBRARIES: dict[str, Callable[[int, Mapping[str, Any]], Session]] = {
@@ -145,11 +147,13 @@ class ClipDecoder:
             ``VideoDecoder`` (``seek_mode``, default ``"approximate"``).
         others: The pipeline's other inputs, passed on unchanged.
         library: The library that drives NVDEC, of :data:`NVDEC_LIBRARIES`.
+        backlog: Where to publish the seconds of NVDEC work queued, for the workers that
+            balance their clips by it (``cpu_share="auto"``), or None.
     """
 
     def __init__(self, input_name: str, frames: int | None, stride: int, device: int,
                  threads: int, options: Mapping[str, Any] | None, others: tuple[str, ...],
-                 library: str = "pynvvideocodec") -> None:
+                 library: str = "pynvvideocodec", backlog: Backlog | None = None) -> None:
         if threads < 1:
             raise ValueError(f"decode threads must be at least 1, got {threads}")
         load_library(library)  # a missing package or driver says so now, not at the first clip
@@ -162,6 +166,10 @@ class ClipDecoder:
         self._crew: _Crew | None = None
         self._refused_in_row = 0  # clips NVDEC refused since it last decoded one
         self._warned = False  # that PyAV decodes clips NVDEC refuses
+        self.backlog = backlog
+        self._queued = 0  # encoded clips submitted and not yet taken by a decode thread
+        self.clips = {"nvdec": 0, "workers": 0}  # clips received: encoded, decoded in a worker
+        self._pace = 0.0  # the decode threads' running time a clip, seconds
 
     def start(self) -> None:
         """Takes clips again after :meth:`close` (its threads start at the first)."""
@@ -179,6 +187,12 @@ class ClipDecoder:
             if self._crew is None:
                 self._crew = _Crew(self.threads, self._serve)
             self._crew.queue.put((future, sample))
+            if np.ndim(sample[self.input_name]) == 1:
+                self.clips["nvdec"] += 1
+                self._queued += 1
+                self._publish()
+            else:
+                self.clips["workers"] += 1
         return future
 
     def close(self) -> None:
@@ -188,6 +202,8 @@ class ClipDecoder:
         with self._lock:
             self._stage = _Stage.CLOSED
             crew, self._crew = self._crew, None
+            self._queued = 0
+            self._publish()
         if crew is None:
             return
         stuck = crew.stop(_CLOSE_TIMEOUT)
@@ -202,17 +218,37 @@ class ClipDecoder:
         try:
             while (item := crew.queue.get()) is not None:
                 future, sample = item
+                encoded = np.ndim(sample[self.input_name]) == 1
+                if encoded:
+                    with self._lock:
+                        self._queued = max(0, self._queued - 1)
+                        self._publish()
                 if not future.set_running_or_notify_cancel():
                     continue
+                began = time.perf_counter()
                 try:
                     if session is None:
                         session = NVDEC_LIBRARIES[self.library](self.device, self.options)
                     future.set_result(self._prepare(session, sample))
+                    if encoded:
+                        self._paced(time.perf_counter() - began)
                 except BaseException as err:  # noqa: BLE001 - the future carries it to the runner
                     future.set_exception(err)
         finally:
             if session is not None:
                 session.close()
+
+    def _paced(self, seconds: float) -> None:
+        """One clip took ``seconds`` on a decode thread: the running time a clip, and the
+        backlog published with it."""
+        with self._lock:
+            self._pace = seconds if self._pace == 0 else self._pace + _PACE * (seconds - self._pace)
+            self._publish()
+
+    def _publish(self) -> None:
+        """The seconds of NVDEC work queued, for the workers (called with the lock held)."""
+        if self.backlog is not None:
+            self.backlog.publish(self._queued * self._pace / self.threads)
 
     def _prepare(self, session: Session, sample: dict[str, Any]) -> dict[str, Any]:
         import torch

@@ -43,9 +43,12 @@ Decoders, and which codec is decoded where (DALI 2.4):
                (``nvdec_library``), on              NVDEC refuses) decoded by PyAV, in the
                ``decode_threads`` threads; frames   worker (or the decode thread)
                stay on the GPU
-``"mixed"``    ``"nvdec"``, with ``cpu_share`` of   as ``"nvdec"``
-               the clips decoded by PyAV in the
-               workers (drawn from each seed)
+``"mixed"``    ``"nvdec"``, and PyAV in the workers  as ``"nvdec"``
+               for the clips NVDEC's queue would
+               keep waiting longer than a worker
+               takes to decode them (``cpu_share=
+               "auto"``), or for a share drawn
+               from each seed
 =============  ===================================  ============================================
 
 ``"auto"`` is ``"nvdec"`` on a GPU where ``nvdec_library`` loads (PyNvVideoCodec: ``pip install
@@ -73,6 +76,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from mmproxy.pipelines._backlog import Backlog
 from mmproxy.pipelines._clip_draw import CPU_CODECS, ClipDraw, clip_start
 from mmproxy.pipelines._device import Device, resolve_device
 from mmproxy.pipelines._nvdec import ClipDecoder, check_library, load_library, nvdec_available
@@ -132,7 +136,7 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
                    prefetch_queue_depth: int = 2, input_name: str = "videos",
                    cpu_resize: CpuResize = "torchvision",
                    decoder_options: Mapping[str, Any] | None = None, decode_threads: int = 8,
-                   cpu_share: float = 0.25,
+                   cpu_share: float | Literal["auto"] = "auto",
                    nvdec_library: Literal["pynvvideocodec", "torchcodec"] = "pynvvideocodec"
                    ) -> Any:
     """Builds the video pipeline (see the module docstring for inputs, outputs and decoders).
@@ -163,8 +167,10 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
             ``decoder_cache_size``) or, with ``nvdec_library="torchcodec"``, TorchCodec's
             ``VideoDecoder`` (``seek_mode``: ``"approximate"`` unless given).
         decode_threads: With ``"nvdec"`` and ``"mixed"``: the server's NVDEC decode threads.
-        cpu_share: With ``"mixed"``: the share of the clips the workers decode with PyAV (drawn
-            per clip from its seed, 0-1).
+        cpu_share: With ``"mixed"``: ``"auto"``, a worker decodes a clip with PyAV when the
+            server's NVDEC work queued would take longer than the worker takes to decode it
+            (balanced by load; which decoder decodes a clip then varies from run to run), or
+            the share of the clips the workers decode, drawn per clip from its seed (0-1).
         nvdec_library: With ``"nvdec"`` and ``"mixed"``: the library that drives NVDEC,
             ``"pynvvideocodec"`` (``pip install 'mmproxy[nvdec]'``) or ``"torchcodec"``
             (``pip install 'mmproxy[torchcodec]'``, and FFmpeg's shared libraries).
@@ -175,6 +181,8 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
         raise ValueError(f"decoder must be 'auto', 'nvdec', 'mixed', 'pyav' or 'dali', got "
                          f"{decoder!r}")
     check_library(nvdec_library)
+    if cpu_share != "auto" and not (isinstance(cpu_share, (int, float)) and 0 <= cpu_share <= 1):
+        raise ValueError(f"cpu_share must be 'auto' or between 0 and 1, got {cpu_share!r}")
     gpu, dev_id = resolve_device(device, device_id)
     if decoder == "auto":
         decoder = ("nvdec" if gpu and nvdec_available(nvdec_library) else
@@ -184,17 +192,18 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
             raise ValueError(f"decoder={decoder!r} decodes on the GPU (NVDEC): use device='gpu' "
                              "or 'auto' on a machine with CUDA, or decoder='pyav' on CPU")
         load_library(nvdec_library)
-        if decoder == "mixed" and not 0 <= cpu_share <= 1:
-            raise ValueError(f"cpu_share must be between 0 and 1, got {cpu_share}")
     if decoder in ("pyav", "mixed") and not pyav_installed():
         raise ImportError(f"decoder={decoder!r} needs PyAV: pip install av (or 'mmproxy[video]')")
     _check_resize_size(size, resize_size)
     if frames < 1 or stride < 1:
         raise ValueError(f"frames and stride must be at least 1, got {frames} and {stride}")
     nvdec = decoder in ("nvdec", "mixed")
+    balanced = decoder == "mixed" and cpu_share == "auto"
+    backlog = Backlog() if balanced else None
+    share = float(cpu_share) if decoder == "mixed" and not balanced else 0.0
     draw = ClipDraw(input_name, frames, stride, train, flip_probability, every_frame,
                     decode_in_worker=decoder == "pyav", cpu_decoder=decoder == "dali" and not gpu,
-                    nvdec=nvdec, cpu_share=cpu_share if decoder == "mixed" else 0.0)
+                    nvdec=nvdec, cpu_share=share, backlog=backlog)
 
     @pipeline_def
     def pipe() -> Any:
@@ -230,5 +239,5 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
         assert dev_id is not None
         prepare = ClipDecoder(input_name, None if every_frame else frames, stride, dev_id,
                               decode_threads, decoder_options,
-                              tuple(n for n in draw.names if n != "start"), nvdec_library)
+                              tuple(n for n in draw.names if n != "start"), nvdec_library, backlog)
     return SampleSeeded(built, draw, draw.arguments, prepare)

@@ -492,6 +492,138 @@ def test_the_nvdec_draw_sends_what_nvdec_decodes_and_decodes_the_rest_in_the_wor
     assert 5 < sum("videos" in s for s in shared) < 35  # about half decoded here
 
 
+def _read_backlog(backlog, answer):
+    answer.put(backlog.seconds())
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_the_backlog_the_server_publishes_is_what_every_worker_reads(method):
+    """The page is the server process's: a worker of any start method reads its latest value and
+    cannot write it; once the server process is gone a reader sees 0 (every clip to NVDEC)."""
+    import multiprocessing
+    import pickle
+
+    from mmproxy.pipelines._backlog import Backlog
+
+    backlog = Backlog()
+    backlog.publish(1.25)
+    ctx = multiprocessing.get_context(method)
+    answer = ctx.Queue()
+    worker = ctx.Process(target=_read_backlog, args=(backlog, answer))
+    worker.start()
+    assert answer.get(timeout=60) == 1.25
+    worker.join(30)
+    backlog.publish(0.5)
+    copy = pickle.loads(pickle.dumps(backlog))
+    assert copy.seconds() == 0.5
+    gone = pickle.loads(pickle.dumps(backlog))
+    gone.pid = worker.pid  # a process that has ended
+    assert gone.seconds() == 0.0
+    if method == "fork":
+        child = ctx.Process(target=_write_backlog, args=(backlog, answer))
+        child.start()
+        assert "only the server process" in answer.get(timeout=60)
+        child.join(30)
+        assert backlog.seconds() == 0.5
+
+
+def _write_backlog(backlog, answer):
+    try:
+        backlog.publish(9.0)
+        answer.put("written")
+    except RuntimeError as err:
+        answer.put(str(err))
+
+
+def test_balanced_mixed_draws_decode_here_only_while_nvdec_has_more_queued_than_a_decode_takes():
+    """``cpu_share="auto"``: no NVDEC work queued, the clip goes to NVDEC; work queued and no
+    time of its own yet, the worker decodes (and learns its time a clip); queued work shorter than
+    that time, NVDEC again. The start, crop and flip are the seed's whichever decodes."""
+    import random
+
+    from mmproxy.pipelines import ClipDraw
+    from mmproxy.pipelines._backlog import Backlog
+
+    backlog = Backlog()
+    draw = ClipDraw("videos", 4, 3, True, 0.5, False, decode_in_worker=False, cpu_decoder=False,
+                    nvdec=True, backlog=backlog)
+    pyav = ClipDraw("videos", 4, 3, True, 0.5, False, decode_in_worker=True, cpu_decoder=False)
+    given = {"videos": np.frombuffer(_encode("h264", frames=60), np.uint8)}
+    backlog.publish(0.0)
+    sent = draw(given, random.Random(1))
+    assert "videos" not in sent and draw.pace == 0.0
+    backlog.publish(1e-9)
+    here = draw(given, random.Random(1))
+    expected = pyav(given, random.Random(1))
+    assert np.array_equal(here["videos"], expected["frames"]) and draw.pace > 0
+    assert all(np.array_equal(sent[k], here[k]) for k in ("start", "crop_x", "crop_y", "flip"))
+    backlog.publish(draw.pace / 2)
+    assert "videos" not in draw(given, random.Random(2))
+    backlog.publish(draw.pace * 4)
+    assert "videos" in draw(given, random.Random(2))
+    with pytest.raises(ValueError, match="cpu_share must be 'auto' or between 0 and 1"):
+        video_pipeline(batch_size=2, decoder="mixed", device="cpu", cpu_share="half")
+
+
+def test_the_clip_decoder_publishes_the_nvdec_work_it_has_queued(monkeypatch):
+    """Encoded clips queued behind busy decode threads count (times the threads' time a clip,
+    over the threads); frames a worker decoded do not; the backlog is 0 once all are taken and
+    after close(); the decoder counts where the clips were decoded."""
+    import threading
+
+    from mmproxy.pipelines._backlog import Backlog
+
+    class Slot:
+        def __init__(self, device, options):
+            pass
+
+        def close(self):
+            pass
+
+    gate = threading.Event()
+
+    def slow(session, sample):
+        gate.wait(30)
+        time.sleep(0.01)
+        return dict(sample)
+
+    decoder = _clip_decoder(monkeypatch, threads=2, slot=Slot)
+    decoder.backlog = backlog = Backlog()
+    monkeypatch.setattr(decoder, "_prepare", slow)
+    encoded = np.zeros(100, np.uint8)
+    frames = np.zeros((2, 2, 2, 3), np.uint8)
+    first = [decoder.submit({"videos": encoded, "start": 0}) for _ in range(2)]
+    deadline = time.monotonic() + 10
+    while decoder._queued and time.monotonic() < deadline:  # both threads took one
+        time.sleep(0.01)
+    assert decoder._queued == 0 and backlog.seconds() == 0.0  # no time a clip known yet
+    gate.set()
+    for f in first:
+        f.result(timeout=10)
+    assert decoder._pace >= 0.01
+    gate.clear()
+    more = [decoder.submit({"videos": encoded, "start": 0}) for _ in range(6)]
+    more += [decoder.submit({"videos": frames, "start": 0}) for _ in range(3)]
+    time.sleep(0.2)
+    queued = decoder._queued
+    assert queued == 4  # two of the six being decoded, the worker's frames not counted
+    assert backlog.seconds() == pytest.approx(queued * decoder._pace / 2)
+    gate.set()
+    for f in more:
+        f.result(timeout=10)
+    assert backlog.seconds() == 0.0
+    assert decoder.clips == {"nvdec": 8, "workers": 3}
+    gate.clear()
+    decoder.submit({"videos": encoded, "start": 0})
+    decoder.submit({"videos": encoded, "start": 0})
+    decoder.submit({"videos": encoded, "start": 0})
+    time.sleep(0.1)
+    assert backlog.seconds() > 0
+    gate.set()
+    decoder.close()
+    assert backlog.seconds() == 0.0
+
+
 def test_a_codec_nvdec_lacks_without_pyav_is_refused_by_name(monkeypatch):
     import random
     import sys
@@ -830,11 +962,12 @@ def test_nvdec_damaged_clips_are_skipped_and_named_rows_aligned(tmp_path, librar
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("library", LIBRARIES)
-def test_mixed_decoding_shares_the_clips_and_gives_pyav_clips(library):
+@pytest.mark.parametrize("share", [0.5, "auto"])
+def test_mixed_decoding_shares_the_clips_and_gives_pyav_clips(library, share):
     data = [_encode("h264", seed=i, frames=50) for i in range(8)]
     with _gpu_server("pyav", train=True, batch_size=8) as pyav:
         expected = _run(pyav, data).cpu().numpy()
-    with _gpu_server("mixed", library, train=True, batch_size=8, cpu_share=0.5) as mixed:
+    with _gpu_server("mixed", library, train=True, batch_size=8, cpu_share=share) as mixed:
         clips = _run(mixed, data).cpu().numpy()
     for clip, reference in zip(clips, expected):
         assert _errors(clip, reference).max() <= MEAN_TOLERANCE
