@@ -90,6 +90,36 @@ class _SoxrResample(_Resample):
         return out[:n]
 
 
+_mkl_hooked = False
+
+
+def _free_mkl_buffers_at_fork() -> None:
+    """Has every fork of this process free MKL's unused buffers first (once per process).
+
+    torch's CPU convolution runs MKL's sgemm on OpenMP threads, and MKL keeps buffers per thread;
+    a child forked after the resampler's threads used them found that bookkeeping inconsistent
+    and hung in its first convolution (MKL's ``mm_account_ptr_by_tid``) about one fork in three.
+    ``mkl_serv_free_buffers`` (exported by torch's own library where torch links MKL) releases
+    the buffers not in use, so the child starts with none."""
+    global _mkl_hooked
+    if _mkl_hooked:
+        return
+    _mkl_hooked = True
+    import ctypes
+    import os
+    from pathlib import Path
+
+    import torch
+
+    try:
+        free = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        release = free.mkl_serv_free_buffers
+    except (OSError, AttributeError):
+        return  # torch without MKL (or another build): nothing of MKL's to free
+    release.restype = None
+    os.register_at_fork(before=release)
+
+
 class _TorchaudioResample(_Resample):
     """torchaudio's windowed-sinc resampler, its kernel made once per input rate."""
 
@@ -97,6 +127,8 @@ class _TorchaudioResample(_Resample):
         super().__init__(rate)
         self._kernels: dict[int, Any] = {}
         import torchaudio.transforms  # noqa: F401  (as above)
+
+        _free_mkl_buffers_at_fork()
 
     def _one(self, audio: Any, source: int) -> Any:
         import torch
