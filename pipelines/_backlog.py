@@ -43,7 +43,7 @@ class Backlog:
         self.pid = os.getpid()
         self.fd = os.memfd_create("mmproxy-nvdec-backlog", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, _SIZE)
-        weakref.finalize(self, os.close, self.fd)  # the page goes with the last reference
+        weakref.finalize(self, _close, self.fd, self.pid)  # the page goes with the last reference
         self._owner = True
         self._view: np.ndarray | None = None
         self._view_pid = -1
@@ -95,3 +95,10 @@ class Backlog:
         if values is None or not values.flags.writeable:
             raise RuntimeError("only the server process that made the backlog page writes it")
         values[0] = seconds
+
+
+def _close(fd: int, pid: int) -> None:
+    """Closes the server's descriptor of the page, in the server's process only (a forked child's
+    copy of the number may name another file of the child's by then)."""
+    if os.getpid() == pid:
+        os.close(fd)
