@@ -90,34 +90,83 @@ class _SoxrResample(_Resample):
         return out[:n]
 
 
-_mkl_hooked = False
-
-
-def _free_mkl_buffers_at_fork() -> None:
-    """Has every fork of this process free MKL's unused buffers first (once per process).
+class _MklForkGate:
+    """Keeps forks of this process and torch's CPU convolutions apart, and has every fork free
+    MKL's unused buffers first.
 
     torch's CPU convolution runs MKL's sgemm on OpenMP threads, and MKL keeps buffers per thread;
     a child forked after the resampler's threads used them found that bookkeeping inconsistent
-    and hung in its first convolution (MKL's ``mm_account_ptr_by_tid``) about one fork in three.
-    ``mkl_serv_free_buffers`` (exported by torch's own library where torch links MKL) releases
-    the buffers not in use, so the child starts with none."""
-    global _mkl_hooked
-    if _mkl_hooked:
-        return
-    _mkl_hooked = True
-    import ctypes
-    import os
-    from pathlib import Path
+    and hung in its first convolution (MKL's ``mm_account_ptr_by_tid``) about one fork in three,
+    and so did a child forked while another thread was inside a convolution. Before a fork this
+    gate waits for the convolutions under way (new ones wait for the fork), then calls
+    ``mkl_serv_free_buffers`` (exported by torch's own library where torch links MKL), so the
+    child starts with no buffer of a thread it does not have. One per process; a forked child
+    starts with a fresh gate."""
 
-    import torch
+    def __init__(self) -> None:
+        import ctypes
+        import threading
+        from pathlib import Path
 
-    try:
-        free = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        release = free.mkl_serv_free_buffers
-    except (OSError, AttributeError):
-        return  # torch without MKL (or another build): nothing of MKL's to free
-    release.restype = None
-    os.register_at_fork(before=release)
+        import torch
+
+        self._cond = threading.Condition()
+        self._inside = 0
+        self._forking = False
+        self._free: Any = None
+        try:
+            lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+            self._free = lib.mkl_serv_free_buffers
+            self._free.restype = None
+        except (OSError, AttributeError):
+            pass  # torch without MKL (or another build): nothing of MKL's to free
+
+    def __enter__(self) -> None:
+        with self._cond:
+            while self._forking:
+                self._cond.wait()
+            self._inside += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._inside -= 1
+            self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        self._cond.acquire()
+        self._forking = True
+        while self._inside:
+            self._cond.wait()
+        if self._free is not None:
+            self._free()
+
+    def after_fork_in_parent(self) -> None:
+        self._forking = False
+        self._cond.notify_all()
+        self._cond.release()
+
+
+_gate: _MklForkGate | None = None
+
+
+def _mkl_gate() -> _MklForkGate:
+    """This process's gate (made, and hooked to ``os.fork``, on first use)."""
+    global _gate
+    if _gate is None:
+        import os
+
+        _gate = _MklForkGate()
+        os.register_at_fork(before=lambda: _gate.before_fork() if _gate else None,
+                            after_in_parent=lambda: _gate.after_fork_in_parent() if _gate else None,
+                            after_in_child=_forget_gate)
+    return _gate
+
+
+def _forget_gate() -> None:
+    """A forked child makes a gate of its own (the parent's lock is held in its copy)."""
+    global _gate
+    if _gate is not None:
+        _gate = _MklForkGate()
 
 
 class _TorchaudioResample(_Resample):
@@ -128,7 +177,7 @@ class _TorchaudioResample(_Resample):
         self._kernels: dict[int, Any] = {}
         import torchaudio.transforms  # noqa: F401  (as above)
 
-        _free_mkl_buffers_at_fork()
+        _mkl_gate()  # forks of this process now wait for its convolutions
 
     def _one(self, audio: Any, source: int) -> Any:
         import torch
@@ -138,7 +187,7 @@ class _TorchaudioResample(_Resample):
         if resample is None:  # two threads may both make it: the same kernel
             resample = self._kernels[source] = torchaudio.transforms.Resample(source, self.rate)
         clip = torch.from_numpy(audio)
-        with torch.no_grad():
+        with torch.no_grad(), _mkl_gate():
             if clip.ndim == 1:
                 return resample(clip).numpy()
             return resample(clip.T).T.contiguous().numpy()

@@ -305,7 +305,8 @@ def test_cpu_resampler_works_in_a_forked_child(kind):
     """A child forked after the resampler ran resamples too: with threads of its own, not
     waiting for threads of the parent's that the child does not have, nor hanging in MKL's
     buffers of them (torchaudio's convolution; one fork in three hung before they were freed at
-    the fork: four forks)."""
+    the fork: four forks), even while another thread of the parent resamples (a server's
+    pipeline while the DataLoader forks its workers)."""
     import os
     import threading
 
@@ -313,8 +314,16 @@ def test_cpu_resampler_works_in_a_forked_child(kind):
 
     resample = _RESAMPLERS[kind](16000)
     clips = [tone(440, 44100, 0.2)] * 3
-    for _ in range(4):
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            resample(clips, [44100.0] * 3)
+
+    for k in range(8):
         assert [len(c) for c in resample(clips, [44100.0] * 3)] == [3200] * 3
+        if k == 4:  # the last four forks with a parent's thread resampling
+            threading.Thread(target=busy, daemon=True).start()
         pid = os.fork()
         if pid == 0:  # the child: exits 0 only if the resampler answers within 10 s
             code = 1
@@ -328,7 +337,10 @@ def test_cpu_resampler_works_in_a_forked_child(kind):
             finally:
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        if os.WEXITSTATUS(status):
+            stop.set()
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (k, status)
+    stop.set()
 
 
 @pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG"])
