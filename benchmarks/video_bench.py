@@ -22,7 +22,7 @@ main process's threads together) and the cores that kept busy. The systems:
 - ``mmproxy-mixed`` (GPU only): ``decoder="mixed"``: the workers decode with PyAV the clips
   NVDEC's queue would keep waiting longer than they take (``--cpu-share auto``, the default), the
   server's NVDEC the others (``mmproxy-mixed[0.3]``: a fixed share drawn per clip instead); the
-  result's ``worker_share`` says how many the workers decoded.
+  result's ``worker_share`` says how many the workers decoded, over all epochs.
 - ``mmproxy-dali`` (GPU only): ``decoder="dali"``: DALI's in-memory NVDEC decoder
   (``fn.decoders.video``, ``mixed``); ``mmproxy-dali[build_index=False]`` passes options to it.
 - ``torch``: a ``torch.utils.data.DataLoader`` over the files; each worker decodes the clip with
@@ -153,7 +153,8 @@ def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: lis
                                  keep_keys=False, on_error="skip")
         loader = ds.loader(server, num_workers=args.workers, persistent_workers=True)
         result = time_epochs(lambda: loader, args.epochs, gpu, server)
-    if pipe.prepare is not None:  # NVDEC: where the clips were decoded, all epochs
+    if pipe.prepare is not None:  # NVDEC: where the clips were decoded, over all epochs (the
+        # warm-up too), the workers' including any in a codec NVDEC does not take
         clips = pipe.prepare.clips
         result["clips_decoded"] = dict(clips)
         result["worker_share"] = round(clips["workers"] / max(1, sum(clips.values())), 3)
@@ -285,7 +286,8 @@ def main() -> None:
         else:
             results[system] = r = SYSTEMS[name](args, gpu, device_id, shards, files, **more)
         _cpu_per_clip(r)
-        share = f", workers decoded {r['worker_share']:.0%}" if r.get("worker_share") else ""
+        share = (f", workers decoded {r['worker_share']:.0%}" if r.get("worker_share") is not None
+                 else "")
         print(f"{system:14s} best epoch {r['samples_per_s']:.1f} clips/s, sustained "
               f"{r['sustained_samples_per_s'] or 0:.1f}, epochs {r['epochs']}, CPU "
               f"{r['cpu_ms_per_clip']:.1f} ms a clip ({r['cpu_cores_busy']:.1f} cores busy)"

@@ -168,6 +168,7 @@ class ClipDecoder:
         self._warned = False  # that PyAV decodes clips NVDEC refuses
         self.backlog = backlog
         self._queued = 0  # encoded clips submitted and not yet taken by a decode thread
+        self._waiting = 0  # samples received by the server and not yet submitted here
         self.clips = {"nvdec": 0, "workers": 0}  # clips received: encoded, decoded in a worker
         self._pace = 0.0  # the decode threads' running time a clip, seconds
 
@@ -195,6 +196,13 @@ class ClipDecoder:
                 self.clips["workers"] += 1
         return future
 
+    def waiting(self, samples: int) -> None:
+        """How many samples the server holds that are not yet submitted here: they count in the
+        backlog published for the workers, as the share of NVDEC's clips so far."""
+        with self._lock:
+            self._waiting = samples
+            self._publish()
+
     def close(self) -> None:
         """Stops the threads: clips not started are cancelled, a clip being decoded finishes
         first; waits up to a few seconds for them (a warning names a thread still running: a
@@ -202,7 +210,7 @@ class ClipDecoder:
         with self._lock:
             self._stage = _Stage.CLOSED
             crew, self._crew = self._crew, None
-            self._queued = 0
+            self._queued = self._waiting = 0
             self._publish()
         if crew is None:
             return
@@ -225,13 +233,14 @@ class ClipDecoder:
                         self._publish()
                 if not future.set_running_or_notify_cancel():
                     continue
-                began = time.perf_counter()
                 try:
                     if session is None:
                         session = NVDEC_LIBRARIES[self.library](self.device, self.options)
-                    future.set_result(self._prepare(session, sample))
+                    began = time.perf_counter()
+                    result = self._prepare(session, sample)
                     if encoded:
                         self._paced(time.perf_counter() - began)
+                    future.set_result(result)
                 except BaseException as err:  # noqa: BLE001 - the future carries it to the runner
                     future.set_exception(err)
         finally:
@@ -246,9 +255,18 @@ class ClipDecoder:
             self._publish()
 
     def _publish(self) -> None:
-        """The seconds of NVDEC work queued, for the workers (called with the lock held)."""
-        if self.backlog is not None:
-            self.backlog.publish(self._queued * self._pace / self.threads)
+        """The seconds of NVDEC work waiting, for the workers (called with the lock held): the
+        clips queued for the threads, and the NVDEC share of the samples not yet submitted."""
+        if self.backlog is None:
+            return
+        nvdec, total = self.clips["nvdec"], sum(self.clips.values())
+        clips = self._queued + self._waiting * (nvdec / total if total else 1.0)
+        try:
+            self.backlog.publish(clips * self._pace / self.threads)
+        except OSError as err:  # no page to be had (out of descriptors): every clip to NVDEC
+            self.backlog = None
+            warnings.warn(f"NVDEC clip decoder: cannot publish its backlog ({err}); the workers "
+                          "read the last value it published", RuntimeWarning, stacklevel=2)
 
     def _prepare(self, session: Session, sample: dict[str, Any]) -> dict[str, Any]:
         import torch

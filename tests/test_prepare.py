@@ -52,6 +52,9 @@ class _Jpegs:
     def close(self) -> None:
         self.closed += 1
 
+    def waiting(self, samples):
+        pass
+
 
 @pipeline_def
 def _decode():

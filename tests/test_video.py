@@ -498,8 +498,8 @@ def _read_backlog(backlog, answer):
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_the_backlog_the_server_publishes_is_what_every_worker_reads(method):
-    """The page is the server process's: a worker of any start method reads its latest value and
-    cannot write it; once the server process is gone a reader sees 0 (every clip to NVDEC)."""
+    """The page is the publishing process's: a worker of any start method reads its latest
+    value; a forked child that publishes gets a page of its own and leaves the parent's alone."""
     import multiprocessing
     import pickle
 
@@ -514,25 +514,55 @@ def test_the_backlog_the_server_publishes_is_what_every_worker_reads(method):
     assert answer.get(timeout=60) == 1.25
     worker.join(30)
     backlog.publish(0.5)
-    copy = pickle.loads(pickle.dumps(backlog))
-    assert copy.seconds() == 0.5
-    gone = pickle.loads(pickle.dumps(backlog))
-    gone.pid = worker.pid  # a process that has ended
-    assert gone.seconds() == 0.0
+    assert pickle.loads(pickle.dumps(backlog)).seconds() == 0.5
     if method == "fork":
         child = ctx.Process(target=_write_backlog, args=(backlog, answer))
         child.start()
-        assert "only the server process" in answer.get(timeout=60)
+        assert answer.get(timeout=60) == (0.5, 9.0)  # the parent's, then its own page's
         child.join(30)
         assert backlog.seconds() == 0.5
 
 
 def _write_backlog(backlog, answer):
-    try:
-        backlog.publish(9.0)
-        answer.put("written")
-    except RuntimeError as err:
-        answer.put(str(err))
+    before = backlog.seconds()
+    backlog.publish(9.0)
+    answer.put((before, backlog.seconds()))
+
+
+def test_a_backlog_that_cannot_be_read_sends_every_clip_to_nvdec_and_says_so():
+    """A page whose process has ended, or whose descriptor now names another file (the page
+    freed, its number reused), reads as 0 with a warning, never as the other file's bytes."""
+    import gc
+    import os
+    import pickle
+    import subprocess
+    import tempfile
+
+    from mmproxy.pipelines._backlog import Backlog
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    backlog = Backlog()
+    backlog.publish(2.0)
+    gone = pickle.loads(pickle.dumps(backlog))
+    gone.pid = ended.pid
+    with pytest.warns(RuntimeWarning, match="cannot read the server's NVDEC backlog"):
+        assert gone.seconds() == 0.0
+    copy = pickle.dumps(backlog)
+    fd = backlog.fd
+    del backlog
+    gc.collect()
+    with tempfile.TemporaryFile() as other:
+        other.write(np.array([123456.0]).tobytes() + b"\0" * 4096)
+        other.flush()
+        if other.fileno() != fd:  # take the freed number for the other file
+            os.dup2(other.fileno(), fd)
+        try:
+            with pytest.warns(RuntimeWarning, match="no longer the backlog's page"):
+                assert pickle.loads(copy).seconds() == 0.0
+        finally:
+            if other.fileno() != fd:
+                os.close(fd)
 
 
 def test_balanced_mixed_draws_decode_here_only_while_nvdec_has_more_queued_than_a_decode_takes():
@@ -567,8 +597,9 @@ def test_balanced_mixed_draws_decode_here_only_while_nvdec_has_more_queued_than_
 
 def test_the_clip_decoder_publishes_the_nvdec_work_it_has_queued(monkeypatch):
     """Encoded clips queued behind busy decode threads count (times the threads' time a clip,
-    over the threads); frames a worker decoded do not; the backlog is 0 once all are taken and
-    after close(); the decoder counts where the clips were decoded."""
+    over the threads), and so does NVDEC's share of the samples the server holds and has not
+    submitted; frames a worker decoded do not; the backlog is 0 once all are taken and after
+    close(); the decoder counts where the clips were decoded."""
     import threading
 
     from mmproxy.pipelines._backlog import Backlog
@@ -604,10 +635,14 @@ def test_the_clip_decoder_publishes_the_nvdec_work_it_has_queued(monkeypatch):
     gate.clear()
     more = [decoder.submit({"videos": encoded, "start": 0}) for _ in range(6)]
     more += [decoder.submit({"videos": frames, "start": 0}) for _ in range(3)]
-    time.sleep(0.2)
-    queued = decoder._queued
-    assert queued == 4  # two of the six being decoded, the worker's frames not counted
-    assert backlog.seconds() == pytest.approx(queued * decoder._pace / 2)
+    deadline = time.monotonic() + 10
+    while decoder._queued > 4 and time.monotonic() < deadline:  # two of the six taken
+        time.sleep(0.01)
+    assert decoder._queued == 4  # the worker's frames not counted
+    assert backlog.seconds() == pytest.approx(4 * decoder._pace / 2)
+    decoder.waiting(11)  # samples the server holds: NVDEC's share of them (8 of 11 so far)
+    assert backlog.seconds() == pytest.approx((4 + 11 * 8 / 11) * decoder._pace / 2)
+    decoder.waiting(0)
     gate.set()
     for f in more:
         f.result(timeout=10)
