@@ -66,11 +66,6 @@ class Prepare(Protocol):
         until the next :meth:`start`."""
         ...
 
-    def waiting(self, samples: int) -> None:
-        """How many samples have arrived at the server and are not yet submitted to the stage
-        (told whenever the runner looks for runs; a stage may ignore it, or publish its load)."""
-        ...
-
 
 class PreparedRuns:
     """The run table as the runner uses it when the pipeline has a :class:`Prepare` stage (a
@@ -141,14 +136,12 @@ class PreparedRuns:
     # -- helpers --------------------------------------------------------------------------------
 
     def _take(self, stop: threading.Event) -> None:
-        """Starts preparing the runs that have arrived, up to ``ahead`` of the runner, and tells
-        the stage how many samples still wait behind them."""
+        """Starts preparing the runs that have arrived, up to ``ahead`` of the runner."""
         while len(self._pending) < self.ahead:
             run = self.table.next(block=False, stop=stop)
             if run is None:
-                break
+                return
             self._start(run)
-        self.prepare.waiting(self.table.waiting())
 
     def _start(self, run: Run) -> None:
         assert run.request is not None

@@ -241,11 +241,6 @@ class RunTable:
 
     # -- the runner thread ----------------------------------------------------------------------
 
-    def waiting(self) -> int:
-        """Samples of the runs whose inputs have arrived and that the runner has not taken."""
-        with self.cond:
-            return self._schedule.waiting()
-
     def next(self, block: bool, stop: threading.Event) -> Run | None:
         """The next run to feed (now SCHEDULED), or None (nothing yet, or ``stop`` set).
 

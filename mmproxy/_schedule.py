@@ -49,10 +49,6 @@ class Schedule:
         self._arrived.clear()
         self._claims.clear()
 
-    def waiting(self) -> int:
-        """Samples of the runs that have arrived and are not yet taken."""
-        return sum(len(run.keys) for run in self._arrived.values())
-
     def take(self) -> Run | None:
         """The run to feed next, taken off the schedule, or None when none may go yet."""
         if self.deterministic:

@@ -3,8 +3,7 @@
 ``video_pipeline(decoder="mixed", cpu_share="auto")`` balances the clips between the NVDEC
 engines and the workers' cores by load instead of by a fixed share. The server's
 :class:`~mmproxy.pipelines._nvdec.ClipDecoder` writes how many seconds of NVDEC work wait for it
-(the clips queued for its threads and those of the runs the server has received and not yet
-given it, times the threads' recent time a clip, over the threads); a worker's
+(the clips queued for its threads, times their recent time a clip, over the threads); a worker's
 :class:`~mmproxy.pipelines._clip_draw.ClipDraw` decodes a clip itself with PyAV when that wait is
 longer than its own recent time to decode a clip, and sends it to NVDEC otherwise::
 

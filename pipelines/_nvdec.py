@@ -168,7 +168,6 @@ class ClipDecoder:
         self._warned = False  # that PyAV decodes clips NVDEC refuses
         self.backlog = backlog
         self._queued = 0  # encoded clips submitted and not yet taken by a decode thread
-        self._waiting = 0  # samples received by the server and not yet submitted here
         self.clips = {"nvdec": 0, "workers": 0}  # clips received: encoded, decoded in a worker
         self._pace = 0.0  # the decode threads' running time a clip, seconds
 
@@ -196,13 +195,6 @@ class ClipDecoder:
                 self.clips["workers"] += 1
         return future
 
-    def waiting(self, samples: int) -> None:
-        """How many samples the server holds that are not yet submitted here: they count in the
-        backlog published for the workers, as the share of NVDEC's clips so far."""
-        with self._lock:
-            self._waiting = samples
-            self._publish()
-
     def close(self) -> None:
         """Stops the threads: clips not started are cancelled, a clip being decoded finishes
         first; waits up to a few seconds for them (a warning names a thread still running: a
@@ -210,7 +202,7 @@ class ClipDecoder:
         with self._lock:
             self._stage = _Stage.CLOSED
             crew, self._crew = self._crew, None
-            self._queued = self._waiting = 0
+            self._queued = 0
             self._publish()
         if crew is None:
             return
@@ -255,14 +247,14 @@ class ClipDecoder:
             self._publish()
 
     def _publish(self) -> None:
-        """The seconds of NVDEC work waiting, for the workers (called with the lock held): the
-        clips queued for the threads, and the NVDEC share of the samples not yet submitted."""
+        """The seconds of NVDEC work queued for the decode threads, for the workers (called with
+        the lock held). Only the clips submitted count (the runs the runner prepares ahead, two):
+        a run still waiting in the server goes through the same queue whichever decoded its
+        clips, so what the workers' decoding relieves is NVDEC's queue, not their wait."""
         if self.backlog is None:
             return
-        nvdec, total = self.clips["nvdec"], sum(self.clips.values())
-        clips = self._queued + self._waiting * (nvdec / total if total else 1.0)
         try:
-            self.backlog.publish(clips * self._pace / self.threads)
+            self.backlog.publish(self._queued * self._pace / self.threads)
         except OSError as err:  # no page to be had (out of descriptors): every clip to NVDEC
             self.backlog = None
             warnings.warn(f"NVDEC clip decoder: cannot publish its backlog ({err}); the workers "

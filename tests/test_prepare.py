@@ -52,9 +52,6 @@ class _Jpegs:
     def close(self) -> None:
         self.closed += 1
 
-    def waiting(self, samples):
-        pass
-
 
 @pipeline_def
 def _decode():
