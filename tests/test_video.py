@@ -529,6 +529,47 @@ def _write_backlog(backlog, answer):
     answer.put((before, backlog.seconds()))
 
 
+class _DrawnClips(torch.utils.data.Dataset):
+    """Each item: whether the balanced clip draw decoded the clip in this DataLoader worker."""
+
+    def __init__(self, draw, data, count):
+        self.draw, self.data, self.count = draw, data, count
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, i):
+        import random
+
+        out = self.draw({"videos": np.frombuffer(self.data, np.uint8)}, random.Random(i))
+        return "videos" in out
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_dataloader_workers_follow_the_backlog_the_training_process_publishes(method):
+    """Through real DataLoader workers: with NVDEC's queue empty every clip goes to NVDEC; with
+    seconds of work queued, the workers decode the clips themselves; back to empty, NVDEC again."""
+    from mmproxy.pipelines import ClipDraw
+    from mmproxy.pipelines._backlog import Backlog
+
+    backlog = Backlog()
+    draw = ClipDraw("videos", 4, 3, True, 0.5, False, decode_in_worker=False, cpu_decoder=False,
+                    nvdec=True, backlog=backlog)
+    clips = _DrawnClips(draw, _encode("h264", frames=40), 8)
+
+    def decoded_here():
+        loader = torch.utils.data.DataLoader(clips, batch_size=None, num_workers=2,
+                                             multiprocessing_context=method)
+        return [bool(here) for here in loader]
+
+    backlog.publish(0.0)
+    assert decoded_here() == [False] * 8
+    backlog.publish(60.0)  # a minute of NVDEC work queued: longer than any decode here
+    assert decoded_here() == [True] * 8
+    backlog.publish(0.0)
+    assert decoded_here() == [False] * 8
+
+
 def test_a_backlog_that_cannot_be_read_sends_every_clip_to_nvdec_and_says_so():
     """A page whose process has ended, or whose descriptor now names another file (the page
     freed, its number reused), reads as 0 with a warning, never as the other file's bytes."""
