@@ -299,48 +299,56 @@ def test_cpu_resample_keeps_an_empty_clip_empty(mono):
         assert (length.data if hasattr(length, "data") else length).tolist() == [0, 1600], resample
 
 
-@pytest.mark.timeout(60)
+_FORKS = """
+import os, sys, threading
+import numpy as np
+from mmproxy.pipelines.audio import _RESAMPLERS
+
+resample = _RESAMPLERS[sys.argv[1]](16000)
+clips = [np.sin(np.arange(8820, dtype=np.float32) * 0.0627)] * 3
+stop = threading.Event()
+
+def busy():
+    while not stop.is_set():
+        resample(clips, [44100.0] * 3)
+
+for k in range(8):
+    assert [len(c) for c in resample(clips, [44100.0] * 3)] == [3200] * 3
+    if k == 4:  # the last four forks with a thread of the parent resampling
+        threading.Thread(target=busy, daemon=True).start()
+    pid = os.fork()
+    if pid == 0:  # the child: exits 0 only if the resampler answers within 10 s
+        code = 1
+        try:
+            got = []
+            call = threading.Thread(target=lambda: got.append(resample(clips, [44100.0] * 3)),
+                                    daemon=True)
+            call.start()
+            call.join(10)
+            code = 0 if got and [len(c) for c in got[0]] == [3200] * 3 else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.WEXITSTATUS(status):
+        sys.exit(f"fork {k}: the child did not resample (status {status})")
+stop.set()
+"""
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["soxr", "torchaudio"])
 def test_cpu_resampler_works_in_a_forked_child(kind):
     """A child forked after the resampler ran resamples too: with threads of its own, not
     waiting for threads of the parent's that the child does not have, nor hanging in MKL's
-    buffers of them (torchaudio's convolution; one fork in three hung before they were freed at
-    the fork: four forks), even while another thread of the parent resamples (a server's
-    pipeline while the DataLoader forks its workers)."""
-    import os
-    import threading
+    buffers of them (torchaudio's convolution: one fork in three hung before they were freed at
+    the fork), even while another thread of the parent resamples (a server's pipeline while the
+    DataLoader forks its workers). In a fresh interpreter: eight forks."""
+    import subprocess
+    import sys
 
-    from mmproxy.pipelines.audio import _RESAMPLERS
-
-    resample = _RESAMPLERS[kind](16000)
-    clips = [tone(440, 44100, 0.2)] * 3
-    stop = threading.Event()
-
-    def busy():
-        while not stop.is_set():
-            resample(clips, [44100.0] * 3)
-
-    for k in range(8):
-        assert [len(c) for c in resample(clips, [44100.0] * 3)] == [3200] * 3
-        if k == 4:  # the last four forks with a parent's thread resampling
-            threading.Thread(target=busy, daemon=True).start()
-        pid = os.fork()
-        if pid == 0:  # the child: exits 0 only if the resampler answers within 10 s
-            code = 1
-            try:
-                got: list = []
-                call = threading.Thread(target=lambda out=got: out.append(resample(clips, [44100.0] * 3)),
-                                        daemon=True)
-                call.start()
-                call.join(10)
-                code = 0 if got and [len(c) for c in got[0]] == [3200] * 3 else 1
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        if os.WEXITSTATUS(status):
-            stop.set()
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (k, status)
-    stop.set()
+    done = subprocess.run([sys.executable, "-c", _FORKS, kind], capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG"])
