@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Backlog"]
+__all__ = ["Backlog", "paced"]
 
 _SIZE = 4096
 _NAME = "mmproxy-nvdec-backlog"
@@ -114,3 +114,8 @@ def _close(fd: int, pid: int) -> None:
     the number may name another file of the child's by then)."""
     if os.getpid() == pid:
         os.close(fd)
+
+
+def paced(pace: float, took: float, weight: float) -> float:
+    """A running time a clip after one more clip that ``took`` seconds (the first sets it)."""
+    return took if pace == 0 else pace + weight * (took - pace)

@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy as np
-from mmproxy.pipelines._backlog import Backlog
+from mmproxy.pipelines._backlog import Backlog, paced
 from mmproxy.pipelines._nvdec import NVDEC_CODECS
 from mmproxy.pipelines._pyav import count_frames, decode_clip, pyav_installed
 
@@ -96,8 +96,7 @@ class ClipDraw:
             began = time.perf_counter()
             decoded = decode_clip(data, start, None if self.every_frame else self.frames,
                                   self.stride)
-            took = time.perf_counter() - began
-            self.pace = took if self.pace == 0 else self.pace + _PACE * (took - self.pace)
+            self.pace = paced(self.pace, time.perf_counter() - began, _PACE)
             out[self.input_name if self.nvdec else "frames"] = decoded
         if "start" in self.names:
             out["start"] = np.array(start, np.int32)

@@ -43,7 +43,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
-from mmproxy.pipelines._backlog import Backlog
+from mmproxy.pipelines._backlog import Backlog, paced
 from mmproxy.pipelines._nvdec_session import Refused, Session
 from mmproxy.pipelines._pynvvideocodec import PyNvSession, load_nvdec
 from mmproxy.pipelines._torchcodec import TorchCodecSession, load_torchcodec
@@ -243,7 +243,7 @@ class ClipDecoder:
         """One clip took ``seconds`` on a decode thread: the running time a clip, and the
         backlog published with it."""
         with self._lock:
-            self._pace = seconds if self._pace == 0 else self._pace + _PACE * (seconds - self._pace)
+            self._pace = paced(self._pace, seconds, _PACE)
             self._publish()
 
     def _publish(self) -> None:
