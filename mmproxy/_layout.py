@@ -163,8 +163,7 @@ def padded(payloads: list[np.ndarray]) -> list[Any]:
 _PADS = tuple(bytes(n) for n in range(ALIGN))
 
 
-def arrays(placed: Placed, memfd: mmap.mmap, base: int,
-           files: list[mmap.mmap | np.ndarray]) -> list[np.ndarray]:
+def arrays(placed: Placed, memfd: mmap.mmap, base: int, files: list[mmap.mmap]) -> list[np.ndarray]:
     """The arrays of one input, as views of the memfd's payload area (from byte ``base``) and
     of the request's files.
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mmproxy import _pinned, _process
+from mmproxy import _process
 
 __all__ = ["KEPT_FILES", "KEPT_MEMFDS", "MAX_FILES", "FileMappings", "files", "server_mapping"]
 
@@ -82,9 +82,8 @@ files = FileMappings()
 _process.on_fork_in_child(files.after_fork)
 
 
-Buffer = mmap.mmap | np.ndarray  # a server's mapping: an mmap, or a pinned mapping's bytes
-_mapped_files: OrderedDict[tuple[int, int, int, int], Buffer] = OrderedDict()
-_mapped_memfds: OrderedDict[tuple[int, int, int, int], Buffer] = OrderedDict()
+_mapped_files: OrderedDict[tuple[int, int, int, int], mmap.mmap] = OrderedDict()
+_mapped_memfds: OrderedDict[tuple[int, int, int, int], mmap.mmap] = OrderedDict()
 _mapped_lock = threading.Lock()
 
 
@@ -101,11 +100,9 @@ KEPT_FILES = _kept_files()
 KEPT_MEMFDS = 4  # streamed remote shards: a kept mapping would hold the shard's memory
 
 
-def server_mapping(fd: int) -> Buffer:
+def server_mapping(fd: int) -> mmap.mmap:
     """The server's read-only mapping of a shard, one per file version: the last
-    :data:`KEPT_FILES` files kept, but only the last :data:`KEPT_MEMFDS` memfds. Once a GPU
-    server runs in the process, files are mapped pinned for the GPU (:mod:`mmproxy._pinned`),
-    as a uint8 array.
+    :data:`KEPT_FILES` files kept, but only the last :data:`KEPT_MEMFDS` memfds.
 
     A shard mapped again for each batch costs a map, an unmap (which interrupts every core the
     process runs threads on, to flush their TLBs) and page faults in DALI's threads on first
@@ -117,9 +114,7 @@ def server_mapping(fd: int) -> Buffer:
     with _mapped_lock:
         mapping = cache.get(key)
         if mapping is None:
-            pinned = None if memfd else _pinned.pinned_map(fd)
-            mapping = cache[key] = (pinned if pinned is not None
-                                    else mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+            mapping = cache[key] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             while len(cache) > bound:
                 cache.popitem(last=False)
         else:

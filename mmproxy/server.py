@@ -40,7 +40,7 @@ import os
 import threading
 from typing import Any
 
-from mmproxy import _pinned, _process, _transport
+from mmproxy import _process, _transport
 from mmproxy._dali import Pipe
 from mmproxy._prepare import PreparedRuns
 from mmproxy._resolve import resolve
@@ -113,7 +113,6 @@ class DALIServer:
             import torch
 
             device = torch.device("cuda", self._pipe.device_id)
-            _pinned.enable(self._pipe.device_id)  # shards mapped from now on: pinned
         self.table = RunTable(self.name, self._pipe.max_batch_size,
                               deterministic=bool(deterministic), timeout=timeout, device=device)
         self._owner_pid = os.getpid()

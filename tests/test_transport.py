@@ -6,7 +6,6 @@ import io
 import mmap
 import os
 import tarfile
-import warnings
 
 import numpy as np
 import pytest
@@ -170,63 +169,3 @@ def test_the_server_keeps_the_mappings_of_every_shard_in_flight(tmp_path):
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def _pinning(monkeypatch):
-    """Pinning on for this test only (the module's state is per process)."""
-    from mmproxy import _pinned
-
-    monkeypatch.setattr(_pinned, "_device", None)
-    monkeypatch.setattr(_pinned, "_refused", False)
-    monkeypatch.setattr(_mappings, "_mapped_files", type(_mappings._mapped_files)())
-    _pinned.enable(0)
-    return _pinned
-
-
-def test_pinning_where_cuda_cannot_pin_warns_once_and_maps_as_usual(tmp_path, monkeypatch):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("CUDA pins here (the GPU test covers it)")
-    pinned = _pinning(monkeypatch)
-    paths = [_tar(tmp_path / f"s{i}.tar", FILES, tarfile.GNU_FORMAT) for i in range(2)]
-    fds = [os.open(p, os.O_RDONLY) for p in paths]
-    try:
-        with pytest.warns(RuntimeWarning, match="cannot pin shards for the GPU") as caught:
-            mapped = [_mappings.server_mapping(fd) for fd in fds]
-        assert len(caught) == 1 and not pinned.enabled() and pinned.pinned_bytes() == 0
-        assert all(isinstance(m, mmap.mmap) for m in mapped)
-        assert bytes(mapped[1][:512]) == paths[1].read_bytes()[:512]
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-@pytest.mark.gpu
-def test_a_gpu_server_pins_the_shards_it_maps_and_unpins_them_when_dropped(tmp_path, monkeypatch):
-    import gc
-
-    import torch
-
-    pinned = _pinning(monkeypatch)
-    path = _tar(tmp_path / "s.tar", FILES, tarfile.GNU_FORMAT)
-    payloads = [np.frombuffer(s[k], np.uint8) for s in read_local_tar(str(path))
-                for k in s if not k.startswith("__")]
-    fd, files = _transport.pack("run", None, [None] * len(payloads), [payloads])
-    try:
-        request = _transport.unpack([fd, *files])
-    finally:
-        os.close(fd)
-    assert pinned.pinned_bytes() == os.path.getsize(path)
-    views = request.inputs[0]
-    assert [bytes(v) for v in views] == [bytes(p) for p in payloads]
-    # a copy to the GPU reads the pinned pages: the same bytes
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch on a read-only array
-        on_gpu = [torch.from_numpy(v).cuda(non_blocking=True) for v in views]
-    assert [bytes(t.cpu().numpy()) for t in on_gpu] == [bytes(p) for p in payloads]
-    _mappings._mapped_files.clear()  # the cache lets go; the run's views still hold the pages
-    assert pinned.pinned_bytes() == os.path.getsize(path)
-    del request, views
-    gc.collect()
-    assert pinned.pinned_bytes() == 0
