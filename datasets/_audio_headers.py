@@ -1,4 +1,4 @@
-"""Audio headers: a WAV file's ``fmt `` chunk and data chunk, and an OGG's last page.
+"""Audio headers: a WAV file's ``fmt `` chunk and data size, and an OGG's last page.
 
 A WAV file is sound when its ``fmt `` chunk (within the first 1 MiB of chunks) declares a
 channel count, a rate and a sample size a decoder takes, its ``data`` chunk holds frames, and
@@ -10,28 +10,14 @@ not end the stream. The cost is one walk over the WAV chunk headers, or a look a
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
 
-__all__ = ["WavLayout", "ogg_cut", "wav_layout", "wav_problem"]
+__all__ = ["ogg_cut", "wav_problem"]
 
 
 _PCM_TAGS = (1, 3, 0xFFFE)  # integer PCM, IEEE float, extensible: bits per sample must be set
 _OPEN_ENDED = (0xFFFFFFFF, 0x7FFFFFFF)  # a streaming writer's data size: "to the end of the file"
 _CHUNK = {False: struct.Struct("<4sI"), True: struct.Struct(">4sI")}
 _FMT = {False: struct.Struct("<HHI6xH"), True: struct.Struct(">HHI6xH")}
-
-
-class WavLayout(NamedTuple):
-    """Where a sound WAV file's samples lie and how they are stored."""
-
-    tag: int  # the format tag: 1 integer PCM, 3 IEEE float, 0xFFFE extensible, others compressed
-    channels: int
-    rate: int  # frames a second
-    bits: int  # per sample
-    big_endian: bool  # RIFX
-    start: int  # the byte offset of the first frame
-    size: int  # the bytes of audio data present (the declared size, or what follows when less
-    # follows: an open-ended streaming size)
 
 
 def wav_problem(data: bytes | memoryview) -> str | None:
@@ -41,24 +27,10 @@ def wav_problem(data: bytes | memoryview) -> str | None:
     One walk over the chunk headers, in the file's byte order (RIFX is big-endian), up to the
     ``data`` chunk; a ``fmt `` chunk not found within the first 1 MiB of chunks is not known to
     be missing when the chunks go on past that."""
-    found = _walk(data)
-    return found if isinstance(found, str) else None
-
-
-def wav_layout(data: bytes | memoryview) -> WavLayout | None:
-    """Where the samples of a sound WAV file lie (the walk of :func:`wav_problem`), or None when
-    that walk finds a problem or does not reach the ``data`` chunk."""
-    found = _walk(data)
-    return found if isinstance(found, WavLayout) else None
-
-
-def _walk(data: bytes | memoryview) -> WavLayout | str | None:
-    """The walk over the chunk headers: the file's layout, its problem, or None (not known)."""
     big = data[:4] == b"RIFX"
     chunks = _CHUNK[big]
     n = len(data)
     form: str | None = "has no 'fmt ' chunk (its chunks run past the end of the file)"
-    fmt: tuple[int, int, int, int] = (0, 0, 0, 0)
     seen_fmt = False
     end = 12
     i = 12
@@ -69,8 +41,6 @@ def _walk(data: bytes | memoryview) -> WavLayout | str | None:
             end = body + size + (size & 1)
             if chunk == b"fmt ":
                 form, seen_fmt = _fmt_problem(data, body, size, big), True
-                if form is None:
-                    fmt = _FMT[big].unpack_from(data, body)
         if chunk == b"data":
             if not seen_fmt:
                 return "has no 'fmt ' chunk before its audio data"
@@ -81,7 +51,7 @@ def _walk(data: bytes | memoryview) -> WavLayout | str | None:
                 return "holds no audio frames"
             if size > there and size not in _OPEN_ENDED:
                 return f"is truncated (its data chunk declares {size} bytes, {there} follow)"
-            return WavLayout(*fmt, big, body, min(size, there))
+            return None
         i = body + size + (size & 1)
     if not seen_fmt and end < n and end >= 1 << 20:
         return None  # the header goes on past what is read: not known

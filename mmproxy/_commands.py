@@ -189,10 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cpu-resize", choices=["torchvision", "dali"], default="torchvision",
                        help="CPU image pipelines of every DALI system: resize with torchvision "
                        "inside the pipeline (default) or with DALI's fn.resize")
-    bench.add_argument("--audio-pcm", choices=["auto", "decoder"], default="auto",
-                       help="audio pipelines of every DALI system: 16-bit PCM WAV cut, cast and "
-                       "scaled on the GPU (auto, the default; on CPU DALI's decoder) or every "
-                       "clip through DALI's CPU decoder")
     bench.add_argument("--damage", type=_FRACTION, default=0.0,
                        help="also run mmproxy on a copy of the image shards with this fraction of "
                        "the JPEGs damaged (e.g. 0.01), skip mode; reports damaged / clean")

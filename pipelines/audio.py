@@ -34,15 +34,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Literal
 
-import numpy as np
 from mmproxy.pipelines._device import Device, resolve_device
 from mmproxy.pipelines._threads import map_batch
 from mmproxy.pipelines.external import external_pipeline
 
-__all__ = ["CpuResample", "Pcm", "audio_graph", "audio_pipeline"]
+__all__ = ["CpuResample", "audio_graph", "audio_pipeline"]
 
 CpuResample = Literal["soxr", "torchaudio", "dali"]
-Pcm = Literal["auto", "decoder"]
 
 
 class _Resample:
@@ -82,6 +80,7 @@ class _SoxrResample(_Resample):
                               "'torchaudio' or 'dali' resample without it") from e
 
     def _one(self, audio: Any, source: int) -> Any:
+        import numpy as np
         import soxr
 
         out = soxr.resample(audio, source, self.rate, quality="HQ")
@@ -197,77 +196,22 @@ class _TorchaudioResample(_Resample):
 _RESAMPLERS: dict[str, type[_Resample]] = {"soxr": _SoxrResample, "torchaudio": _TorchaudioResample}
 
 
-_NO_PCM = (np.array(False), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(2, np.int64),
-           np.array(0.0, np.float32))  # what a clip DALI's decoder takes gets: shared, never written
-
-
-def _pcm_layouts(clips: list[Any]) -> tuple[list[Any], ...]:
-    """Per clip of a batch: whether it is a sound little-endian 16-bit integer PCM WAV file, and
-    then where its samples lie (start and bytes), its ``[frames, channels]`` and its rate; for
-    any other clip a placeholder (``fn.decoders.audio`` decodes it). One walk over the chunk
-    headers a clip (:func:`mmproxy.datasets._audio_headers.wav_layout`), about 2 us."""
-    from mmproxy.datasets._audio_headers import wav_layout
-
-    out: list[tuple[Any, ...]] = []
-    for clip in clips:
-        data = memoryview(clip)
-        form = wav_layout(data) if data[:4] == b"RIFF" else None
-        if form is None or form.tag != 1 or form.bits != 16:
-            out.append(_NO_PCM)
-            continue
-        frames = form.size // (2 * form.channels)
-        out.append((np.array(True), np.array([form.start], np.int64),
-                    np.array([frames * form.channels * 2], np.int64),
-                    np.array([frames, form.channels], np.int64),
-                    np.array(form.rate, np.float32)))
-    return tuple(list(column) for column in zip(*out)) if out else ([],) * 5
-
-
-def _decode(encoded: Any, *, gpu: bool, mono: bool, pcm: bool) -> tuple[Any, Any]:
-    """Encoded clips to (float32 audio on the pipeline's device, rate). With ``pcm`` (in a
-    pipeline with conditionals), 16-bit PCM WAV clips are cut from their files, reinterpreted and
-    scaled to [-1, 1) on that device, as DALI's decoder scales them, and only the other clips go
-    through DALI's CPU decoder."""
-    from nvidia.dali import fn, types
-
-    if not pcm:
-        audio, rate = fn.decoders.audio(encoded, dtype=types.FLOAT, downmix=mono)
-        return (audio.gpu() if gpu else audio), rate
-    is_pcm, start, nbytes, frames, pcm_rate = fn.python_function(  # type: ignore[misc]
-        encoded, function=_pcm_layouts, num_outputs=5, batch_processing=True)
-    if is_pcm:
-        samples = fn.slice(encoded.gpu() if gpu else encoded, start, nbytes, axes=[0])
-        audio = fn.reshape(fn.reinterpret(samples, dtype=types.INT16), shape=frames)
-        audio = fn.cast(audio, dtype=types.FLOAT) * (1 / 32768)
-        if mono:
-            audio = fn.reductions.mean(audio, axes=[1])
-        rate = pcm_rate
-    else:
-        audio, rate = fn.decoders.audio(encoded, dtype=types.FLOAT, downmix=mono)
-        if gpu:
-            audio = audio.gpu()
-    return audio, rate
-
-
 def audio_graph(encoded: Any, *, gpu: bool, sample_rate: int = 16000, mono: bool = True,
                 duration: float | None = None, pad_to_longest: bool = False,
                 n_mels: int | None = None, n_fft: int = 400, win_length: int | None = None,
                 hop_length: int = 160, log_mel: bool = True,
-                cpu_resample: CpuResample = "soxr", pcm: Pcm = "auto") -> tuple[Any, Any]:
+                cpu_resample: CpuResample = "soxr") -> tuple[Any, Any]:
     """The audio graph: encoded clips (a DALI node) to (audio, length) nodes. Call it inside a
     ``pipeline_def``; arguments as in :func:`audio_pipeline`, with ``gpu`` from
-    :func:`~mmproxy.pipelines.resolve_device`. The PCM path (``pcm="auto"``) needs the
-    pipeline's conditionals (``pipeline_def(enable_conditionals=True)``); without them every
-    clip goes through DALI's decoder."""
+    :func:`~mmproxy.pipelines.resolve_device`."""
+    import numpy as np
     from nvidia.dali import fn, types
-    from nvidia.dali._conditionals import conditionals_enabled
 
     if cpu_resample not in (*_RESAMPLERS, "dali"):
         raise ValueError(f"cpu_resample must be 'soxr', 'torchaudio' or 'dali', got {cpu_resample!r}")
-    if pcm not in ("auto", "decoder"):
-        raise ValueError(f"pcm must be 'auto' or 'decoder', got {pcm!r}")
-    audio, rate = _decode(encoded, gpu=gpu, mono=mono,
-                          pcm=pcm == "auto" and gpu and conditionals_enabled())
+    audio, rate = fn.decoders.audio(encoded, dtype=types.FLOAT, downmix=mono)
+    if gpu:
+        audio = audio.gpu()
     if gpu or cpu_resample == "dali":
         audio = fn.audio_resample(audio, in_rate=rate, out_rate=float(sample_rate),
                                   dtype=types.FLOAT)
@@ -300,7 +244,7 @@ def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = Tr
                    win_length: int | None = None, hop_length: int = 160, log_mel: bool = True,
                    device: Device = "auto", device_id: int | None = None, num_threads: int = 4,
                    prefetch_queue_depth: int = 2, input_name: str = "audio",
-                   cpu_resample: CpuResample = "soxr", pcm: Pcm = "auto") -> Any:
+                   cpu_resample: CpuResample = "soxr") -> Any:
     """Builds the audio pipeline.
 
     Args:
@@ -322,16 +266,12 @@ def audio_pipeline(*, batch_size: int, sample_rate: int = 16000, mono: bool = Tr
         input_name: Name of the ``external_source`` (the proxy's argument).
         cpu_resample: On CPU, resample with libsoxr ("soxr", the fastest) or "torchaudio" inside
             the DALI pipeline, or with DALI's "dali" ``fn.audio_resample`` (module docstring).
-        pcm: "auto": 16-bit PCM WAV clips skip DALI's CPU decoder: their samples are cut from
-            the file, reinterpreted and scaled on the pipeline's device (the GPU's, when it has
-            one); other clips are decoded by it. "decoder": DALI's decoder decodes every clip.
     """
     gpu, dev_id = resolve_device(device, device_id)
     graph = partial(audio_graph, gpu=gpu, sample_rate=sample_rate, mono=mono, duration=duration,
                     pad_to_longest=pad_to_longest, n_mels=n_mels, n_fft=n_fft,
                     win_length=win_length, hop_length=hop_length, log_mel=log_mel,
-                    cpu_resample=cpu_resample, pcm=pcm)
+                    cpu_resample=cpu_resample)
     return external_pipeline(graph, input_name=input_name, batch_size=batch_size,
                              num_threads=num_threads, device_id=dev_id,
-                             prefetch_queue_depth=prefetch_queue_depth,
-                             conditionals=pcm == "auto" and gpu)
+                             prefetch_queue_depth=prefetch_queue_depth)

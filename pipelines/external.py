@@ -12,7 +12,7 @@ __all__ = ["external_pipeline"]
 def external_pipeline(graph: Callable[[Any], Any], *, input_name: str, batch_size: int,
                       num_threads: int = 4, device_id: int | None = None,
                       prefetch_queue_depth: int = 2, seed: int | None = None,
-                      more_inputs: Sequence[str] = (), conditionals: bool = False) -> Any:
+                      more_inputs: Sequence[str] = ()) -> Any:
     """Builds a pipeline whose outputs are ``graph(data)``, ``data`` being the bytes the proxy is
     given (``fn.external_source(name=input_name)``, uint8, one 1-D array per sample).
 
@@ -26,12 +26,10 @@ def external_pipeline(graph: Callable[[Any], Any], *, input_name: str, batch_siz
         seed: DALI's random seed (None: random).
         more_inputs: Names of further ``external_source`` inputs, given to ``graph`` as keyword
             arguments (e.g. the sample-drawn inputs of :class:`mmproxy.proxy.SampleRandom`).
-        conditionals: Let ``graph`` branch per sample with ``if`` on DALI nodes (DALI's
-            ``enable_conditionals``).
     """
     from nvidia.dali import fn, pipeline_def, types
 
-    @pipeline_def(enable_conditionals=conditionals)
+    @pipeline_def
     def pipe() -> Any:
         more = {name: fn.external_source(name=name, no_copy=True) for name in more_inputs}
         return graph(fn.external_source(name=input_name, no_copy=True, dtype=types.UINT8), **more)

@@ -7,7 +7,6 @@ import io
 import struct
 
 import pytest
-from mmproxy.datasets._audio_headers import WavLayout, wav_layout
 from mmproxy.datasets.checks import check_header, image_size
 from PIL import Image
 
@@ -131,16 +130,3 @@ def test_a_wav_without_fmt_or_data():
 def test_an_oggs_last_page_is_found_near_the_end(tail, verdict):
     data = b"OggS\x00\x02" + bytes(30) + tail
     assert check_header("ogg", data) == verdict
-
-
-def test_wav_layout_says_where_the_samples_lie():
-    before = b"LIST\x03\x00\x00\x00abc\x00"
-    data = _wav(_fmt(channels=2, rate=22050), 100, before=before) + b"JUNK\x02\x00\x00\x00zz"
-    form = wav_layout(data)
-    assert form == WavLayout(tag=1, channels=2, rate=22050, bits=16, big_endian=False,
-                             start=12 + len(before) + 8 + 16 + 8, size=100)
-    assert data[form.start:form.start + form.size] == bytes(100)
-    streamed = _wav(_fmt(), 90, declared=0xFFFFFFFF)  # "to the end": what follows
-    assert wav_layout(streamed).size == 90
-    assert wav_layout(_wav(_fmt(), 90, declared=100)) is None  # cut short: no layout
-    assert wav_layout(_wav(_fmt(big=True), 10, big=True)).big_endian

@@ -351,81 +351,6 @@ def test_cpu_resampler_works_in_a_forked_child(kind):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def _wav_file(pcm: np.ndarray, rate: int, *, tag: int = 1, before: bytes = b"",
-              after: bytes = b"", declared: int | None = None) -> bytes:
-    """A WAV file of ``pcm`` ([frames, channels]) written by hand, with chunks ``before`` and
-    ``after`` its data chunk and its data size as ``declared``."""
-    import struct
-
-    channels, width = pcm.shape[1], pcm.dtype.itemsize
-    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * channels * width, channels * width,
-                      8 * width)
-    body = pcm.tobytes()
-    chunks = (b"fmt " + struct.pack("<I", len(fmt)) + fmt + before + b"data"
-              + struct.pack("<I", len(body) if declared is None else declared) + body
-              + (b"\0" if len(body) % 2 else b"") + after)
-    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
-
-
-def _pcm_batch(flac: bool = True) -> list[bytes]:
-    """Clips the PCM path takes (16-bit: mono, stereo, a LIST chunk before the samples, a chunk
-    after them, an odd byte count, a streaming size) and clips DALI's decoder takes (8-bit,
-    float, and FLAC unless not ``flac``: soundfile writes it)."""
-    rng = np.random.default_rng(0)
-    s16 = (rng.standard_normal((3001, 2)) * 6000).clip(-32768, 32767).astype("<i2")
-    mono = s16[:, :1].copy()
-    return [
-        _wav_file(mono, 44100),
-        _wav_file(s16, 22050),
-        _wav_file(mono[:999], 16000, before=b"LIST\x03\x00\x00\x00abc\x00"),
-        _wav_file(s16[:500], 48000, after=b"JUNK\x04\x00\x00\x00abcd"),
-        _wav_file(mono[:700], 8000, declared=1399),  # an odd data size: 699 whole frames
-        _wav_file(mono[:400], 8000, declared=0xFFFFFFFF),
-        _wav_file((s16[:, :1] // 256 + 128).astype(np.uint8), 11025),
-        _wav_file((s16 / 32768).astype("<f4"), 44100, tag=3),
-    ] + ([audio_bytes(synth_speech(3, 0.3, rate=16000), 16000, "FLAC")] if flac else [])
-
-
-def test_pcm_layouts_send_16_bit_integer_wav_only():
-    from mmproxy.pipelines.audio import _pcm_layouts
-
-    clips = [np.frombuffer(c, np.uint8) for c in _pcm_batch()]
-    is_pcm, start, nbytes, frames, rate = _pcm_layouts(clips)
-    assert [bool(p) for p in is_pcm] == [True] * 6 + [False] * 3
-    assert [tuple(f) for f in frames[:6]] == [(3001, 1), (3001, 2), (999, 1), (500, 2), (699, 1),
-                                              (400, 1)]
-    assert [float(r) for r in rate[:6]] == [44100, 22050, 16000, 48000, 8000, 8000]
-    assert all(int(n[0]) == 2 * f[0] * f[1] for n, f in zip(nbytes[:6], frames[:6]))
-    assert bytes(clips[1][int(start[1][0]):int(start[1][0]) + 4]) == _pcm_batch()[1][44:48]
-
-
-@pytest.mark.parametrize("mono", [True, False])
-def test_pcm_path_gives_what_dalis_decoder_gives(mono):
-    # The PCM path's operators in a CPU pipeline (audio_pipeline takes it on a GPU only: on CPU
-    # DALI's decoder is the faster), against DALI's decoder on every clip: the same samples.
-    from mmproxy.pipelines.audio import _decode
-    from nvidia.dali import fn, pipeline_def, types
-    from nvidia.dali.backend import TensorCPU, TensorListCPU
-
-    clips = [np.frombuffer(c, np.uint8) for c in _pcm_batch()]
-    outs = {}
-    for pcm in (True, False):
-        @pipeline_def(enable_conditionals=True)
-        def pipe(pcm=pcm):
-            data = fn.external_source(name="audio", no_copy=True, dtype=types.UINT8)
-            return _decode(data, gpu=False, mono=mono, pcm=pcm)
-
-        p = pipe(batch_size=len(clips), num_threads=1, device_id=None, prefetch_queue_depth=1)
-        p.build()
-        p.feed_input("audio", TensorListCPU([TensorCPU(c) for c in clips], contiguous=False))
-        audio, rate = p.run()
-        outs[pcm] = [(np.array(audio[i]), float(np.array(rate[i]))) for i in range(len(clips))]
-        p._shutdown()
-    for i, ((got, got_rate), (want, want_rate)) in enumerate(zip(outs[True], outs[False])):
-        assert got.shape == want.shape and got_rate == want_rate, i
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-7, err_msg=f"clip {i}")
-
-
 @pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG"])
 def test_decodes_wav_flac_ogg_downmix_and_fixed_duration(fmt):
     x = synth_speech(1, 0.7, rate=16000, channels=2)
@@ -452,22 +377,6 @@ def test_log_mel_matches_torchaudio():
     assert (got - ref).abs().max() / ref.max() < 1e-3
     loud = ref > ref.max() * 1e-4
     assert (10 * torch.log10(got[loud]) - 10 * torch.log10(ref[loud])).abs().max() < 0.1
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n_mels", [None, 64])
-def test_gpu_pcm_path_gives_what_dalis_decoder_gives(n_mels):
-    clips = _pcm_batch(flac=False)
-    out = {}
-    for pcm in ("auto", "decoder"):
-        pipe = audio_pipeline(batch_size=len(clips), device="gpu", num_threads=2, pcm=pcm,
-                              n_mels=n_mels)
-        with mmproxy.DALIServer(pipe, pad=[0]) as server:
-            audio, length = run(server, clips)
-            out[pcm] = audio.data.cpu(), length.cpu()
-    assert torch.equal(out["auto"][1], out["decoder"][1])
-    # the same samples in; the same kernels after them (the stereo mean may round apart)
-    assert (out["auto"][0] - out["decoder"][0]).abs().max() < (1e-5 if n_mels is None else 1e-3)
 
 
 @pytest.mark.gpu

@@ -29,13 +29,8 @@ def _graph(setup: Setup) -> Any:
         return lambda data: data  # the proxy machinery alone: the bytes come back
     if setup.modality == "audio":
         return lambda data: audio_graph(data, gpu=setup.gpu, sample_rate=16000,
-                                        pad_to_longest=True, pcm=setup.args.audio_pcm)[0]
+                                        pad_to_longest=True)[0]
     return partial(image_train_graph, gpu=setup.gpu, size=224, cpu_resize=setup.args.cpu_resize)
-
-
-def _conditionals(setup: Setup) -> bool:
-    """Whether the workload's graph branches per sample: the audio graph's PCM path."""
-    return setup.modality == "audio" and setup.args.audio_pcm == "auto"
 
 
 def proxied_pipeline(setup: Setup, prefetch: int | None = None) -> Any:
@@ -52,7 +47,7 @@ def proxied_pipeline(setup: Setup, prefetch: int | None = None) -> Any:
                               prefetch_queue_depth=depth, cpu_resize=setup.args.cpu_resize)
     return external_pipeline(_graph(setup), input_name="data", batch_size=setup.batch,
                              num_threads=setup.args.threads, device_id=setup.device_id,
-                             prefetch_queue_depth=depth, conditionals=_conditionals(setup))
+                             prefetch_queue_depth=depth)
 
 
 def reader_pipeline(setup: Setup, prefetch: int = 2) -> Any:
@@ -62,7 +57,7 @@ def reader_pipeline(setup: Setup, prefetch: int = 2) -> Any:
 
     graph = _video_graph if setup.modality == "video" else _graph(setup)
 
-    @pipeline_def(enable_conditionals=_conditionals(setup))
+    @pipeline_def
     def pipe() -> Any:
         data = fn.readers.webdataset(paths=setup.paths, ext=[setup.ext], random_shuffle=True,
                                      initial_fill=256, name="reader",
