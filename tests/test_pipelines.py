@@ -307,6 +307,7 @@ from mmproxy.pipelines.audio import _RESAMPLERS
 resample = _RESAMPLERS[sys.argv[1]](16000)
 clips = [np.sin(np.arange(8820, dtype=np.float32) * 0.0627)] * 3
 stop = threading.Event()
+worker = threading.Thread(target=lambda: busy(), daemon=True)
 
 def busy():
     while not stop.is_set():
@@ -315,7 +316,7 @@ def busy():
 for k in range(8):
     assert [len(c) for c in resample(clips, [44100.0] * 3)] == [3200] * 3
     if k == 4:  # the last four forks with a thread of the parent resampling
-        threading.Thread(target=busy, daemon=True).start()
+        worker.start()
     pid = os.fork()
     if pid == 0:  # the child: exits 0 only if the resampler answers within 10 s
         code = 1
@@ -332,6 +333,7 @@ for k in range(8):
     if os.WEXITSTATUS(status):
         sys.exit(f"fork {k}: the child did not resample (status {status})")
 stop.set()
+worker.join()  # not at exit inside torch: its C++ statics go first ("terminate called")
 """
 
 
