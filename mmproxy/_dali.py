@@ -10,16 +10,19 @@ error texts are read here too (:func:`summary`, :func:`named_sample`).
 
 Private DALI attributes used, all on ``nvidia.dali.Pipeline`` (DALI 2.x): ``_py_graph_built``,
 ``_build_graph``, ``_ops`` / ``op._op`` (to find the inputs), ``_deserialized``, ``_run_once``,
-and ``_shutdown`` / ``_built`` / ``_backend_prepared`` (to rebuild from the same graph).
+``_shutdown`` / ``_built`` / ``_backend_prepared`` (to rebuild from the same graph), and
+``Pipeline._pipes`` / ``_pipe`` (every live pipeline and its native part: a forked child keeps
+the parent's from shutting down, :func:`_keep_inherited_pipelines`).
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mmproxy import _convert
+from mmproxy import _convert, _process
 from mmproxy._encoded import Encoded
 from mmproxy.errors import ServerStateError
 
@@ -240,3 +243,21 @@ def summary(err: BaseException) -> str:
     operator = _OPERATOR.search(text)
     line = _in_words(line)
     return f"{operator.group(1)}: {line}" if operator else line
+
+
+def _keep_inherited_pipelines() -> None:
+    """In a forked child: every DALI pipeline of the parent's (any, the user's too) loses its
+    native part to :func:`mmproxy._process.keep`, so that freeing it here never shuts it down.
+    Its threads were the parent's: the shutdown would wait for them forever (a DataLoader worker
+    that collects a pipeline the parent dropped without shutting it down would hang)."""
+    module = sys.modules.get("nvidia.dali.pipeline")
+    if module is None:
+        return
+    for ref in list(module.Pipeline._pipes):
+        pipeline = ref()
+        if pipeline is not None and pipeline._pipe is not None:
+            _process.keep(pipeline._pipe)
+            pipeline._pipe = None
+
+
+_process.on_fork_in_child(_keep_inherited_pipelines)

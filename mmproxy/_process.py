@@ -10,12 +10,15 @@
   it must never free a pipeline or a CUDA tensor (a CUDA call in a forked child aborts it), must
   not hold a server's socket open, must not reuse a lock another thread of the parent held. Each
   module registers what its objects need (``server``: keep every server and forget its socket;
-  ``_workers``: keep inherited DataLoader iterators; ``_transport``: a fresh lock), and objects
-  handed to :func:`keep` live as long as the child does.
+  ``_workers``: keep inherited DataLoader iterators; ``_transport``: a fresh lock; ``_dali``:
+  every DALI pipeline of the parent's, the user's too, kept from shutting down), and objects
+  handed to :func:`keep` live as long as the child does. The collector stays off from the fork
+  until these hooks have run in the child.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import secrets
@@ -86,9 +89,29 @@ def keep(obj: Any) -> None:
     _inherited.append(obj)
 
 
+_collecting = True  # whether the collector ran when the fork began
+
+
+def _before_fork() -> None:
+    # No collection between the fork and the hooks below in the child: Python's own after-fork
+    # work (threading's) runs first and allocates, and a collection there would free garbage the
+    # hooks must make inert first (a DALI pipeline that shuts down in a forked child hangs it).
+    global _collecting
+    _collecting = gc.isenabled()
+    gc.disable()
+
+
+def _after_fork_in_parent() -> None:
+    if _collecting:
+        gc.enable()
+
+
 def _after_fork_in_child() -> None:
     for hook in _hooks:
         hook()
+    if _collecting:
+        gc.enable()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)

@@ -413,3 +413,44 @@ def test_server_restart_under_persistent_workers_keeps_working():
             s.start_thread()
     finally:
         s.stop_thread()
+
+
+class _Holder:
+    """A pipeline in a reference cycle: garbage only the cyclic collector frees."""
+
+    def __init__(self, pipeline):
+        self.pipeline, self.me = pipeline, self
+
+
+def test_a_forked_child_frees_a_pipeline_its_parent_dropped_without_hanging():
+    # A pipeline the parent dropped in a cycle, not shut down and not yet collected, is freed
+    # in the child by its first collection (Python's own after-fork work can run one). DALI's
+    # shutdown there waits for the parent's threads forever; the child must not try it.
+    pipeline = cpu(double_pipe, batch_size=2)
+    pipeline.build()
+    enabled = gc.isenabled()
+    gc.disable()  # the cycle stays uncollected until the fork
+    try:
+        _Holder(pipeline)
+        del pipeline
+        pid = os.fork()
+        if pid == 0:
+            try:
+                gc.collect()
+            finally:
+                os._exit(0)
+    finally:
+        if enabled:
+            gc.enable()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung freeing the pipeline its parent dropped")
+    gc.collect()  # the parent frees it: shut down here, where its threads are
