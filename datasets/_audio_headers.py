@@ -1,8 +1,9 @@
 """Audio headers: a WAV file's ``fmt `` chunk and data size, and an OGG's last page.
 
 A WAV file is sound when its ``fmt `` chunk (within the first 1 MiB of chunks) declares a
-channel count, a rate and a sample size a decoder takes, its ``data`` chunk holds frames, and
-that chunk does not declare more bytes than follow; an OGG is cut short when its last page does
+channel count, a rate and a sample size a decoder takes (integer samples of at most 32 bits),
+it has a ``data`` chunk that holds frames, and that chunk does not declare more bytes than
+follow; an OGG is cut short when its last page does
 not end the stream. The cost is one walk over the WAV chunk headers, or a look at the last
 8 KiB of an OGG (64 KiB when its last page starts before them).
 """
@@ -18,6 +19,7 @@ _PCM_TAGS = (1, 3, 0xFFFE)  # integer PCM, IEEE float, extensible: bits per samp
 _OPEN_ENDED = (0xFFFFFFFF, 0x7FFFFFFF)  # a streaming writer's data size: "to the end of the file"
 _CHUNK = {False: struct.Struct("<4sI"), True: struct.Struct(">4sI")}
 _FMT = {False: struct.Struct("<HHI6xH"), True: struct.Struct(">HHI6xH")}
+_TAG = {False: struct.Struct("<H"), True: struct.Struct(">H")}
 
 
 def wav_problem(data: bytes | memoryview) -> str | None:
@@ -55,6 +57,8 @@ def wav_problem(data: bytes | memoryview) -> str | None:
         i = body + size + (size & 1)
     if not seen_fmt and end < n and end >= 1 << 20:
         return None  # the header goes on past what is read: not known
+    if seen_fmt and not form:
+        return None if i >= 1 << 20 else "has no 'data' chunk (no audio data before its end)"
     return form
 
 
@@ -67,6 +71,10 @@ def _fmt_problem(data: bytes | memoryview, body: int, size: int, big: bool) -> s
     if not (0 < channels <= 256 and 0 < rate <= 10_000_000 and bits_ok):
         return (f"has a malformed 'fmt ' chunk ({channels} channels, {rate} Hz, "
                 f"{bits} bits per sample)")
+    if tag == 0xFFFE and size >= 26 and body + 26 <= len(data):  # extensible: its sub-format
+        tag = _TAG[big].unpack_from(data, body + 24)[0]
+    if tag == 1 and bits > 32:
+        return f"has {bits}-bit integer samples (DALI's decoder reads at most 32)"
     return None
 
 

@@ -33,8 +33,8 @@ MAX_PIXELS = 64 * 2**20  # 64 megapixels
 Data = bytes | memoryview  # a field: bytes, or a view of a mapped shard
 
 
-def _wav(b: Data) -> bool:
-    return len(b) >= 12 and b[:4] in (b"RIFF", b"RIFX") and b[8:12] == b"WAVE"
+def _wav(b: Data) -> bool:  # RIFF, big-endian RIFX, and RF64 (64-bit sizes in a ds64 chunk)
+    return len(b) >= 12 and b[:4] in (b"RIFF", b"RIFX", b"RF64") and b[8:12] == b"WAVE"
 
 
 _TIFF = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # little / big endian, classic / BigTIFF

@@ -130,3 +130,26 @@ def test_a_wav_without_fmt_or_data():
 def test_an_oggs_last_page_is_found_near_the_end(tail, verdict):
     data = b"OggS\x00\x02" + bytes(30) + tail
     assert check_header("ogg", data) == verdict
+
+
+@pytest.mark.parametrize("fmt, frames, verdict", [
+    (_fmt(bits=24), 30, None),
+    (_fmt(bits=36), 30, "has 36-bit integer samples (DALI's decoder reads at most 32)"),
+    (_fmt(tag=0xFFFE, bits=64) + struct.pack("<HHI", 22, 64, 0) + struct.pack("<H", 1) + bytes(14),
+     32, "has 64-bit integer samples (DALI's decoder reads at most 32)"),  # extensible, PCM
+    (_fmt(tag=0xFFFE, bits=64) + struct.pack("<HHI", 22, 64, 0) + struct.pack("<H", 3) + bytes(14),
+     32, None),  # extensible, float
+    (_fmt(tag=3, bits=64), 32, None),
+])
+def test_wav_sample_sizes_decoders_read(fmt, frames, verdict):
+    # scipy's test files of 36-, 45-, 53- and 64-bit integer samples: DALI cannot decode them
+    assert check_header("wav", _wav(fmt, frames)) == verdict
+
+
+def test_a_wav_that_ends_before_its_data_chunk_or_is_rf64():
+    no_data = b"RIFF\x00\x00\x00\x00WAVE" + b"fmt " + struct.pack("<I", 16) + _fmt()
+    assert check_header("wav", no_data) == "has no 'data' chunk (no audio data before its end)"
+    assert check_header("wav", no_data + b"dat") == \
+        "has no 'data' chunk (no audio data before its end)"  # cut inside the chunk's header
+    rf64 = b"RF64" + _wav(_fmt(), 20, declared=0xFFFFFFFF)[4:]  # sizes in its ds64 chunk
+    assert check_header("wav", rf64) is None
