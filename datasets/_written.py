@@ -57,7 +57,7 @@ class WrittenShards(list[str]):
         renamed: ``(path relative to the source, extension stored)`` for every file whose content
             is another format than its name says, stored as what it holds.
         files_left_out: A :class:`LeftOut` for every file not written, in name order.
-        manifest: Path of ``manifest.jsonl`` (key, shard, source file, caption origin).
+        manifest: Path of ``manifest.jsonl`` (key, shard, source file, where the caption came from).
     """
 
     def __init__(self, kind: str, reads: list[str]) -> None:

@@ -7,7 +7,8 @@ image-text and video-text) and class index (``cls``, when the file is in a class
 ``src``: the file's path relative to the source folder, so that an error naming
 ``shard-000001.tar:00000010`` can be traced back to the file. Beside the shards go
 ``classes.json`` (class names, sorted; ``cls`` indexes it) and ``manifest.jsonl`` (one line per
-sample: ``key``, ``shard``, ``source``, ``caption`` = "txt" | "folder" | null).
+sample: ``key``, ``shard``, ``source``, ``caption_from`` = "txt" | "folder" | null: where its
+caption came from).
 
 A file is stored under the extension of what it holds, whatever its name says (a PNG named
 ``.jpg`` as ``png``, a WAV named ``.flac`` as ``wav``); every extension written is one the
@@ -206,7 +207,7 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
                 sample["cls"] = str(index[item.class_name])
             sink.write(sample)
             manifest.append({"key": key, "shard": os.path.basename(final_path(sink.fname)),
-                             "source": item.rel, "caption": item.origin})
+                             "source": item.rel, "caption_from": item.origin})
         written.files_left_out.sort(key=lambda item: item.path)
         if not manifest:
             reasons = "; ".join(f"{p}: {w}" for p, w in written.left_out[:3])
@@ -228,8 +229,8 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
                 os.unlink(part)
         raise
     written.samples = len(manifest)
-    written.captions_from_txt = sum(row["caption"] == "txt" for row in manifest)
-    written.captions_from_folder = sum(row["caption"] == "folder" for row in manifest)
+    written.captions_from_txt = sum(row["caption_from"] == "txt" for row in manifest)
+    written.captions_from_folder = sum(row["caption_from"] == "folder" for row in manifest)
     written.manifest = str(output / MANIFEST)
     return written
 

@@ -261,11 +261,11 @@ def test_each_sample_names_its_source_file_and_the_manifest_maps_keys_back(tmp_p
         assert sample["png"] == (src / row["source"]).read_bytes()
         assert classes[int(sample["cls"])] == row["source"].split("/")[0]
     by_source = {row["source"]: row for row in manifest}
-    assert by_source["cat/1.png"]["caption"] == "txt"
+    assert by_source["cat/1.png"]["caption_from"] == "txt"
     assert members(out / by_source["cat/1.png"]["shard"])[by_source["cat/1.png"]["key"]]["txt"] \
         == b"a cat with a caption"
     dog = by_source["dog_house/0.png"]
-    assert dog["caption"] == "folder"
+    assert dog["caption_from"] == "folder"
     assert members(out / dog["shard"])[dog["key"]]["txt"] == b"dog house"
 
 
