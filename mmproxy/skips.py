@@ -45,6 +45,7 @@ EMPTY_AFTER = 1000  # skipped samples with none delivered before an epoch is cal
 CHECK_EVERY = 10_000  # samples read between two checks of the skipped fraction
 SHARD_CHECK_EVERY = 100  # shards tried between two checks of the unreadable share
 _KEEP = 10_000  # records kept per epoch (the counts stay exact)
+_MORE_OF_A_KIND = 4  # records of a kind a summary lists after the first
 _LISTED = 3  # shards named in a shard limit's message
 
 
@@ -80,6 +81,10 @@ class SkippedSample(NamedTuple):
     key: str
     reason: str
     kind: SkipKind = SkipKind.OTHER
+
+
+def _where(record: SkippedSample) -> str:
+    return f"{record.shard}, sample {record.key!r}" if record.key else record.shard
 
 
 def _legacy_kind(reason: str) -> SkipKind:
@@ -203,15 +208,19 @@ class SkipReport:
         return f"{words} shard(s)" if words else ""
 
     def summary(self) -> str:
-        """Counts and the first record of each kind, one kind per line."""
+        """Counts and the first records of each kind (the first on the kind's line, up to
+        :data:`_MORE_OF_A_KIND` more under it)."""
         shards = (f" and {self.shards_text()}, their unread samples not counted"
                   if self.shards else "")
         lines = [f"epoch {self.epoch}: {self.delivered} samples delivered, "
                  f"{self.samples_skipped} samples skipped{shards}"]
         for kind, count in self.by_kind.most_common():
             first = self._first[kind]
-            where = f"{first.shard}, sample {first.key!r}" if first.key else first.shard
-            lines.append(f"  {count} x {kind.value}; first: {where}: {first.reason}")
+            lines.append(f"  {count} x {kind.value}; first: {_where(first)}: {first.reason}")
+            more = [r for r in self.records if r.kind == kind and r != first][:_MORE_OF_A_KIND]
+            lines += [f"    then {_where(r)}: {r.reason}" for r in more]
+            if count > 1 + len(more):
+                lines.append(f"    and {count - 1 - len(more)} more")
         return "\n".join(lines)
 
     def check(self, max_skipped: float | None, *, final: bool = False) -> None:

@@ -798,3 +798,20 @@ def test_an_epoch_whose_every_shard_failed_says_so():
                            "be read)")
     assert "http://h/s-0.tar: unreadable shard: no answer within 10 s" in text
     assert "field extensions" not in text
+
+
+def test_a_skip_summary_lists_the_first_records_of_each_kind_and_counts_the_rest():
+    # A user whose files fail asks which: the summary (in SkipLimitError too) names the first
+    # five of each kind, then how many more (the report's records hold up to 10,000).
+    from mmproxy.skips import SkipKind, SkippedSample, SkipReport
+
+    report = SkipReport()
+    bad = [SkippedSample("a.tar", f"k{i}", f"failed {i}", SkipKind.PIPELINE) for i in range(7)]
+    report.add(3, [*bad, SkippedSample("b.tar", "", "unreadable shard: cut",
+                                       SkipKind.UNREADABLE_SHARD)])
+    lines = report.summary().splitlines()
+    assert lines[1] == "  7 x pipeline failed; first: a.tar, sample 'k0': failed 0"
+    assert lines[2:7] == [f"    then a.tar, sample 'k{i}': failed {i}" for i in range(1, 5)] + [
+        "    and 2 more"]
+    assert lines[7] == "  1 x unreadable shard; first: b.tar: unreadable shard: cut"
+    assert len(lines) == 8
