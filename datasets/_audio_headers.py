@@ -19,7 +19,7 @@ _PCM_TAGS = (1, 3, 0xFFFE)  # integer PCM, IEEE float, extensible: bits per samp
 _OPEN_ENDED = (0xFFFFFFFF, 0x7FFFFFFF)  # a streaming writer's data size: "to the end of the file"
 _CHUNK = {False: struct.Struct("<4sI"), True: struct.Struct(">4sI")}
 _FMT = {False: struct.Struct("<HHI6xH"), True: struct.Struct(">HHI6xH")}
-_TAG = {False: struct.Struct("<H"), True: struct.Struct(">H")}
+_SUB = {False: struct.Struct("<I"), True: struct.Struct(">I")}
 
 
 def wav_problem(data: bytes | memoryview) -> str | None:
@@ -57,8 +57,8 @@ def wav_problem(data: bytes | memoryview) -> str | None:
         i = body + size + (size & 1)
     if not seen_fmt and end < n and end >= 1 << 20:
         return None  # the header goes on past what is read: not known
-    if seen_fmt and not form:
-        return None if i >= 1 << 20 else "has no 'data' chunk (no audio data before its end)"
+    if seen_fmt and not form:  # the walk ran out of file (not out of its 1 MiB) before data
+        return None if i + 8 <= n else "has no 'data' chunk (no audio data before its end)"
     return form
 
 
@@ -71,8 +71,9 @@ def _fmt_problem(data: bytes | memoryview, body: int, size: int, big: bool) -> s
     if not (0 < channels <= 256 and 0 < rate <= 10_000_000 and bits_ok):
         return (f"has a malformed 'fmt ' chunk ({channels} channels, {rate} Hz, "
                 f"{bits} bits per sample)")
-    if tag == 0xFFFE and size >= 26 and body + 26 <= len(data):  # extensible: its sub-format
-        tag = _TAG[big].unpack_from(data, body + 24)[0]
+    if tag == 0xFFFE and size >= 28 and body + 28 <= len(data):  # extensible: its sub-format
+        sub = _SUB[big].unpack_from(data, body + 24)[0]  # the GUID's first field
+        tag = 1 if sub in (1, 0x01000000) else sub  # RIFX writers store it either way
     if tag == 1 and bits > 32:
         return f"has {bits}-bit integer samples (DALI's decoder reads at most 32)"
     return None

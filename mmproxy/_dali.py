@@ -253,7 +253,7 @@ def _keep_inherited_pipelines() -> None:
     module = sys.modules.get("nvidia.dali.pipeline")
     if module is None:
         return
-    for ref in list(module.Pipeline._pipes):
+    for ref in list(getattr(module.Pipeline, "_pipes", ())):
         pipeline = ref()
         if pipeline is not None and pipeline._pipe is not None:
             _process.keep(pipeline._pipe)

@@ -18,11 +18,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
 import os
 import secrets
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -85,32 +87,53 @@ def on_fork_in_child(hook: Callable[[], None]) -> None:
 
 
 def keep(obj: Any) -> None:
-    """Keeps ``obj`` alive for the rest of this (forked child) process: never collected here."""
+    """Keeps ``obj`` alive for the rest of this (forked child) process: never freed here, not
+    even when the interpreter shuts down (a child that leaves by ``sys.exit`` rather than
+    ``os._exit`` would free it then)."""
     _inherited.append(obj)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # a reference nothing ever drops
 
 
-_collecting = True  # whether the collector ran when the fork began
+# The collector is off from the fork until the hooks below have run in the child: Python's own
+# after-fork work (threading's) runs first and allocates, and a collection there would free
+# garbage the hooks must make inert first (a DALI pipeline that shuts down in a forked child
+# hangs it). Forks from several threads at once are counted, so that the first one in saves
+# whether the collector ran and the last one out restores it.
+_forks_lock = threading.Lock()
+_forks = 0  # forks under way in this process
+_collecting = True  # whether the collector ran when the first of them began
 
 
 def _before_fork() -> None:
-    # No collection between the fork and the hooks below in the child: Python's own after-fork
-    # work (threading's) runs first and allocates, and a collection there would free garbage the
-    # hooks must make inert first (a DALI pipeline that shuts down in a forked child hangs it).
-    global _collecting
-    _collecting = gc.isenabled()
-    gc.disable()
+    global _forks, _collecting
+    with _forks_lock:
+        if _forks == 0:
+            _collecting = gc.isenabled()
+            gc.disable()
+        _forks += 1
 
 
 def _after_fork_in_parent() -> None:
-    if _collecting:
-        gc.enable()
+    global _forks
+    with _forks_lock:
+        _forks -= 1
+        if _forks == 0 and _collecting:
+            gc.enable()
 
 
 def _after_fork_in_child() -> None:
-    for hook in _hooks:
-        hook()
-    if _collecting:
-        gc.enable()
+    global _forks, _forks_lock
+    _forks, _forks_lock = 0, threading.Lock()  # only this thread came along
+    try:
+        for hook in _hooks:
+            try:
+                hook()
+            except Exception as err:  # one hook's failure must not stop the others
+                warnings.warn(f"mmproxy: an after-fork hook failed in a forked child "
+                              f"({type(err).__name__}: {err})", RuntimeWarning, stacklevel=1)
+    finally:
+        if _collecting:
+            gc.enable()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,

@@ -151,5 +151,11 @@ def test_a_wav_that_ends_before_its_data_chunk_or_is_rf64():
     assert check_header("wav", no_data) == "has no 'data' chunk (no audio data before its end)"
     assert check_header("wav", no_data + b"dat") == \
         "has no 'data' chunk (no audio data before its end)"  # cut inside the chunk's header
-    rf64 = b"RF64" + _wav(_fmt(), 20, declared=0xFFFFFFFF)[4:]  # sizes in its ds64 chunk
+    ds64 = b"ds64" + struct.pack("<IQQQI", 28, 0, 20, 10, 0)  # riff, data and frame counts
+    rf64 = b"RF64" + _wav(_fmt(), 20, declared=0xFFFFFFFF, before=ds64)[4:]
     assert check_header("wav", rf64) is None
+    # a chunk that claims to run past the first MiB in a file that ends first: no data chunk
+    huge = no_data + b"LIST" + struct.pack("<I", 2 << 20) + bytes(10_000)
+    assert check_header("wav", huge) == "has no 'data' chunk (no audio data before its end)"
+    longer = huge + bytes(2 << 20)  # the header goes on past what is walked: not known
+    assert check_header("wav", longer) is None

@@ -454,3 +454,49 @@ def test_a_forked_child_frees_a_pipeline_its_parent_dropped_without_hanging():
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung freeing the pipeline its parent dropped")
     gc.collect()  # the parent frees it: shut down here, where its threads are
+
+
+_COLLECTOR_AT_FORK = """
+import gc, os, threading, time
+seen = []
+os.register_at_fork(after_in_child=lambda: seen.append(gc.isenabled()))  # runs before mmproxy's
+os.register_at_fork(before=lambda: time.sleep(0.005))  # after mmproxy's: other threads' forks begin
+import mmproxy  # noqa: E402
+from mmproxy import _process
+
+_process.on_fork_in_child(lambda: 1 / 0)  # a hook that fails: the others still run
+
+
+def fork_and_check():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if seen == [False] and gc.isenabled() else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "child"
+
+threads = [threading.Thread(target=lambda: [fork_and_check() for _ in range(20)]) for _ in range(3)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert gc.isenabled(), "the parent's collector stayed off"
+gc.disable()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if not gc.isenabled() else 1)  # the user's choice holds in the child
+assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 and not gc.isenabled()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_collector_is_off_from_a_fork_until_the_hooks_ran_and_then_as_it_was():
+    # Python's own after-fork work (threading's hook, registered first) must not collect
+    # garbage the hooks have not made inert; forks from three threads at once leave the
+    # parent's collector on, a failing hook does not stop the rest, and a collector the user
+    # turned off stays off.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _COLLECTOR_AT_FORK], capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "an after-fork hook failed in a forked child (ZeroDivisionError" in done.stderr
