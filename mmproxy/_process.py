@@ -78,7 +78,6 @@ def local_servers() -> list[Any]:
 
 
 _hooks: list[Callable[[], None]] = []
-_inherited: list[Any] = []
 
 
 def on_fork_in_child(hook: Callable[[], None]) -> None:
@@ -90,7 +89,6 @@ def keep(obj: Any) -> None:
     """Keeps ``obj`` alive for the rest of this (forked child) process: never freed here, not
     even when the interpreter shuts down (a child that leaves by ``sys.exit`` rather than
     ``os._exit`` would free it then)."""
-    _inherited.append(obj)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # a reference nothing ever drops
 
 
