@@ -26,8 +26,9 @@ main process's threads together) and the cores that kept busy. The systems:
 - ``mmproxy-dali`` (GPU only): ``decoder="dali"``: DALI's in-memory NVDEC decoder
   (``fn.decoders.video``, ``mixed``); ``mmproxy-dali[build_index=False]`` passes options to it.
 - ``torch``: a ``torch.utils.data.DataLoader`` over the files; each worker decodes the clip with
-  PyAV (seeking to the key frame before the start), resizes with torchvision, crops, flips and
-  normalizes (what a PyTorch video pipeline does without DALI).
+  PyAV (seeking to the key frame before the start, on FFmpeg's threads), resizes with
+  torchvision, crops, flips and normalizes (what a PyTorch video pipeline does without DALI);
+  ``torch[threads=False]`` decodes on each worker's own thread alone, as mmproxy's workers do.
 - ``dali-reader``: ``fn.readers.video`` on the files (GPU only: DALI's video reader decodes with
   NVDEC), one 16-frame sequence per file (``step`` past the end), shuffled, then the same graph.
 - ``dali-proxy``: DALI's own proxy feeding encoded clips to ``fn.decoders.video`` (GPU only), start
@@ -97,10 +98,12 @@ def write_clips(folder: Path, count: int, width: int, height: int) -> tuple[list
 
 
 class TorchClips(torch.utils.data.Dataset):
-    """Files decoded with PyAV in the worker, then torchvision: the PyTorch-only system."""
+    """Files decoded with PyAV in the worker, then torchvision: the PyTorch-only system. PyAV
+    decodes on FFmpeg's threads, as PyAV's documentation advises for speed (``threads=False``:
+    on the worker's own thread alone, as mmproxy's workers do)."""
 
-    def __init__(self, files: list[str]) -> None:
-        self.files = files
+    def __init__(self, files: list[str], threads: bool = True) -> None:
+        self.files, self.threads = files, threads
 
     def __len__(self) -> int:
         return len(self.files)
@@ -114,7 +117,8 @@ class TorchClips(torch.utils.data.Dataset):
         rng = random.Random()
         info = video_info(data)
         start = clip_start(info.frames if info else None, FRAMES, STRIDE, True, rng)
-        clip = torch.from_numpy(decode_clip(data, start, FRAMES, STRIDE)).permute(0, 3, 1, 2)
+        clip = torch.from_numpy(decode_clip(data, start, FRAMES, STRIDE, threads=self.threads))
+        clip = clip.permute(0, 3, 1, 2)
         clip = F.resize(clip, RESIZE, antialias=True)
         h, w = clip.shape[-2:]
         y, x = rng.randint(0, h - SIZE), rng.randint(0, w - SIZE)
@@ -161,10 +165,13 @@ def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: lis
     return result
 
 
-def _torch(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str]) -> Any:
+def _torch(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[str],
+           options: dict[str, Any] | None = None) -> Any:
+    """``torch[threads=False]``: PyAV on each worker's own thread alone."""
     from mmproxy.apps.bench.timing import time_epochs
 
-    loader = torch.utils.data.DataLoader(TorchClips(files), batch_size=args.batch_size, shuffle=True,
+    clips = TorchClips(files, **(options or {}))
+    loader = torch.utils.data.DataLoader(clips, batch_size=args.batch_size, shuffle=True,
                                          num_workers=args.workers, pin_memory=gpu,
                                          persistent_workers=True)
     return time_epochs(lambda: ((b[0].cuda(non_blocking=True) if gpu else b[0]) for b in loader),

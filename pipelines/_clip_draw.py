@@ -94,8 +94,9 @@ class ClipDraw:
             here = self.backlog.seconds() > self.pace
         if here:
             began = time.perf_counter()
+            # one thread: many workers decode at once, so each is best on its own core
             decoded = decode_clip(data, start, None if self.every_frame else self.frames,
-                                  self.stride)
+                                  self.stride, threads=False)
             self.pace = paced(self.pace, time.perf_counter() - began, _PACE)
             out[self.input_name if self.nvdec else "frames"] = decoded
         if "start" in self.names:

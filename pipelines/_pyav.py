@@ -2,7 +2,8 @@
 
 The video pipeline's ``decoder="pyav"`` (and the clips ``"nvdec"`` and ``"mixed"`` leave to PyAV)
 decode here: :func:`decode_clip` reads the packets' timestamps (no decoding), seeks to the key
-frame before the clip's first frame and decodes only as far as its last one. A decode that ends
+frame before the clip's first frame and decodes only as far as its last one, leaving out the
+pictures nothing refers to (H.264 and HEVC) that the clip does not show. A decode that ends
 early is told apart from a video that simply ends there, so a damaged file fails saying why
 instead of giving a clip of repeated frames.
 """
@@ -10,6 +11,8 @@ instead of giving a clip of repeated frames.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
@@ -54,7 +57,7 @@ def _presentation_order(container: Any, stream: Any) -> list[int] | None:
 
 
 def decode_clip(data: bytes | memoryview, start: int | None, frames: int | None,
-                stride: int) -> np.ndarray:
+                stride: int, *, threads: bool = True) -> np.ndarray:
     """Frames ``start, start + stride, ...`` (``frames`` of them; every frame with
     ``frames=None``) decoded with PyAV, as uint8 ``[T, H, W, 3]`` RGB.
 
@@ -63,6 +66,15 @@ def decode_clip(data: bytes | memoryview, start: int | None, frames: int | None,
     decoding), then the decode seeks to the key frame before ``start``'s timestamp instead of
     starting from the beginning. A video whose packets lack timestamps, or where the seek lands
     past ``start``, is decoded from the beginning, counting frames.
+
+    Pictures that no other picture refers to (H.264's with ``nal_ref_idc`` 0; HEVC's sub-layer
+    non-reference ones in a stream of one temporal layer) are not decoded where the clip does
+    not show them: the frames are the same, for less work (B-frames that are not references are
+    typically a third of an x264 stream's frames).
+
+    ``threads``: decode on FFmpeg's frame and slice threads, the fastest for one clip at a time;
+    False decodes on the calling thread alone, which gets the most clips out of each core where
+    many processes decode at once (DataLoader workers).
 
     A clip that runs past the last frame of a video that ends there (its header promises no
     more) repeats that last frame. Frames are never made up for a damaged file: where the
@@ -73,9 +85,9 @@ def decode_clip(data: bytes | memoryview, start: int | None, frames: int | None,
     ``frames=None``, short of the header's frame count (always for Matroska: it has none).
     """
     wanted = None if frames is None else [(start or 0) + i * stride for i in range(frames)]
-    decoded = _decode(data, wanted, seek=bool(wanted and wanted[0] > 0))
+    decoded = _decode(data, wanted, seek=bool(wanted), threads=threads)
     if decoded is None:  # from the beginning, counting: never None
-        decoded = cast(_Decoded, _decode(data, wanted, seek=False))
+        decoded = cast(_Decoded, _decode(data, wanted, seek=False, threads=threads))
     out, reached, error, last, listed = decoded
     # the decode ended before the clip did, or short of every frame the header lists
     early = reached <= wanted[-1] if wanted else not 0 < listed <= reached
@@ -104,21 +116,26 @@ class _Decoded(NamedTuple):
     listed: int
 
 
-def _decode(data: bytes | memoryview, wanted: list[int] | None, seek: bool) -> _Decoded | None:
+def _decode(data: bytes | memoryview, wanted: list[int] | None, seek: bool,
+            threads: bool) -> _Decoded | None:
     """The frames ``wanted`` (every frame with None), counted from the beginning; with ``seek``
     from the key frame before the first: the first frame decoded takes its index from its pts,
-    the next ones are counted. None when seeking fails: packets without pts, the seek went
-    past the first frame wanted (H.264 with B-frames in AVI, whose pts are guesses), or no
-    frame decoded after it."""
+    the next ones are counted, or, where the pictures nothing refers to are left out (H.264 and
+    HEVC, :func:`_reference_test`), each takes it from its pts. None when seeking fails: packets
+    without pts, the seek went past the first frame wanted (H.264 with B-frames in AVI, whose
+    pts are guesses), a frame whose pts no packet has, or no frame decoded after it."""
     import av
 
     out: list[np.ndarray] = []
     error = frame = None
     with cast(Any, av.open(io.BytesIO(data))) as container:
         stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        count: int | None = -1  # the last decoded frame's index (None: not known yet)
+        if threads:
+            stream.thread_type = "AUTO"
+        count: int | None = -1  # the last decoded frame's index (None: none after the seek yet)
         index_of: dict[int, int] = {}
+        shown: set[int] = set()  # the pts of the frames the clip shows
+        referenced = None  # the packet test of the pictures nothing refers to, if any
         if seek and wanted:
             order = _presentation_order(container, stream)
             if not order:
@@ -126,18 +143,24 @@ def _decode(data: bytes | memoryview, wanted: list[int] | None, seek: bool) -> _
             index_of = {pts: i for i, pts in enumerate(order)}
             container.seek(order[min(wanted[0], len(order) - 1)], stream=stream, backward=True)
             count = None
+            referenced = _reference_test(stream)
+            if referenced is not None:
+                shown = {order[min(i, len(order) - 1)] for i in wanted}
         needed = set(wanted) if wanted else None
         last = max(wanted) if wanted else None
         try:
-            for frame in container.decode(stream):
-                if count is not None:
+            for frame in _frames(container, stream, shown, referenced):
+                if count is not None and not shown:  # counted: every frame is decoded
                     count += 1
-                elif frame.pts in index_of:  # the first frame after the seek
+                elif frame.pts in index_of:
+                    first = count is None
                     count = index_of[frame.pts]
-                    if wanted and count > wanted[0]:
+                    if first and wanted and count > wanted[0]:
                         return None
-                else:
+                elif count is None:  # before the first frame after the seek
                     continue
+                else:  # a frame no packet's pts names: cannot be placed
+                    return None
                 if needed is None or count in needed:
                     out.append(frame.to_ndarray(format="rgb24"))
                 if last is not None and count >= last:
@@ -148,6 +171,60 @@ def _decode(data: bytes | memoryview, wanted: list[int] | None, seek: bool) -> _
     if count is None:
         return None
     return _Decoded(out, count + 1, error, frame, listed)
+
+
+def _frames(container: Any, stream: Any, shown: set[int],
+            referenced: Callable[[memoryview], bool] | None) -> Iterator[Any]:
+    """The stream's decoded frames; with a ``referenced`` test, the packets of pictures no other
+    picture refers to are decoded only when ``shown`` (the pts of the frames wanted) names them."""
+    for packet in container.demux(stream):
+        if referenced is not None and packet.size and packet.pts not in shown \
+                and not referenced(memoryview(packet)):
+            continue
+        yield from packet.decode()
+
+
+def _reference_test(stream: Any) -> Callable[[memoryview], bool] | None:
+    """For H.264 and HEVC in length-prefixed form (MP4, MOV, Matroska: ``avcC`` / ``hvcC``
+    extradata), whether a packet holds a picture other pictures may refer to; None for other
+    codecs and forms (every packet is decoded)."""
+    codec = stream.codec_context.name
+    extra = bytes(stream.codec_context.extradata or b"")
+    if codec == "h264" and len(extra) >= 7 and extra[0] == 1:
+        return partial(_h264_referenced, (extra[4] & 3) + 1)
+    # HEVC's non-reference pictures are so for their own temporal layer only: with one layer
+    # (hvcC's numTemporalLayers is 1) nothing refers to them
+    if codec == "hevc" and len(extra) >= 23 and extra[0] == 1 and (extra[21] >> 3) & 7 == 1:
+        return partial(_hevc_referenced, (extra[21] & 3) + 1)
+    return None
+
+
+def _h264_referenced(size: int, data: memoryview) -> bool:
+    """Whether an H.264 packet (NAL units each after a ``size``-byte length) may be referred to:
+    False only where it holds slices and every slice's ``nal_ref_idc`` is 0."""
+    at, slices = 0, 0
+    while at + size < len(data):
+        head = data[at + size]
+        if head & 31 in (1, 2, 5):  # a slice (or its partition A); IDR slices are references
+            if head & 0x60:
+                return True
+            slices += 1
+        at += size + int.from_bytes(data[at:at + size], "big")
+    return slices == 0
+
+
+def _hevc_referenced(size: int, data: memoryview) -> bool:
+    """Whether an HEVC packet may be referred to: False only where it holds slices and each is
+    a sub-layer non-reference picture's (TRAIL_N, TSA_N, STSA_N, RADL_N, RASL_N, RSV_VCL_N10-14)."""
+    at, slices = 0, 0
+    while at + size < len(data):
+        kind = (data[at + size] >> 1) & 63
+        if kind < 32:  # a slice
+            if kind > 14 or kind % 2:
+                return True
+            slices += 1
+        at += size + int.from_bytes(data[at:at + size], "big")
+    return slices == 0
 
 
 _FEWER = "the file holds fewer frames than its header promises"

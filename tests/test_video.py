@@ -189,6 +189,59 @@ def test_decode_clip_takes_frames_in_presentation_order(name, data):
     assert np.array_equal(tail, frames[[total - 2, total - 1, total - 1, total - 1]])
 
 
+def _unreferenced(data):
+    """The pts of the frames FFmpeg's own decoder leaves out with ``skip_frame="NONREF"``
+    (the pictures no other picture refers to), and the ones ``_pyav``'s packet test flags."""
+    from mmproxy.pipelines import _pyav
+
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        every = {p.pts for p in container.demux(stream) if p.size}
+    with av.open(io.BytesIO(data)) as container:
+        container.streams.video[0].codec_context.skip_frame = "NONREF"
+        kept = {f.pts for f in container.decode(video=0)}
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        referenced = _pyav._reference_test(stream)
+        flagged = {p.pts for p in container.demux(stream)
+                   if p.size and not referenced(memoryview(p))}
+    return every - kept, flagged
+
+
+@pytest.mark.parametrize("codec", ["libx264", "libx265"])
+def test_decode_clip_leaves_out_the_pictures_nothing_refers_to_and_gives_the_same_frames(codec):
+    """The packets decode_clip leaves undecoded are exactly those FFmpeg's decoder itself finds
+    to be pictures no other refers to (a third or so of an x264 or x265 stream with B-frames),
+    and every clip, at every start and stride, holds the frames a full decode gives."""
+    data = video_bytes(synth_video(7, 60), codec, "mp4", gop=24)
+    ffmpeg_skips, flagged = _unreferenced(data)
+    assert len(ffmpeg_skips) >= 10 and flagged == ffmpeg_skips
+    frames = _reference(data)
+    for stride in (1, 2, 5):
+        for start in range(0, len(frames) - 3 * stride):
+            assert np.array_equal(decode_clip(data, start, 4, stride, threads=False),
+                                  frames[start:start + 4 * stride:stride]), (stride, start)
+
+
+def test_no_picture_is_left_out_of_a_stream_whose_pictures_are_all_references():
+    """An x264 stream without B-frames: every picture may be referred to, so none is flagged;
+    the packet test is only made for the codecs whose headers say it (H.264, HEVC)."""
+    from mmproxy.pipelines import _pyav
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=25)
+        stream.height, stream.width, stream.pix_fmt = 64, 96, "yuv420p"
+        stream.options = {"bf": "0", "preset": "veryfast"}
+        for frame in synth_video(8, 30):
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode(None))
+    ffmpeg_skips, flagged = _unreferenced(buf.getvalue())
+    assert ffmpeg_skips == flagged == set()
+    with av.open(io.BytesIO(_encode("vp9", frames=10))) as container:
+        assert _pyav._reference_test(container.streams.video[0]) is None
+
+
 def test_h264_on_the_cpu_decoder_is_refused_by_codec_name():
     with _server("dali") as server:
         with pytest.raises(ValueError, match="H.264 video: DALI's CPU video decoder decodes only"):
