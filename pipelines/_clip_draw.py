@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mmproxy.pipelines._backlog import Backlog, paced
 from mmproxy.pipelines._nvdec import NVDEC_CODECS
-from mmproxy.pipelines._pyav import count_frames, decode_clip, pyav_installed
+from mmproxy.pipelines._nvdec_session import clip_indices
+from mmproxy.pipelines._pyav import count_frames, cut_clip, decode_clip, pyav_installed
 
 if TYPE_CHECKING:
     from mmproxy.datasets.checks import VideoInfo
@@ -43,12 +44,14 @@ class ClipDraw:
     flip, from the sample's seed. Refuses a codec the server's decoder cannot decode, by name.
 
     With ``nvdec`` the start is drawn as for DALI's decoder and the encoded clip goes to the
-    server's NVDEC decoder; a clip NVDEC cannot take (:data:`NVDEC_CODECS` in MP4/MOV) and, with
-    ``cpu_share``, that share of the others (one more draw, after the clip's), are decoded here
-    with PyAV and sent as frames instead. With a ``backlog`` instead (``cpu_share="auto"``), a
-    clip is decoded here when the server's NVDEC work queued (:class:`Backlog`) would take
-    longer than this worker takes to decode a clip (its running time a clip with PyAV, starting
-    at 0: the first clip with any NVDEC work queued is decoded here).
+    server's NVDEC decoder, cut to the packets its frames need where it can be (``at`` then
+    names the frames to take from the cut clip); a clip NVDEC cannot take
+    (:data:`NVDEC_CODECS` in MP4/MOV) and, with ``cpu_share``, that share of the others (one
+    more draw, after the clip's), are decoded here with PyAV and sent as frames instead. With a
+    ``backlog`` instead (``cpu_share="auto"``), a clip is decoded here when the server's NVDEC
+    work queued (:class:`Backlog`) would take longer than this worker takes to decode a clip
+    (its running time a clip with PyAV, starting at 0: the first clip with any NVDEC work
+    queued is decoded here).
     """
 
     def __init__(self, input_name: str, frames: int, stride: int, train: bool,
@@ -60,7 +63,8 @@ class ClipDraw:
         self.decode_in_worker, self.cpu_decoder = decode_in_worker, cpu_decoder
         self.nvdec, self.cpu_share, self.backlog = nvdec, cpu_share, backlog
         self.pace = 0.0  # this process's running time to decode a clip with PyAV, seconds
-        place = ("frames",) if decode_in_worker else ("start",) if nvdec or not every_frame else ()
+        place = (("frames",) if decode_in_worker else ("start", "at") if nvdec else
+                 ("start",) if not every_frame else ())
         self.names = (*place, *(("crop_x", "crop_y") if train else ()), "flip")
         self.arguments = (input_name,)
 
@@ -81,9 +85,10 @@ class ClipDraw:
         if here and self.nvdec:
             _need_pyav(info)
         out: dict[str, np.ndarray] = {}
-        start = 0
+        start, total = 0, None
         if not self.every_frame:
-            start = clip_start(count_frames(data, info), self.frames, self.stride, self.train, rng)
+            total = count_frames(data, info)
+            start = clip_start(total, self.frames, self.stride, self.train, rng)
         if self.train:  # evaluation crops sit at the centre (the pipeline places them)
             out["crop_x"] = np.array(rng.random(), np.float32)
             out["crop_y"] = np.array(rng.random(), np.float32)
@@ -101,7 +106,23 @@ class ClipDraw:
             out[self.input_name if self.nvdec else "frames"] = decoded
         if "start" in self.names:
             out["start"] = np.array(start, np.int32)
+        if "at" in self.names:
+            out["at"] = np.zeros(0, np.int32)  # the clip from its start
+            if not here and total:
+                self._cut(data, total, start, out)
         return out
+
+    def _cut(self, data: memoryview, total: int, start: int, out: dict[str, np.ndarray]) -> None:
+        """An encoded clip for NVDEC cut to the packets its frames need (:func:`cut_clip`: from
+        the key frame before it, without the pictures nothing refers to that it does not show),
+        with the frames to take from it in ``at``; left whole where it cannot be cut or PyAV is
+        not here."""
+        if not pyav_installed():
+            return
+        cut = cut_clip(data, clip_indices(total, start, self.frames, self.stride))
+        if cut is not None:
+            out[self.input_name], at = cut
+            out["at"] = np.asarray(at, np.int32)
 
 
 def _nvdec_takes(info: VideoInfo | None) -> bool:

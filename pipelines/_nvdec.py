@@ -160,7 +160,7 @@ class ClipDecoder:
         self.library = library
         self.input_name, self.frames, self.stride = input_name, frames, stride
         self.device, self.threads, self.options = device, threads, dict(options or {})
-        self.inputs = (input_name, "start", *others)
+        self.inputs = (input_name, "start", "at", *others)
         self._lock = threading.Lock()
         self._stage = _Stage.OPEN
         self._crew: _Crew | None = None
@@ -264,37 +264,41 @@ class ClipDecoder:
         import torch
 
         data = sample[self.input_name]
-        out = {name: value for name, value in sample.items() if name not in ("start", self.input_name)}
+        out = {name: value for name, value in sample.items()
+               if name not in ("start", "at", self.input_name)}
         with torch.cuda.stream(session.stream):
             if data.ndim == 4:  # frames the worker decoded: to the GPU as they are
                 out[self.input_name] = session.to_device(data)
             else:
-                out[self.input_name] = self._decode(session, data, int(sample["start"]))
+                out[self.input_name] = self._decode(session, data, int(sample["start"]),
+                                                    sample["at"])
         session.stream.synchronize()
         return out
 
-    def _decode(self, session: Session, data: np.ndarray, start: int) -> Any:
+    def _decode(self, session: Session, data: np.ndarray, start: int, at: np.ndarray) -> Any:
         """The clip's frames on the GPU, by NVDEC, or by PyAV (on this thread) where NVDEC
         refuses the clip (a size or profile its engines lack, e.g. VP9 under 128 pixels); where
-        PyAV fails too, the clip is damaged and both say why."""
+        PyAV fails too, the clip is damaged and both say why. ``at``: the frames to take, where
+        the worker cut the clip to the packets they need (empty: the clip from ``start``)."""
+        where = at.tolist() if len(at) else None
         try:
-            frames = session.clip(data, start, self.frames, self.stride)
+            frames = session.clip(data, start, self.frames, self.stride, where)
         except Refused as err:
             with self._lock:
                 self._refused_in_row += 1
                 failing = self._refused_in_row >= _FAILING
-            return self._fallback(session, data, start, err, failing)
+            return self._fallback(session, data, start, where, err, failing)
         with self._lock:
             self._refused_in_row = 0
         return frames
 
-    def _fallback(self, session: Session, data: np.ndarray, start: int, refused: Refused,
-                  failing: bool) -> Any:
+    def _fallback(self, session: Session, data: np.ndarray, start: int, at: list[int] | None,
+                  refused: Refused, failing: bool) -> Any:
         """A clip NVDEC refused: PyAV's frames, or why it is damaged, or NVDEC's own failure."""
         try:
             from mmproxy.pipelines._pyav import decode_clip
 
-            frames = decode_clip(data, start, self.frames, self.stride)
+            frames = decode_clip(data, start, self.frames, self.stride, at=at)
         except ImportError:
             if failing:
                 raise RuntimeError(f"NVDEC refused the last {_FAILING} clips, the last with: "

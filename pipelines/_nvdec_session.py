@@ -32,9 +32,11 @@ class Session(Protocol):
 
     stream: Any  # the thread's CUDA stream: the clip decoder syncs it before a clip counts done
 
-    def clip(self, data: np.ndarray, start: int, frames: int | None, stride: int) -> Any:
-        """The clip's frames ``[T, H, W, 3]``, uint8 RGB on the GPU (:func:`clip_indices`);
-        raises :class:`Refused` where the library does not decode the clip."""
+    def clip(self, data: np.ndarray, start: int, frames: int | None, stride: int,
+             at: Sequence[int] | None = None) -> Any:
+        """The clip's frames ``[T, H, W, 3]``, uint8 RGB on the GPU (:func:`clip_indices`, or
+        the frames ``at`` where given); raises :class:`Refused` where the library does not
+        decode the clip."""
 
     def to_device(self, frames: np.ndarray) -> Any:
         """Frames in host memory (``[T, H, W, 3]``) copied to the GPU, on the current stream."""
@@ -69,12 +71,18 @@ def not_the_clip(err: BaseException) -> BaseException | None:
 
 
 def decode_frames(who: str, total: int, start: int, frames: int | None, stride: int,
-                  get: Callable[[list[int]], Sequence[Any]]) -> tuple[list[int], list[int], Any]:
-    """The clip's frame indices (:func:`clip_indices`), the distinct ones sorted, and what
-    ``get`` decoded for those; :class:`Refused`, naming ``who`` decoded, where ``get`` raises or
-    gives fewer frames."""
-    wanted = clip_indices(total, start, frames, stride)
+                  get: Callable[[list[int]], Sequence[Any]], at: Sequence[int] | None = None
+                  ) -> tuple[list[int], list[int], Any]:
+    """The clip's frame indices (:func:`clip_indices`, or ``at`` where given: a clip the worker
+    cut to the packets its frames need), the distinct ones sorted, and what ``get`` decoded for
+    those; :class:`Refused`, naming ``who`` decoded, where ``get`` raises or gives fewer
+    frames, or ``at`` names a frame past the video's end."""
+    wanted = [int(i) for i in at] if at is not None and len(at) else clip_indices(
+        total, start, frames, stride)
     unique = sorted(set(wanted))
+    if unique[-1] >= total:
+        raise Refused(f"{who} finds {total:,} frames in the video, the clip needs frame "
+                      f"{unique[-1]}: the video is damaged")
     try:
         got = get(unique)
     except Exception as err:  # noqa: BLE001 - the libraries raise RuntimeError, Exception

@@ -11,7 +11,7 @@ instead of giving a clip of repeated frames.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -20,7 +20,7 @@ import numpy as np
 if TYPE_CHECKING:
     from mmproxy.datasets.checks import VideoInfo
 
-__all__ = ["count_frames", "decode_clip", "pyav_installed"]
+__all__ = ["count_frames", "cut_clip", "decode_clip", "pyav_installed"]
 
 
 def pyav_installed() -> bool:
@@ -57,7 +57,8 @@ def _presentation_order(container: Any, stream: Any) -> list[int] | None:
 
 
 def decode_clip(data: bytes | memoryview, start: int | None, frames: int | None,
-                stride: int, *, threads: bool = True) -> np.ndarray:
+                stride: int, *, threads: bool = True, at: Sequence[int] | None = None
+                ) -> np.ndarray:
     """Frames ``start, start + stride, ...`` (``frames`` of them; every frame with
     ``frames=None``) decoded with PyAV, as uint8 ``[T, H, W, 3]`` RGB.
 
@@ -76,6 +77,9 @@ def decode_clip(data: bytes | memoryview, start: int | None, frames: int | None,
     False decodes on the calling thread alone, which gets the most clips out of each core where
     many processes decode at once (DataLoader workers).
 
+    ``at``: the frames to decode by index (ascending, the last repeated past the video's end as
+    a clip's are), instead of ``start``, ``frames`` and ``stride`` (a clip :func:`cut_clip` made).
+
     A clip that runs past the last frame of a video that ends there (its header promises no
     more) repeats that last frame. Frames are never made up for a damaged file: where the
     decode ends before a frame the clip needs (or, with ``frames=None``, before the last one)
@@ -84,7 +88,12 @@ def decode_clip(data: bytes | memoryview, start: int | None, frames: int | None,
     timestamps again (no decoding), only where the decode ends before the clip does, or, with
     ``frames=None``, short of the header's frame count (always for Matroska: it has none).
     """
-    wanted = None if frames is None else [(start or 0) + i * stride for i in range(frames)]
+    wanted: list[int] | None = None
+    if at is not None:
+        wanted = [int(i) for i in at]
+        frames = len(at)
+    elif frames is not None:
+        wanted = [(start or 0) + i * stride for i in range(frames)]
     decoded = _decode(data, wanted, seek=bool(wanted), threads=threads)
     if decoded is None:  # from the beginning, counting: never None
         decoded = cast(_Decoded, _decode(data, wanted, seek=False, threads=threads))
@@ -225,6 +234,59 @@ def _hevc_referenced(size: int, data: memoryview) -> bool:
             slices += 1
         at += size + int.from_bytes(data[at:at + size], "big")
     return slices == 0
+
+
+def cut_clip(data: bytes | memoryview, wanted: Sequence[int]) -> tuple[np.ndarray, list[int]] | None:
+    """The packets a clip's frames need, as a small MP4 of their own: from the key frame before
+    the first frame ``wanted`` (indices in presentation order, ascending) to the last one in
+    decode order, without the pictures nothing refers to that the clip does not show
+    (:func:`_reference_test`). The packets are copied, not decoded; their timestamps are
+    renumbered one frame apart (a decoder that places frames by frame rate finds them), so
+    frame ``at[k]`` of the cut file is frame ``wanted[k]`` of the video, bit for bit. Returns the
+    file and ``at``; None where the video is not H.264 or HEVC in length-prefixed form, its
+    packets lack timestamps or share one, an edit list drops some, or it does not demux (the
+    whole file then goes to the decoder, which says what is wrong with it)."""
+    import av
+
+    try:
+        with cast(Any, av.open(io.BytesIO(data))) as container:
+            stream = container.streams.video[0]
+            referenced = _reference_test(stream)
+            if referenced is None or not wanted:
+                return None
+            packets = [p for p in container.demux(stream) if p.size]
+            order = sorted(p.pts for p in packets if p.pts is not None)
+            if len(order) < len(packets) or len(set(order)) < len(order) or any(
+                    p.is_discard for p in packets):
+                return None
+            shown = [order[min(i, len(order) - 1)] for i in wanted]
+            needed = set(shown)
+            places = [k for k, p in enumerate(packets) if p.pts in needed]
+            keys = [k for k in range(places[0] + 1)
+                    if packets[k].is_keyframe and packets[k].pts <= shown[0]]
+            if not keys:
+                return None
+            key = packets[keys[-1]]
+            kept = [p for p in packets[keys[-1]:places[-1] + 1] if p.pts >= key.pts and (
+                p.pts in needed or referenced(memoryview(p)))]
+            rank = {pts: r for r, pts in enumerate(sorted(p.pts for p in kept))}
+            # decode order runs ahead of presentation by at most `delay` frames (B-frames):
+            # presentation times that far later keep each one at or after its decode time
+            delay = max(k - rank[p.pts] for k, p in enumerate(kept))
+            step = 1
+            if stream.average_rate and stream.time_base:
+                step = max(1, round(1 / (stream.average_rate * stream.time_base)))
+            buffer = io.BytesIO()
+            with cast(Any, av.open(buffer, "w", format="mp4")) as out:
+                target = out.add_stream_from_template(stream)
+                for k, packet in enumerate(kept):
+                    packet.stream = target
+                    packet.dts, packet.pts = k * step, (rank[packet.pts] + delay) * step
+                    packet.duration = step
+                    out.mux(packet)
+    except av.FFmpegError:
+        return None
+    return np.frombuffer(buffer.getvalue(), np.uint8), [rank[pts] for pts in shown]
 
 
 _FEWER = "the file holds fewer frames than its header promises"

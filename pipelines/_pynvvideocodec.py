@@ -12,7 +12,7 @@ it reuses. What the libraries' sessions share is in :mod:`mmproxy.pipelines._nvd
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -109,20 +109,22 @@ class PyNvSession:
             self.decoder.reconfigure_decoder(path)
         return self.decoder
 
-    def clip(self, data: np.ndarray, start: int, frames: int | None, stride: int) -> Any:
-        """The clip's frames ``[T, H, W, 3]`` (uint8 RGB, on the GPU; :func:`clip_indices`). A
-        clip the re-pointed decoder refuses is tried once more on a fresh decoder (a new
-        session) before it counts as :class:`Refused`."""
+    def clip(self, data: np.ndarray, start: int, frames: int | None, stride: int,
+             at: Sequence[int] | None = None) -> Any:
+        """The clip's frames ``[T, H, W, 3]`` (uint8 RGB, on the GPU; :func:`clip_indices`, or
+        the frames ``at``). A clip the re-pointed decoder refuses is tried once more on a fresh
+        decoder (a new session) before it counts as :class:`Refused`."""
         fresh = self.decoder is None
         try:
-            return self._frames(data, start, frames, stride)
+            return self._frames(data, start, frames, stride, at)
         except Refused:  # a re-pointed session may refuse a clip a fresh one decodes
             if fresh:
                 raise
             self.decoder = None
-        return self._frames(data, start, frames, stride)
+        return self._frames(data, start, frames, stride, at)
 
-    def _frames(self, data: np.ndarray, start: int, frames: int | None, stride: int) -> Any:
+    def _frames(self, data: np.ndarray, start: int, frames: int | None, stride: int,
+                at: Sequence[int] | None) -> Any:
         import torch
 
         path = self.write(data)
@@ -137,7 +139,7 @@ class PyNvSession:
         if total < 1:
             raise Refused("NVDEC finds no frames in the video")
         wanted, unique, got = decode_frames("NVDEC", total, start, frames, stride,
-                                            decoder.get_batch_frames_by_index)
+                                            decoder.get_batch_frames_by_index, at)
         frame_of = dict(zip(unique, got))
         return torch.stack([torch.from_dlpack(frame_of[i]) for i in wanted])
 

@@ -16,7 +16,7 @@ without them it imports but decodes nothing, and :func:`load_torchcodec` says so
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,9 +68,11 @@ class TorchCodecSession:
         # draw reads them; "exact" scans every packet of the clip first
         self.options = {"seek_mode": "approximate", **options}
 
-    def clip(self, data: np.ndarray, start: int, frames: int | None, stride: int) -> Any:
+    def clip(self, data: np.ndarray, start: int, frames: int | None, stride: int,
+             at: Sequence[int] | None = None) -> Any:
         """The clip's frames ``[T, H, W, 3]`` (uint8 RGB, on the session's device):
-        ``frames`` from ``start`` at ``stride``, the last repeated past the video's end."""
+        ``frames`` from ``start`` at ``stride``, the last repeated past the video's end (or
+        the frames ``at``)."""
         where = "cpu" if self.device is None else f"cuda:{self.device}"
         try:
             decoder = self.decoders.VideoDecoder(readonly_tensor(data), device=where,
@@ -85,7 +87,8 @@ class TorchCodecSession:
         if not total:
             raise Refused("TorchCodec finds no frames in the video")
         wanted, unique, got = decode_frames("TorchCodec", total, start, frames, stride,
-                                            lambda indices: decoder.get_frames_at(indices).data)
+                                            lambda indices: decoder.get_frames_at(indices).data,
+                                            at)
         if wanted != unique:  # frames repeated past the video's end
             place = {index: k for k, index in enumerate(unique)}
             got = got[[place[i] for i in wanted]]

@@ -208,7 +208,7 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
     @pipeline_def
     def pipe() -> Any:
         drawn = {name: fn.external_source(name=name, no_copy=True) for name in draw.names
-                 if name not in ("frames", "start") or name == "start" and decoder == "dali"}
+                 if name not in ("frames", "start", "at") or name == "start" and decoder == "dali"}
         if decoder == "pyav":
             video = fn.external_source(name="frames", no_copy=True, dtype=types.UINT8,
                                        layout="FHWC")
@@ -239,5 +239,6 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
         assert dev_id is not None
         prepare = ClipDecoder(input_name, None if every_frame else frames, stride, dev_id,
                               decode_threads, decoder_options,
-                              tuple(n for n in draw.names if n != "start"), nvdec_library, backlog)
+                              tuple(n for n in draw.names if n not in ("start", "at")),
+                              nvdec_library, backlog)
     return SampleSeeded(built, draw, draw.arguments, prepare)

@@ -517,9 +517,11 @@ def test_nvdec_without_its_package_or_driver_says_what_to_do(monkeypatch):
 
 
 def test_the_nvdec_draw_sends_what_nvdec_decodes_and_decodes_the_rest_in_the_worker():
-    """H.264 in MP4 goes to the server as bytes and a start; VP9 in WebM (a container NVDEC's
-    decoder has no frame count for) is decoded here; the start, crop and flip are those the PyAV
-    path draws for the same seed, whichever decodes; ``cpu_share=1`` decodes every clip here."""
+    """H.264 in MP4 goes to the server as bytes, cut to the packets the clip needs, with the
+    frames to take from them (``at``), which decode to the frames the PyAV path gives; VP9 in
+    WebM (a container NVDEC's decoder has no frame count for) is decoded here; the start, crop
+    and flip are those the PyAV path draws for the same seed, whichever decodes; ``cpu_share=1``
+    decodes every clip here."""
     import random
 
     from mmproxy.pipelines import ClipDraw
@@ -534,7 +536,10 @@ def test_the_nvdec_draw_sends_what_nvdec_decodes_and_decodes_the_rest_in_the_wor
     for seed in range(6):
         pyav = draw(h264, seed, decode_in_worker=True)
         sent = draw(h264, seed, decode_in_worker=False, nvdec=True)
-        assert "videos" not in sent and int(sent["start"]) >= 0
+        assert sent["videos"].ndim == 1 and int(sent["start"]) >= 0 and len(sent["at"]) == 4
+        assert len(sent["videos"]) < len(h264) / 2  # 60 frames in the file, 10 in the clip
+        assert np.array_equal(decode_clip(sent["videos"].tobytes(), None, None, 1,
+                                          at=sent["at"]), pyav["frames"])
         assert all(np.array_equal(sent[k], pyav[k]) for k in ("crop_x", "crop_y", "flip"))
         assert np.array_equal(draw(h264, seed, decode_in_worker=False, nvdec=True,
                                    cpu_share=1.0)["videos"], pyav["frames"])
@@ -542,7 +547,7 @@ def test_the_nvdec_draw_sends_what_nvdec_decodes_and_decodes_the_rest_in_the_wor
         assert np.array_equal(here["videos"], draw(vp9, seed, decode_in_worker=True)["frames"])
     shared = [draw(h264, seed, decode_in_worker=False, nvdec=True, cpu_share=0.5)
               for seed in range(40)]
-    assert 5 < sum("videos" in s for s in shared) < 35  # about half decoded here
+    assert 5 < sum(s["videos"].ndim == 4 for s in shared) < 35  # about half decoded here
 
 
 def _read_backlog(backlog, answer):
@@ -595,7 +600,7 @@ class _DrawnClips(torch.utils.data.Dataset):
         import random
 
         out = self.draw({"videos": np.frombuffer(self.data, np.uint8)}, random.Random(i))
-        return "videos" in out
+        return out["videos"].ndim == 4  # frames, not the encoded clip
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -675,16 +680,16 @@ def test_balanced_mixed_draws_decode_here_only_while_nvdec_has_more_queued_than_
     given = {"videos": np.frombuffer(_encode("h264", frames=60), np.uint8)}
     backlog.publish(0.0)
     sent = draw(given, random.Random(1))
-    assert "videos" not in sent and draw.pace == 0.0
+    assert sent["videos"].ndim == 1 and draw.pace == 0.0
     backlog.publish(1e-9)
     here = draw(given, random.Random(1))
     expected = pyav(given, random.Random(1))
     assert np.array_equal(here["videos"], expected["frames"]) and draw.pace > 0
     assert all(np.array_equal(sent[k], here[k]) for k in ("start", "crop_x", "crop_y", "flip"))
     backlog.publish(draw.pace / 2)
-    assert "videos" not in draw(given, random.Random(2))
+    assert draw(given, random.Random(2))["videos"].ndim == 1
     backlog.publish(draw.pace * 4)
-    assert "videos" in draw(given, random.Random(2))
+    assert draw(given, random.Random(2))["videos"].ndim == 4
     with pytest.raises(ValueError, match="cpu_share must be 'auto' or between 0 and 1"):
         video_pipeline(batch_size=2, decoder="mixed", device="cpu", cpu_share="half")
 
@@ -764,6 +769,9 @@ def test_a_codec_nvdec_lacks_without_pyav_is_refused_by_name(monkeypatch):
         draw({"videos": mjpeg}, random.Random(0))
 
 
+_WHOLE = np.zeros(0, np.int32)  # no `at`: the clip from its start
+
+
 class _FakeSlot(PyNvSession):
     """A decode thread's PyNvVideoCodec session without a GPU: ``nvdec(path)`` makes its decoder
     (or raises as PyNvVideoCodec does), frames stay in host memory."""
@@ -816,14 +824,14 @@ def test_a_clip_nvdec_refuses_is_damaged_only_when_pyav_cannot_decode_it_either(
     data = np.frombuffer(b"not a video" * 10, np.uint8)
     with pytest.raises(DamagedSampleError, match=r"NVDEC cannot open the video: cuvidCreateDecoder "
                                                  r"returned error 999.*; PyAV cannot decode it"):
-        decoder._decode(_FakeSlot(_driver_error), data, 0)
+        decoder._decode(_FakeSlot(_driver_error), data, 0, _WHOLE)
 
-    monkeypatch.setattr(_pyav, "decode_clip", lambda data, start, frames, stride:
+    monkeypatch.setattr(_pyav, "decode_clip", lambda data, start, frames, stride, **kw:
                         np.full((frames, 2, 2, 3), 7, np.uint8))
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         for _ in range(3):  # NVDEC fails for every clip: PyAV decodes them, and a warning says so
-            frames = decoder._decode(_FakeSlot(_driver_error), data, 0)
+            frames = decoder._decode(_FakeSlot(_driver_error), data, 0, _WHOLE)
             assert frames.shape == (3, 2, 2, 3) and int(frames.max()) == 7
     slow = [w for w in said if "PyAV decodes the clips it refuses" in str(w.message)]
     assert len(slow) == 1 and issubclass(slow[0].category, RuntimeWarning)
@@ -842,15 +850,15 @@ def test_without_pyav_nvdec_refusing_clip_after_clip_fails_instead_of_dropping_t
     data = np.frombuffer(b"\0" * 64, np.uint8)
     for _ in range(7):
         with pytest.raises(DamagedSampleError, match="NVDEC cannot open the video"):
-            decoder._decode(_FakeSlot(_driver_error), data, 0)
-    clip = decoder._decode(_FakeSlot(lambda path: _FakeVideo()), data, 5)  # one decodes: reset
+            decoder._decode(_FakeSlot(_driver_error), data, 0, _WHOLE)
+    clip = decoder._decode(_FakeSlot(lambda path: _FakeVideo()), data, 5, _WHOLE)  # one decodes: reset
     assert [int(f.max()) for f in clip] == [5, 7, 9]
     for _ in range(7):
         with pytest.raises(DamagedSampleError):
-            decoder._decode(_FakeSlot(_driver_error), data, 0)
+            decoder._decode(_FakeSlot(_driver_error), data, 0, _WHOLE)
     with pytest.raises(RuntimeError, match=r"NVDEC refused the last 8 clips, the last with: NVDEC "
                                            r"cannot open the video: cuvidCreateDecoder") as failed:
-        decoder._decode(_FakeSlot(_driver_error), data, 0)
+        decoder._decode(_FakeSlot(_driver_error), data, 0, _WHOLE)
     assert not isinstance(failed.value, DamagedSampleError)
 
 
@@ -957,7 +965,7 @@ def test_a_clip_torchcodec_refuses_is_damaged_only_when_pyav_cannot_decode_it_ei
     decoder = ClipDecoder("videos", 4, 2, 0, 1, None, (), "torchcodec")
     bad = np.frombuffer(_bad_config(_encode("h264")), np.uint8)
     with pytest.raises(DamagedSampleError, match=r"TorchCodec cannot .*; PyAV cannot decode it"):
-        decoder._decode(session, bad, 0)
+        decoder._decode(session, bad, 0, _WHOLE)
 
 
 def test_torchcodec_missing_or_without_ffmpeg_says_what_to_do(monkeypatch):
@@ -1052,6 +1060,31 @@ def test_many_clips_of_different_sizes_through_one_decoder(library):
     assert len(clips) == len(expected) == 9
     for i, (clip, reference) in enumerate(zip(clips, expected)):
         assert _errors(clip, reference).max() <= MEAN_TOLERANCE, i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_nvdec_decodes_a_cut_clip_to_the_frames_of_the_whole_file_bit_for_bit(library):
+    """The packets a worker cuts a clip to (from the key frame before it, without the pictures
+    nothing refers to that it does not show) give NVDEC the very frames the whole file gives,
+    H.264 and HEVC, at the start, in the middle and past the end."""
+    from mmproxy.pipelines._nvdec import NVDEC_LIBRARIES
+    from mmproxy.pipelines._nvdec_session import clip_indices
+    from mmproxy.pipelines._pyav import cut_clip
+
+    session = NVDEC_LIBRARIES[library](0, {})
+    try:
+        for seed, codec in enumerate(["libx264", "libx265"]):
+            data = np.frombuffer(video_bytes(synth_video(seed, 90, 144, 192), codec, "mp4",
+                                             gop=30), np.uint8)
+            for start in (0, 17, 60, 80):
+                cut, at = cut_clip(data, clip_indices(90, start, 8, 3))
+                assert len(cut) < len(data)
+                whole = session.clip(data, start, 8, 3)
+                part = session.clip(cut, 0, 8, 3, at)
+                assert torch.equal(whole.cpu(), part.cpu()), (codec, start)
+    finally:
+        session.close()
 
 
 def _bad_config(data):
