@@ -1064,10 +1064,13 @@ def test_many_clips_of_different_sizes_through_one_decoder(library):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("library", LIBRARIES)
-def test_nvdec_decodes_a_cut_clip_to_the_frames_of_the_whole_file_bit_for_bit(library):
+def test_nvdec_decodes_a_cut_clip_to_the_frames_pyav_gives(library):
     """The packets a worker cuts a clip to (from the key frame before it, without the pictures
-    nothing refers to that it does not show) give NVDEC the very frames the whole file gives,
-    H.264 and HEVC, at the start, in the middle and past the end."""
+    nothing refers to that it does not show) decode on NVDEC to PyAV's frames of the whole file,
+    within the decoders' colour tolerance, H.264 and HEVC, at the start, in the middle and past
+    the end; for H.264 they are the very frames NVDEC gives for the whole file. (For HEVC with
+    B-frames PyNvVideoCodec's own seek in the whole file can land on other frames, or refuse
+    one near the end: the cut clip needs no seek.)"""
     from mmproxy.pipelines._nvdec import NVDEC_LIBRARIES
     from mmproxy.pipelines._nvdec_session import clip_indices
     from mmproxy.pipelines._pyav import cut_clip
@@ -1077,12 +1080,17 @@ def test_nvdec_decodes_a_cut_clip_to_the_frames_of_the_whole_file_bit_for_bit(li
         for seed, codec in enumerate(["libx264", "libx265"]):
             data = np.frombuffer(video_bytes(synth_video(seed, 90, 144, 192), codec, "mp4",
                                              gop=30), np.uint8)
+            frames = _reference(data.tobytes())
             for start in (0, 17, 60, 80):
-                cut, at = cut_clip(data, clip_indices(90, start, 8, 3))
+                wanted = clip_indices(90, start, 8, 3)
+                cut, at = cut_clip(data, wanted)
                 assert len(cut) < len(data)
-                whole = session.clip(data, start, 8, 3)
-                part = session.clip(cut, 0, 8, 3, at)
-                assert torch.equal(whole.cpu(), part.cpu()), (codec, start)
+                part = session.clip(cut, 0, 8, 3, at).cpu().numpy()
+                errors = _errors(part, frames[wanted])
+                assert errors.max() <= MEAN_TOLERANCE, (codec, start, errors)
+                if codec == "libx264":
+                    whole = session.clip(data, start, 8, 3).cpu().numpy()
+                    assert np.array_equal(whole, part), (codec, start)
     finally:
         session.close()
 
