@@ -15,7 +15,7 @@ import json
 import random
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -71,11 +71,9 @@ def _decode_all(library: str, clips: list[dict[str, Any]], cut: bool) -> tuple[f
         session.close()
 
     began = time.perf_counter()
-    threads = [threading.Thread(target=work) for _ in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(THREADS) as pool:
+        for done in [pool.submit(work) for _ in range(THREADS)]:
+            done.result()  # a thread's error ends the measure
     return len(clips) / (time.perf_counter() - began), [frames[i] for i in sorted(frames)]
 
 

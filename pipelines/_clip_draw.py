@@ -46,7 +46,7 @@ class ClipDraw:
     With ``nvdec`` the start is drawn as for DALI's decoder and the encoded clip goes to the
     server's NVDEC decoder, cut to the packets its frames need where it can be (``at`` then
     names the frames to take from the cut clip); a clip NVDEC cannot take
-    (:data:`NVDEC_CODECS` in MP4/MOV) and, with ``cpu_share``, that share of the others (one
+    (``nvdec_codecs`` in MP4/MOV) and, with ``cpu_share``, that share of the others (one
     more draw, after the clip's), are decoded here with PyAV and sent as frames instead. With a
     ``backlog`` instead (``cpu_share="auto"``), a clip is decoded here when the server's NVDEC
     work queued (:class:`Backlog`) would take longer than this worker takes to decode a clip
@@ -57,11 +57,13 @@ class ClipDraw:
     def __init__(self, input_name: str, frames: int, stride: int, train: bool,
                  flip_probability: float, every_frame: bool, decode_in_worker: bool,
                  cpu_decoder: bool, nvdec: bool = False, cpu_share: float = 0.0,
-                 backlog: Backlog | None = None) -> None:
+                 backlog: Backlog | None = None,
+                 nvdec_codecs: tuple[str, ...] = NVDEC_CODECS) -> None:
         self.input_name, self.frames, self.stride, self.train = input_name, frames, stride, train
         self.flip_probability, self.every_frame = flip_probability, every_frame
         self.decode_in_worker, self.cpu_decoder = decode_in_worker, cpu_decoder
         self.nvdec, self.cpu_share, self.backlog = nvdec, cpu_share, backlog
+        self.nvdec_codecs = nvdec_codecs  # what the server's NVDEC library is given
         self.pace = 0.0  # this process's running time to decode a clip with PyAV, seconds
         place = (("frames",) if decode_in_worker else ("start", "at") if nvdec else
                  ("start",) if not every_frame else ())
@@ -81,9 +83,9 @@ class ClipDraw:
                 f"{_NAMES.get(info.codec, info.codec)} video: DALI's CPU video decoder decodes "
                 f"only {', '.join(_NAMES[c] for c in CPU_CODECS)}; use "
                 "video_pipeline(decoder='pyav') (PyAV decodes it in the workers) or a GPU")
-        here = self.decode_in_worker or (self.nvdec and not _nvdec_takes(info))
+        here = self.decode_in_worker or (self.nvdec and not _nvdec_takes(info, self.nvdec_codecs))
         if here and self.nvdec:
-            _need_pyav(info)
+            _need_pyav(info, self.nvdec_codecs)
         out: dict[str, np.ndarray] = {}
         start, total = 0, None
         if not self.every_frame:
@@ -125,18 +127,22 @@ class ClipDraw:
             out["at"] = np.asarray(at, np.int32)
 
 
-def _nvdec_takes(info: VideoInfo | None) -> bool:
-    """Whether the server's NVDEC decoder takes this video (the codec in an MP4/MOV file)."""
-    return info is not None and info.container == "mp4" and info.codec in NVDEC_CODECS
+def _nvdec_takes(info: VideoInfo | None, codecs: tuple[str, ...]) -> bool:
+    """Whether the server's NVDEC decoder takes this video (one of its ``codecs`` in an MP4/MOV
+    file)."""
+    return info is not None and info.container == "mp4" and info.codec in codecs
 
 
-def _need_pyav(info: VideoInfo | None) -> None:
+def _need_pyav(info: VideoInfo | None, codecs: tuple[str, ...]) -> None:
     """Refuses, by codec and container, a video NVDEC does not take when PyAV is not here."""
     if pyav_installed():
         return
     what = "an unknown kind of" if info is None else (
         f"{_NAMES.get(info.codec or '', info.codec or 'unknown codec')} in {info.container}")
+    hevc = "" if "hevc" in codecs else (
+        " (HEVC too with PyNvVideoCodec, whose HEVC frames are not always the ones asked for; "
+        "nvdec_library='torchcodec' decodes HEVC on NVDEC)")
     raise ValueError(
-        f"{what} video: NVDEC decodes only {', '.join(_NAMES[c] for c in NVDEC_CODECS)} in "
-        "MP4/MOV files, and the others are decoded in the workers by PyAV, which is not "
+        f"{what} video: NVDEC decodes only {', '.join(_NAMES[c] for c in codecs)} in "
+        f"MP4/MOV files, and the others are decoded in the workers by PyAV{hevc}, which is not "
         "installed: pip install av (or 'mmproxy[video]')")

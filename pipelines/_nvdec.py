@@ -50,11 +50,15 @@ from mmproxy.pipelines._torchcodec import TorchCodecSession, load_torchcodec
 
 from mmproxy._prepare import DamagedSampleError
 
-__all__ = ["NVDEC_CODECS", "NVDEC_LIBRARIES", "ClipDecoder", "check_library", "load_library", "load_nvdec",
-           "nvdec_available"]
+__all__ = ["LIBRARY_CODECS", "NVDEC_CODECS", "NVDEC_LIBRARIES", "ClipDecoder", "check_library",
+           "load_library", "load_nvdec", "nvdec_available"]
 
-# What PyNvVideoCodec decodes on NVDEC (MP4/MOV files; the worker sends anything else to PyAV)
+# What NVDEC decodes (MP4/MOV files; the worker sends anything else to PyAV)
 NVDEC_CODECS = ("h264", "hevc", "vp8", "vp9", "av1")
+# What each library is given: PyNvVideoCodec 2.2.4 returns other frames than those asked for in
+# HEVC with B-frames (x265's defaults), from whole files and cut ones alike (the GPU test of cut
+# clips), so its HEVC clips are PyAV's, in the worker
+LIBRARY_CODECS = {"pynvvideocodec": ("h264", "vp8", "vp9", "av1"), "torchcodec": NVDEC_CODECS}
 _CLOSE_TIMEOUT = 2.0  # seconds close() waits for the decode threads, in all
 _FAILING = 8  # clips NVDEC refuses in a row (none decoded between) before it counts as failing
 _PACE = 0.1  # weight of the latest clip in the decode threads' running time a clip

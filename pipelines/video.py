@@ -38,11 +38,11 @@ Decoders, and which codec is decoded where (DALI 2.4):
 ``"pyav"``     the worker (PyAV, FFmpeg), only the  everything FFmpeg decodes; the server
                frames of the clip; the server       resizes, crops and normalizes
                resizes, crops, normalizes
-``"nvdec"``    the server: NVDEC, driven by         H.264, HEVC, VP8, VP9, AV1 in MP4/MOV; the
-               PyNvVideoCodec or TorchCodec         rest (WebM, AVI, MJPEG, MPEG-4, and clips
-               (``nvdec_library``), on              NVDEC refuses) decoded by PyAV, in the
-               ``decode_threads`` threads; frames   worker (or the decode thread)
-               stay on the GPU
+``"nvdec"``    the server: NVDEC, driven by         H.264, HEVC (TorchCodec only), VP8, VP9,
+               PyNvVideoCodec or TorchCodec         AV1 in MP4/MOV; the rest (WebM, AVI, MJPEG,
+               (``nvdec_library``), on              MPEG-4, HEVC with PyNvVideoCodec, and clips
+               ``decode_threads`` threads; frames   NVDEC refuses) decoded by PyAV, in the
+               stay on the GPU                      worker (or the decode thread)
 ``"mixed"``    ``"nvdec"``, and PyAV in the workers  as ``"nvdec"``
                for the clips NVDEC's queue would
                keep waiting longer than a worker
@@ -79,7 +79,13 @@ from typing import Any, Literal
 from mmproxy.pipelines._backlog import Backlog
 from mmproxy.pipelines._clip_draw import CPU_CODECS, ClipDraw, clip_start
 from mmproxy.pipelines._device import Device, resolve_device
-from mmproxy.pipelines._nvdec import ClipDecoder, check_library, load_library, nvdec_available
+from mmproxy.pipelines._nvdec import (
+    LIBRARY_CODECS,
+    ClipDecoder,
+    check_library,
+    load_library,
+    nvdec_available,
+)
 from mmproxy.pipelines._pyav import decode_clip, pyav_installed
 from mmproxy.pipelines.image import (
     IMAGENET_MEAN,
@@ -203,7 +209,8 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
     share = float(cpu_share) if decoder == "mixed" and not balanced else 0.0
     draw = ClipDraw(input_name, frames, stride, train, flip_probability, every_frame,
                     decode_in_worker=decoder == "pyav", cpu_decoder=decoder == "dali" and not gpu,
-                    nvdec=nvdec, cpu_share=share, backlog=backlog)
+                    nvdec=nvdec, cpu_share=share, backlog=backlog,
+                    nvdec_codecs=LIBRARY_CODECS[nvdec_library])
 
     @pipeline_def
     def pipe() -> Any:

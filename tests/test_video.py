@@ -14,6 +14,7 @@ import pytest
 import torch
 from mmproxy.datasets import make_shards, video_label_dataset, video_text_dataset
 from mmproxy.pipelines import decode_clip, video_pipeline
+from mmproxy.pipelines._nvdec import LIBRARY_CODECS
 from mmproxy.pipelines._pynvvideocodec import PyNvSession
 from torch.utils.data import default_collate
 
@@ -761,12 +762,40 @@ def test_a_codec_nvdec_lacks_without_pyav_is_refused_by_name(monkeypatch):
     from mmproxy.pipelines import ClipDraw
 
     mjpeg = np.frombuffer(_encode("mjpeg"), np.uint8)
+    hevc = np.frombuffer(video_bytes(synth_video(0, 20), "libx265", "mp4"), np.uint8)
     monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed
     draw = ClipDraw("videos", 4, 3, False, 0.5, False, decode_in_worker=False, cpu_decoder=False,
                     nvdec=True)
     with pytest.raises(ValueError, match=r"MJPEG in avi video: NVDEC decodes only H.264, HEVC, "
                                          r"VP8, VP9, AV1 in MP4/MOV files.*pip install av"):
         draw({"videos": mjpeg}, random.Random(0))
+    draw = ClipDraw("videos", 4, 3, False, 0.5, False, decode_in_worker=False, cpu_decoder=False,
+                    nvdec=True, nvdec_codecs=LIBRARY_CODECS["pynvvideocodec"])
+    with pytest.raises(ValueError, match=r"HEVC in mp4 video: NVDEC decodes only H.264, VP8, VP9, "
+                                         r"AV1 .* \(HEVC too with PyNvVideoCodec.*pip install av"):
+        draw({"videos": hevc}, random.Random(0))
+
+
+def test_hevc_goes_to_pyav_in_the_worker_with_pynvvideocodec_and_to_nvdec_with_torchcodec():
+    """PyNvVideoCodec's HEVC frames are not always the ones asked for (x265 with B-frames): with
+    it an HEVC clip is decoded in the worker; with TorchCodec it goes to NVDEC, cut."""
+    import random
+
+    from mmproxy.pipelines import ClipDraw
+
+    hevc = np.frombuffer(video_bytes(synth_video(0, 40), "libx265", "mp4"), np.uint8)
+
+    def draw(library):
+        return ClipDraw("videos", 4, 3, True, 0.5, False, decode_in_worker=False,
+                        cpu_decoder=False, nvdec=True, nvdec_codecs=LIBRARY_CODECS[library])(
+                            {"videos": hevc}, random.Random(3))
+
+    here, sent = draw("pynvvideocodec"), draw("torchcodec")
+    assert here["videos"].ndim == 4 and sent["videos"].ndim == 1 and len(sent["at"]) == 4
+    assert np.array_equal(decode_clip(sent["videos"].tobytes(), None, None, 1, at=sent["at"]),
+                          here["videos"])
+    assert video_pipeline(batch_size=2, decoder="pyav", device="cpu").sample_random.nvdec_codecs \
+        == LIBRARY_CODECS["pynvvideocodec"]  # the default library's
 
 
 _WHOLE = np.zeros(0, np.int32)  # no `at`: the clip from its start
@@ -1068,16 +1097,17 @@ def test_nvdec_decodes_a_cut_clip_to_the_frames_pyav_gives(library):
     """The packets a worker cuts a clip to (from the key frame before it, without the pictures
     nothing refers to that it does not show) decode on NVDEC to PyAV's frames of the whole file,
     within the decoders' colour tolerance, H.264 and HEVC, at the start, in the middle and past
-    the end; for H.264 they are the very frames NVDEC gives for the whole file. (For HEVC with
-    B-frames PyNvVideoCodec's own seek in the whole file can land on other frames, or refuse
-    one near the end: the cut clip needs no seek.)"""
+    the end; for H.264 they are the very frames NVDEC gives for the whole file."""
     from mmproxy.pipelines._nvdec import NVDEC_LIBRARIES
     from mmproxy.pipelines._nvdec_session import clip_indices
     from mmproxy.pipelines._pyav import cut_clip
 
     session = NVDEC_LIBRARIES[library](0, {})
     try:
-        for seed, codec in enumerate(["libx264", "libx265"]):
+        # PyNvVideoCodec is not given HEVC (LIBRARY_CODECS): its HEVC frames are not always
+        # the ones asked for, from the whole file or a cut one
+        codecs = ["libx264", "libx265"] if library == "torchcodec" else ["libx264"]
+        for seed, codec in enumerate(codecs):
             data = np.frombuffer(video_bytes(synth_video(seed, 90, 144, 192), codec, "mp4",
                                              gop=30), np.uint8)
             frames = _reference(data.tobytes())
