@@ -299,6 +299,9 @@ class ClipDecoder:
     def _fallback(self, session: Session, data: np.ndarray, start: int, at: list[int] | None,
                   refused: Refused, failing: bool) -> Any:
         """A clip NVDEC refused: PyAV's frames, or why it is damaged, or NVDEC's own failure."""
+        # the messages count frames in the cut the worker sent, not in the video
+        cut = "" if at is None else (f" (frames counted in the clip the worker cut from the "
+                                     f"video, from the key frame before its frame {start})")
         try:
             from mmproxy.pipelines._pyav import decode_clip
 
@@ -309,9 +312,10 @@ class ClipDecoder:
                                    f"{refused} (NVDEC itself is failing, or the data is not video "
                                    "it decodes; install PyAV, pip install av, to decode the clips "
                                    "it refuses)") from refused
-            raise DamagedSampleError(str(refused)) from refused
+            raise DamagedSampleError(f"{refused}{cut}") from refused
         except ValueError as again:
-            raise DamagedSampleError(f"{refused}; PyAV cannot decode it either: {again}") from again
+            raise DamagedSampleError(f"{refused}; PyAV cannot decode it either: {again}{cut}"
+                                     ) from again
         with self._lock:
             warn, self._warned = not self._warned, True
         if warn:

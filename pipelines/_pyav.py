@@ -210,10 +210,12 @@ def _reference_test(stream: Any) -> Callable[[memoryview], bool] | None:
 
 def _h264_referenced(size: int, data: memoryview) -> bool:
     """Whether an H.264 packet (NAL units each after a ``size``-byte length) may be referred to:
-    False only where it holds slices and every slice's ``nal_ref_idc`` is 0."""
+    False only where it holds slices, every slice's ``nal_ref_idc`` is 0, and no parameter set."""
     at, slices = 0, 0
     while at + size < len(data):
         head = data[at + size]
+        if head & 31 in (7, 8):  # a sequence or picture parameter set: later pictures use it
+            return True
         if head & 31 in (1, 2, 5):  # a slice (or its partition A); IDR slices are references
             if head & 0x60:
                 return True
@@ -228,6 +230,8 @@ def _hevc_referenced(size: int, data: memoryview) -> bool:
     at, slices = 0, 0
     while at + size < len(data):
         kind = (data[at + size] >> 1) & 63
+        if 32 <= kind <= 34:  # a video, sequence or picture parameter set
+            return True
         if kind < 32:  # a slice
             if kind > 14 or kind % 2:
                 return True
@@ -237,15 +241,18 @@ def _hevc_referenced(size: int, data: memoryview) -> bool:
 
 
 def cut_clip(data: bytes | memoryview, wanted: Sequence[int]) -> tuple[np.ndarray, list[int]] | None:
-    """The packets a clip's frames need, as a small MP4 of their own: from the key frame before
-    the first frame ``wanted`` (indices in presentation order, ascending) to the last one in
-    decode order, without the pictures nothing refers to that the clip does not show
-    (:func:`_reference_test`). The packets are copied, not decoded; their timestamps are
+    """The packets a clip's frames need, as a small MP4 of their own: from the random-access
+    key frame before the first frame ``wanted`` (indices in presentation order, ascending) to
+    the last one in decode order, without the pictures nothing refers to that the clip does not
+    show (:func:`_reference_test`). The packets are copied, not decoded; their timestamps are
     renumbered one frame apart (a decoder that places frames by frame rate finds them), so
     frame ``at[k]`` of the cut file is frame ``wanted[k]`` of the video, bit for bit. Returns the
-    file and ``at``; None where the video is not H.264 or HEVC in length-prefixed form, its
-    packets lack timestamps or share one, an edit list drops some, or it does not demux (the
-    whole file then goes to the decoder, which says what is wrong with it)."""
+    file and ``at``; None (the whole file then goes to the decoder, which says what is wrong
+    with it) where the video is not H.264 or HEVC in length-prefixed form, its packets lack
+    timestamps or share one, an edit list drops some, fewer packets demux than its header
+    lists (damaged), no key frame before the clip is a point to decode from (H.264's IDR or
+    intra-coded pictures, HEVC's IRAP ones: not x264's intra-refresh "key frames"), or it does
+    not demux."""
     import av
 
     try:
@@ -256,14 +263,15 @@ def cut_clip(data: bytes | memoryview, wanted: Sequence[int]) -> tuple[np.ndarra
                 return None
             packets = [p for p in container.demux(stream) if p.size]
             order = sorted(p.pts for p in packets if p.pts is not None)
-            if len(order) < len(packets) or len(set(order)) < len(order) or any(
-                    p.is_discard for p in packets):
+            if not order or len(order) < max(len(packets), stream.frames or 0) or len(
+                    set(order)) < len(order) or any(p.is_discard for p in packets):
                 return None
             shown = [order[min(i, len(order) - 1)] for i in wanted]
             needed = set(shown)
             places = [k for k, p in enumerate(packets) if p.pts in needed]
-            keys = [k for k in range(places[0] + 1)
-                    if packets[k].is_keyframe and packets[k].pts <= shown[0]]
+            starts = _random_access_test(stream)
+            keys = [k for k in range(places[0] + 1) if packets[k].is_keyframe
+                    and packets[k].pts <= shown[0] and starts(memoryview(packets[k]))]
             if not keys:
                 return None
             key = packets[keys[-1]]
@@ -284,9 +292,61 @@ def cut_clip(data: bytes | memoryview, wanted: Sequence[int]) -> tuple[np.ndarra
                     packet.dts, packet.pts = k * step, (rank[packet.pts] + delay) * step
                     packet.duration = step
                     out.mux(packet)
-    except av.FFmpegError:
+    # damaged files the header checks pass raise these from PyAV as well as FFmpegError
+    except (av.FFmpegError, AttributeError, IndexError, UnicodeDecodeError, ValueError):
         return None
     return np.frombuffer(buffer.getvalue(), np.uint8), [rank[pts] for pts in shown]
+
+
+def _random_access_test(stream: Any) -> Callable[[memoryview], bool]:
+    """Whether a packet of an H.264 or HEVC stream (as :func:`_reference_test` takes them) is a
+    point a decode can start from: an IDR picture or one whose slices are all intra-coded
+    (H.264), an IRAP picture (HEVC)."""
+    extra = bytes(stream.codec_context.extradata)
+    if stream.codec_context.name == "hevc":
+        return partial(_hevc_random_access, (extra[21] & 3) + 1)
+    return partial(_h264_random_access, (extra[4] & 3) + 1)
+
+
+def _nal_units(size: int, data: memoryview) -> Iterator[memoryview]:
+    """The NAL units of a packet, each after a ``size``-byte length."""
+    at = 0
+    while at + size < len(data):
+        length = int.from_bytes(data[at:at + size], "big")
+        yield data[at + size:at + size + length]
+        at += size + length
+
+
+def _h264_random_access(size: int, data: memoryview) -> bool:
+    slices = 0
+    for unit in _nal_units(size, data):
+        kind = unit[0] & 31 if len(unit) else 0
+        if kind == 5:
+            return True
+        if kind == 1:  # slice_type, after first_mb_in_slice (both Exp-Golomb): I or SI
+            kinds = _exp_golomb(unit[1:9], 2)
+            if kinds is None or kinds[1] % 5 not in (2, 4):
+                return False
+            slices += 1
+    return slices > 0
+
+
+def _hevc_random_access(size: int, data: memoryview) -> bool:
+    return any(len(unit) and 16 <= (unit[0] >> 1) & 63 <= 23 for unit in _nal_units(size, data))
+
+
+def _exp_golomb(data: memoryview, count: int) -> list[int] | None:
+    """The first ``count`` unsigned Exp-Golomb numbers of ``data`` (emulation prevention bytes
+    cannot occur in the first few bytes of a slice header); None where they do not fit."""
+    bits = "".join(f"{byte:08b}" for byte in data)
+    at, out = 0, []
+    for _ in range(count):
+        zeros = bits.find("1", at) - at
+        if zeros < 0 or at + 2 * zeros + 1 > len(bits):
+            return None
+        out.append(int(bits[at + zeros:at + 2 * zeros + 1], 2) - 1)
+        at += 2 * zeros + 1
+    return out
 
 
 _FEWER = "the file holds fewer frames than its header promises"

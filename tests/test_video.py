@@ -224,6 +224,60 @@ def test_decode_clip_leaves_out_the_pictures_nothing_refers_to_and_gives_the_sam
                                   frames[start:start + 4 * stride:stride]), (stride, start)
 
 
+def _x264(frames, params):
+    """H.264 in MP4 from PyAV's libx264 with ``x264-params``."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=25)
+        stream.height, stream.width, stream.pix_fmt = 64, 96, "yuv420p"
+        stream.options = {"x264-params": params}
+        for frame in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode(None))
+    return buf.getvalue()
+
+
+def test_a_cut_starts_where_a_decode_can_start_and_gives_the_full_decodes_frames():
+    """x264's intra refresh marks P-frames as key frames (recovery points): a cut starts at the
+    IDR picture before them instead, and every clip, cut or not, holds a full decode's frames."""
+    from mmproxy.pipelines._nvdec_session import clip_indices
+    from mmproxy.pipelines._pyav import cut_clip
+
+    data = _x264(synth_video(5, 60), "bframes=0:intra-refresh=1:keyint=15")
+    frames = _reference(data)
+    for start in range(0, 57):
+        wanted = clip_indices(60, start, 4, 1)
+        assert np.array_equal(decode_clip(data, start, 4, 1, threads=False), frames[wanted])
+        cut, at = cut_clip(data, wanted)
+        assert np.array_equal(decode_clip(cut.tobytes(), None, None, 1, at=at), frames[wanted])
+
+
+def test_a_damaged_file_the_header_checks_pass_is_not_cut_but_sent_whole(tmp_path):
+    """An MP4 whose index is garbled (fewer packets demux than its header lists, or none) passes
+    the worker's header checks; it is sent whole, where the decoder says it is damaged, instead
+    of a cut that pads the clip with a repeated frame, or an IndexError in the worker."""
+    import random
+
+    from mmproxy.datasets.checks import video_cut, video_info
+    from mmproxy.pipelines import ClipDraw
+    from mmproxy.pipelines._pyav import cut_clip
+
+    good = faststart_mp4(_x264(synth_video(6, 60), "bframes=3:keyint=20"), tmp_path)
+    fewer = bytearray(good)
+    fewer[fewer.find(b"stsc") + 17] = 17  # the first chunk's sample count garbled
+    fewer[fewer.find(b"stsz") + 16 + 4 * 37 + 2] = 189  # and sample 37's size
+    none = good.replace(b"stsc", b"stsX", 1)  # no sample-to-chunk table: nothing demuxes
+    draw = ClipDraw("videos", 4, 1, True, 0.5, False, decode_in_worker=False, cpu_decoder=False,
+                    nvdec=True)
+    for damaged in (bytes(fewer), none):
+        assert video_info(damaged).frames == 60 and video_cut(damaged) is None
+        assert cut_clip(damaged, [50, 51, 52, 53]) is None
+        sent = draw({"videos": np.frombuffer(damaged, np.uint8)}, random.Random(0))
+        assert len(sent["at"]) == 0 and "videos" not in sent  # the input goes as it came
+        with pytest.raises(ValueError, match="fewer frames than its header promises"):
+            decode_clip(damaged, 50, 4, 1)
+
+
 def test_no_picture_is_left_out_of_a_stream_whose_pictures_are_all_references():
     """An x264 stream without B-frames: every picture may be referred to, so none is flagged;
     the packet test is only made for the codecs whose headers say it (H.264, HEVC)."""
@@ -854,6 +908,10 @@ def test_a_clip_nvdec_refuses_is_damaged_only_when_pyav_cannot_decode_it_either(
     with pytest.raises(DamagedSampleError, match=r"NVDEC cannot open the video: cuvidCreateDecoder "
                                                  r"returned error 999.*; PyAV cannot decode it"):
         decoder._decode(_FakeSlot(_driver_error), data, 0, _WHOLE)
+    with pytest.raises(DamagedSampleError, match=r"PyAV cannot decode it either: .* \(frames "
+                       r"counted in the clip the worker cut from the video, from the key frame "
+                       r"before its frame 12\)"):  # a cut clip: its frame numbers are the cut's
+        decoder._decode(_FakeSlot(_driver_error), data, 12, np.array([1, 2, 3], np.int32))
 
     monkeypatch.setattr(_pyav, "decode_clip", lambda data, start, frames, stride, **kw:
                         np.full((frames, 2, 2, 3), 7, np.uint8))
