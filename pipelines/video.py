@@ -201,8 +201,9 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
     if decoder in ("pyav", "mixed") and not pyav_installed():
         raise ImportError(f"decoder={decoder!r} needs PyAV: pip install av (or 'mmproxy[video]')")
     _check_resize_size(size, resize_size)
-    if frames < 1 or stride < 1:
-        raise ValueError(f"frames and stride must be at least 1, got {frames} and {stride}")
+    if frames < 1 or stride < 1 or size < 1:
+        raise ValueError(f"frames, stride and size must be at least 1, got {frames}, {stride} "
+                         f"and {size}")
     nvdec = decoder in ("nvdec", "mixed")
     balanced = decoder == "mixed" and cpu_share == "auto"
     backlog = Backlog() if balanced else None

@@ -297,6 +297,12 @@ def test_no_picture_is_left_out_of_a_stream_whose_pictures_are_all_references():
         assert _pyav._reference_test(container.streams.video[0]) is None
 
 
+@pytest.mark.parametrize("bad", [{"frames": 0}, {"stride": 0}, {"size": 0}])
+def test_a_clip_shape_of_nothing_is_refused_when_the_pipeline_is_built(bad):
+    with pytest.raises(ValueError, match="frames, stride and size must be at least 1"):
+        video_pipeline(batch_size=2, decoder="pyav", device="cpu", **bad)
+
+
 def test_h264_on_the_cpu_decoder_is_refused_by_codec_name():
     with _server("dali") as server:
         with pytest.raises(ValueError, match="H.264 video: DALI's CPU video decoder decodes only"):
