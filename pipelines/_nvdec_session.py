@@ -77,8 +77,8 @@ def decode_frames(who: str, total: int, start: int, frames: int | None, stride: 
     cut to the packets its frames need), the distinct ones sorted, and what ``get`` decoded for
     those; :class:`Refused`, naming ``who`` decoded, where ``get`` raises or gives fewer
     frames, or ``at`` names a frame past the video's end."""
-    wanted = [int(i) for i in at] if at is not None and len(at) else clip_indices(
-        total, start, frames, stride)
+    wanted = [int(i) for i in at] if at is not None else clip_indices(total, start, frames,
+                                                                      stride)
     unique = sorted(set(wanted))
     if unique[-1] >= total:
         raise Refused(f"{who} finds {total:,} frames in the video, the clip needs frame "

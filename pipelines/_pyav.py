@@ -193,50 +193,71 @@ def _frames(container: Any, stream: Any, shown: set[int],
         yield from packet.decode()
 
 
-def _reference_test(stream: Any) -> Callable[[memoryview], bool] | None:
-    """For H.264 and HEVC in length-prefixed form (MP4, MOV, Matroska: ``avcC`` / ``hvcC``
-    extradata), whether a packet holds a picture other pictures may refer to; None for other
-    codecs and forms (every packet is decoded)."""
+def _nal_form(stream: Any) -> tuple[str, int] | None:
+    """("h264" or "hevc", the bytes of each NAL unit's length) for a stream in length-prefixed
+    form (MP4, MOV, Matroska: ``avcC`` / ``hvcC`` extradata); None for other codecs and forms."""
     codec = stream.codec_context.name
     extra = bytes(stream.codec_context.extradata or b"")
     if codec == "h264" and len(extra) >= 7 and extra[0] == 1:
-        return partial(_h264_referenced, (extra[4] & 3) + 1)
-    # HEVC's non-reference pictures are so for their own temporal layer only: with one layer
-    # (hvcC's numTemporalLayers is 1) nothing refers to them
-    if codec == "hevc" and len(extra) >= 23 and extra[0] == 1 and (extra[21] >> 3) & 7 == 1:
-        return partial(_hevc_referenced, (extra[21] & 3) + 1)
+        return codec, (extra[4] & 3) + 1
+    if codec == "hevc" and len(extra) >= 23 and extra[0] == 1:
+        return codec, (extra[21] & 3) + 1
     return None
 
 
-def _h264_referenced(size: int, data: memoryview) -> bool:
-    """Whether an H.264 packet (NAL units each after a ``size``-byte length) may be referred to:
-    False only where it holds slices, every slice's ``nal_ref_idc`` is 0, and no parameter set."""
-    at, slices = 0, 0
+def _reference_test(stream: Any) -> Callable[[memoryview], bool] | None:
+    """For H.264 and HEVC in length-prefixed form (:func:`_nal_form`), whether a packet holds a
+    picture other pictures may refer to; None for other codecs and forms (every packet is
+    decoded)."""
+    form = _nal_form(stream)
+    if form is None:
+        return None
+    codec, size = form
+    if codec == "h264":
+        return partial(_h264_referenced, size)
+    # HEVC's non-reference pictures are so for their own temporal layer only: with one layer
+    # (hvcC's numTemporalLayers is 1) nothing refers to them
+    if (bytes(stream.codec_context.extradata)[21] >> 3) & 7 == 1:
+        return partial(_hevc_referenced, size)
+    return None
+
+
+def _nal_units(size: int, data: memoryview) -> Iterator[memoryview]:
+    """The NAL units of a packet, each after a ``size``-byte length."""
+    at = 0
     while at + size < len(data):
-        head = data[at + size]
+        length = int.from_bytes(data[at:at + size], "big")
+        yield data[at + size:at + size + length]
+        at += size + length
+
+
+def _h264_referenced(size: int, data: memoryview) -> bool:
+    """Whether an H.264 packet may be referred to: False only where it holds slices, every
+    slice's ``nal_ref_idc`` is 0, and no parameter set."""
+    slices = 0
+    for unit in _nal_units(size, data):
+        head = unit[0] if len(unit) else 0
         if head & 31 in (7, 8):  # a sequence or picture parameter set: later pictures use it
             return True
         if head & 31 in (1, 2, 5):  # a slice (or its partition A); IDR slices are references
             if head & 0x60:
                 return True
             slices += 1
-        at += size + int.from_bytes(data[at:at + size], "big")
     return slices == 0
 
 
 def _hevc_referenced(size: int, data: memoryview) -> bool:
     """Whether an HEVC packet may be referred to: False only where it holds slices and each is
     a sub-layer non-reference picture's (TRAIL_N, TSA_N, STSA_N, RADL_N, RASL_N, RSV_VCL_N10-14)."""
-    at, slices = 0, 0
-    while at + size < len(data):
-        kind = (data[at + size] >> 1) & 63
+    slices = 0
+    for unit in _nal_units(size, data):
+        kind = (unit[0] >> 1) & 63 if len(unit) else 63
         if 32 <= kind <= 34:  # a video, sequence or picture parameter set
             return True
         if kind < 32:  # a slice
             if kind > 14 or kind % 2:
                 return True
             slices += 1
-        at += size + int.from_bytes(data[at:at + size], "big")
     return slices == 0
 
 
@@ -302,19 +323,8 @@ def _random_access_test(stream: Any) -> Callable[[memoryview], bool]:
     """Whether a packet of an H.264 or HEVC stream (as :func:`_reference_test` takes them) is a
     point a decode can start from: an IDR picture or one whose slices are all intra-coded
     (H.264), an IRAP picture (HEVC)."""
-    extra = bytes(stream.codec_context.extradata)
-    if stream.codec_context.name == "hevc":
-        return partial(_hevc_random_access, (extra[21] & 3) + 1)
-    return partial(_h264_random_access, (extra[4] & 3) + 1)
-
-
-def _nal_units(size: int, data: memoryview) -> Iterator[memoryview]:
-    """The NAL units of a packet, each after a ``size``-byte length."""
-    at = 0
-    while at + size < len(data):
-        length = int.from_bytes(data[at:at + size], "big")
-        yield data[at + size:at + size + length]
-        at += size + length
+    codec, size = cast(tuple[str, int], _nal_form(stream))
+    return partial(_hevc_random_access if codec == "hevc" else _h264_random_access, size)
 
 
 def _h264_random_access(size: int, data: memoryview) -> bool:
