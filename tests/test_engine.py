@@ -484,3 +484,74 @@ def test_the_first_iteration_freezes_the_collectors_heap_unless_told_not_to(tmp_
         assert first > 10_000 and second == first
     else:
         assert first == second == 0
+
+
+def _slow(x):
+    time.sleep(0.3)  # the runner waits on this iteration while the small batches arrive
+    return x
+
+
+@pipeline_def(prefetch_queue_depth=1)
+def slow_double_pipe():
+    x = fn.external_source(name="x", no_copy=True)
+    return fn.python_function(x * 2, function=_slow, batch_processing=True)
+
+
+def _collated(server, rows):
+    return default_collate([server.proxy(r) for r in rows])
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_small_batches_waiting_together_run_as_one_iteration_with_their_own_rows(join):
+    with mmproxy.DALIServer(cpu(slow_double_pipe), join_batches=join) as server:
+        first = _collated(server, [vec(i) for i in range(8)])  # a whole batch: the runner waits on it
+        small = [_collated(server, [vec(10 * b + i) for i in range(n)])
+                 for b, n in enumerate((3, 3, 2), start=1)]
+        outs = [server.produce_data(b) for b in (first, *small)]
+        assert server.joined_batches == (2 if join else 0)
+    for out, (b, n) in zip(outs, [(0, 8), (1, 3), (2, 3), (3, 2)]):
+        expected = [2 * (10 * b + i) if b else 2 * i for i in range(n)]
+        assert out.shape == (n, 3) and out[:, 0].tolist() == expected
+
+
+def test_joined_batches_get_their_own_shapes_and_padding():
+    def rows(b, lengths):
+        return [np.full((n,), float(10 * b + i), np.float32) for i, n in enumerate(lengths)]
+
+    for pad in (False, True):
+        with mmproxy.DALIServer(cpu(slow_double_pipe), pad=pad) as server:
+            first = _collated(server, rows(0, [4] * 8))
+            same = _collated(server, rows(1, [2, 2, 2]))  # alone these share a shape
+            mixed = _collated(server, rows(2, [1, 5]))
+            outs = [server.produce_data(b) for b in (first, same, mixed)]
+            assert server.joined_batches == 1
+        if pad:
+            assert [tuple(o.data.shape) for o in outs] == [(8, 4), (3, 2), (2, 5)]
+            assert outs[1].lengths.tolist() == [2, 2, 2] and outs[2].lengths.tolist() == [1, 5]
+            assert outs[2].data[0].tolist() == [40.0, 0, 0, 0, 0]
+        else:  # as alone: a dense tensor where the batch's samples share a shape, else a list
+            assert isinstance(outs[1], torch.Tensor) and outs[1].shape == (3, 2)
+            assert outs[1][:, 0].tolist() == [20.0, 22.0, 24.0]
+            assert isinstance(outs[2], list) and [len(t) for t in outs[2]] == [1, 5]
+
+
+@pipeline_def(prefetch_queue_depth=1)
+def slow_decode_pipe():
+    x = fn.external_source(name="x", no_copy=True, dtype=types.UINT8)
+    return fn.python_function(fn.decoders.image(x, output_type=types.RGB), function=_slow,
+                              batch_processing=True)
+
+
+def test_a_bad_sample_in_a_joined_iteration_fails_its_own_batch_only():
+    good = [np.frombuffer(image_bytes(synth_image(i)), np.uint8) for i in range(3)]
+    bad = np.frombuffer(damage_jpeg(image_bytes(synth_image(0)), "garbage"), np.uint8)
+    with mmproxy.DALIServer(cpu(slow_decode_pipe, batch_size=4), name="img") as server:
+        first = _collated(server, good + good[:1])
+        clean = _collated(server, good[:2])
+        broken = _collated(server, [good[2], bad])
+        assert server.produce_data(first).shape[0] == 4
+        assert server.produce_data(clean).shape[0] == 2
+        with pytest.raises(mmproxy.PipelineError, match=r"'img'.*cannot process sample #1"):
+            server.produce_data(broken)
+        assert server.joined_batches == 1
+        assert server.state is mmproxy.ServerState.RUNNING
