@@ -63,26 +63,6 @@ def to_torch(tensor_list: Any, *, copy: bool, want_pad: bool, stream: Any = None
     return pad(samples) if want_pad else samples
 
 
-def rows(output: Output, start: int, stop: int) -> Output:
-    """Rows ``start:stop`` of one output of an iteration that ran several batches, as that batch
-    alone would have had them: a dense tensor's rows, a padded batch cut to its own longest
-    sample, per-sample tensors stacked into one when they share a shape and dtype. A GPU
-    output's copies are made on the current stream (the runner's)."""
-    if isinstance(output, PaddedBatch):
-        data, lengths = output.data[start:stop], output.lengths[start:stop]
-        if len(lengths):
-            longest = lengths.max(dim=0).values if lengths.dim() > 1 else lengths.max().reshape(1)
-            if tuple(longest.tolist()) != tuple(data.shape[1:1 + len(longest)]):
-                data = data[(slice(None), *(slice(0, int(n)) for n in longest))].contiguous()
-        return PaddedBatch(data, lengths)
-    if isinstance(output, torch.Tensor):
-        return output[start:stop]
-    part = list(output[start:stop])
-    if part and all(t.shape == part[0].shape and t.dtype == part[0].dtype for t in part):
-        return torch.stack(part)
-    return part
-
-
 def select(output: Output, rows: tuple[int, ...] | None) -> Output:
     """Picks batch rows (used when one call appears several times in a field)."""
     if rows is None:

@@ -76,14 +76,6 @@ class DALIServer:
             when the main loop asks for it, so the wait is bounded by the pipeline's own time;
             the default (300 s) only turns a bug into an error instead of a hang. ``None``
             waits as long as the server is alive.
-        join_batches: Run a batch smaller than the pipeline's ``batch_size`` (each worker's
-            last batch of an epoch) in one pipeline iteration with the batches already waiting
-            behind it, while they fit: on a GPU an iteration costs nearly as much for a quarter
-            of a batch as for a whole one. Each batch still gets its own outputs, as it would
-            alone, but for padding the pipeline itself adds (``fn.pad``, an audio pipeline's
-            ``pad_to_longest``): that runs to the longest sample of the iteration (the lengths
-            still say what is real). Never in deterministic mode, where the pipeline's random
-            draws must not depend on which batches arrived together.
 
     Inputs a decoder of the pipeline reads (an ``external_source`` feeding ``fn.decoders.*``)
     are checked at the proxy call: a decoded array, or bytes that are not an image file of a
@@ -110,7 +102,7 @@ class DALIServer:
 
     def __init__(self, pipeline: Any, deterministic: bool = False, *, name: str | None = None,
                  pad: bool | tuple[int, ...] | list[int] = False,
-                 timeout: float | None = 300.0, join_batches: bool = True) -> None:
+                 timeout: float | None = 300.0) -> None:
         self.name = name or f"server{next(_names)}"
         self.uid = os.urandom(8).hex()
         seeded = pipeline if isinstance(pipeline, SampleSeeded) else SampleSeeded(pipeline, None)
@@ -123,7 +115,6 @@ class DALIServer:
             device = torch.device("cuda", self._pipe.device_id)
         self.table = RunTable(self.name, self._pipe.max_batch_size,
                               deterministic=bool(deterministic), timeout=timeout, device=device)
-        self._join = bool(join_batches) and not deterministic
         self._owner_pid = os.getpid()
         # a pipeline with a Prepare stage takes what the stage makes; the proxy sends the stage's
         self._prepare = seeded.prepare
@@ -134,7 +125,6 @@ class DALIServer:
                                 {n: kind for n, kind in self._pipe.encoded_inputs.items() if n in sent})
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._runner: Runner | None = None
         self._listener: _transport.Listener | None = None
         _process.register_local(self.uid, self)
 
@@ -177,12 +167,6 @@ class DALIServer:
         return self.table.wait_seconds
 
     @property
-    def joined_batches(self) -> int:
-        """Batches run in one pipeline iteration with an earlier batch (``join_batches``), since
-        the server last started."""
-        return self._runner.joined if self._runner is not None else 0
-
-    @property
     def starved_seconds(self) -> float:
         """Time the pipeline sat idle waiting for inputs from workers."""
         return self.table.starved_seconds
@@ -219,8 +203,7 @@ class DALIServer:
             self._prepare.start()
             runs = PreparedRuns(self.table, self._prepare, self._pipe.input_names,
                                 self._pipe.num_outputs)
-        runner = self._runner = Runner(self._pipe, runs, self._pad, self.table.device, self._stop,
-                                       self._join)
+        runner = Runner(self._pipe, runs, self._pad, self.table.device, self._stop)
         self._threads = [
             threading.Thread(target=self._listen, args=(self._listener, self._stop),
                              name=f"mmproxy-{self.name}-listen", daemon=True),

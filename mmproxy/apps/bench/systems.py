@@ -6,9 +6,6 @@ system             what loads the data                          workloads
 mmproxy            DALIServer + MultiModalDataset (workers      image, audio, image-text,
                    send bytes, the server runs the pipeline;    video, machinery
                    video: the workers decode with PyAV on CPU)
-mmproxy-unjoined   mmproxy with ``join_batches=False``: each     image, audio, image-text
-                   worker's last, smaller batch of an epoch
-                   runs as a pipeline iteration of its own
 mmproxy-damaged    mmproxy on a copy of the image shards with   image (with ``--damage``; runs
                    ``--damage`` of the JPEGs damaged            after mmproxy)
 torch              PIL decode + torchvision v2 (soundfile and   image, audio, video
@@ -213,16 +210,14 @@ def _decode(data: bytes) -> str:
     return data.decode()
 
 
-def _mmproxy(setup: Setup, worker_init_fn: Any = None, join_batches: bool = True,
-             **options: Any) -> dict[str, Any]:
+def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[str, Any]:
     import mmproxy
     from mmproxy.apps.bench.report import error_line
     from mmproxy.datasets import MultiModalDataset, Tokenize
     from mmproxy.errors import SkipLimitError
 
     a = setup.args
-    server = mmproxy.DALIServer(proxied_pipeline(setup), name=setup.workload,
-                                join_batches=join_batches)
+    server = mmproxy.DALIServer(proxied_pipeline(setup), name=setup.workload)
     with server:
         loader: Any
         if setup.workload == "machinery":
@@ -248,7 +243,6 @@ def _mmproxy(setup: Setup, worker_init_fn: Any = None, join_batches: bool = True
             return {"error": error_line(err), "damaged": err.counted}
         report = loader.skipped  # the last epoch's: what bad data cost, next to the rate
         result["skipped"] = {"samples": report.samples_skipped, "shards": report.shards}
-        result["joined_batches"] = server.joined_batches  # over every epoch
         return result
 
 
@@ -277,8 +271,6 @@ def _remote(name: str, setup: Setup) -> dict[str, Any]:
 
 SYSTEMS: dict[str, System] = {system.name: system for system in (
     System("mmproxy", frozenset(WORKLOADS), _mmproxy),
-    System("mmproxy-unjoined", frozenset({"image", "audio", "image-text"}),
-           partial(_mmproxy, join_batches=False)),
     System("mmproxy-damaged", frozenset({"image"}), _mmproxy_damaged, needs_damage=True),
     System("torch", frozenset({"image", "audio", "video"}), partial(_torch, decoder="pil")),
     System("torch-tensor", frozenset({"image"}), partial(_torch, decoder="tensor")),
