@@ -406,3 +406,37 @@ def test_gpu_pipelines_agree_with_cpu():
     # resamplers' transition bands near the cutoff, their filters differ by a few dB)
     loud = res["soxr"] > res["soxr"].max() - 40
     assert (res["soxr"][loud] - res["gpu"][loud]).abs().max() < 0.5
+
+
+def _wav(signal, rate, width):
+    """A WAV of ``signal`` (float, [time] or [time, channels]) with ``width``-byte samples."""
+    import wave
+
+    full = 2 ** (8 * width - 1) - 1
+    ints = np.round(np.clip(signal, -1, 1) * full).astype("<i4")
+    raw = ints.astype("<i2").tobytes() if width == 2 else b"".join(
+        int(v).to_bytes(width, "little", signed=True) for v in ints.reshape(-1))
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1 if signal.ndim == 1 else signal.shape[1])
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(raw)
+    return buf.getvalue()
+
+
+@pytest.mark.gpu
+def test_a_gpu_pipelines_16_bit_transfer_is_exact_for_16_bit_sources():
+    stereo = np.stack([synth_speech(3, 0.5, 22050), 0.5 * synth_speech(4, 0.5, 22050)], 1)
+    clips = [_wav(stereo, 22050, 2), _wav(synth_speech(5, 0.5, 44100), 44100, 2),
+             _wav(synth_speech(6, 0.5, 48000), 48000, 3)]  # the last one 24-bit
+    out = {}
+    for full in (False, True):
+        pipe = audio_pipeline(batch_size=4, device="gpu", num_threads=2, full_precision=full)
+        with mmproxy.DALIServer(pipe, pad=[0]) as server:
+            audio, lengths = run(server, clips)
+            out[full] = (audio.data.cpu(), lengths.tolist())
+    (fast, n16), (precise, n32) = out[False], out[True]
+    assert n16 == n32 == [8000, 8000, 8000]
+    torch.testing.assert_close(fast[:2], precise[:2], rtol=0, atol=0)  # 16-bit: the same values
+    assert 0 < (fast[2] - precise[2]).abs().max() < 1e-4  # 24-bit: rounded to 16 bits
