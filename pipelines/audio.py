@@ -17,22 +17,23 @@ Outputs (in this order):
 
 Cost: decoding runs on CPU threads (DALI has no GPU audio decoder); with a GPU the resampling,
 trimming and spectrogram run on the GPU, with DALI's windowed-sinc resampler. A GPU pipeline
-decodes to 16-bit integers, moves those to the GPU and makes them float32 there: half the bytes
-of float32 to move, and DALI's decoder is faster without its float conversion (1.6x the clips a
-second on an H200, BENCHMARKS.md). That is exact for 16-bit sources (most WAV and FLAC: the same
-values as a float32 decode) and rounds 24- and 32-bit sources and lossy ones (MP3, Vorbis) to 16
-bits, noise 96 dB under full scale; ``full_precision=True`` decodes to float32 instead.
+decodes to 16-bit integers, moves those to the GPU and makes them float32 there: half the bytes of
+float32 to move, and DALI's decoder is faster without its float conversion (on an H200 the
+pipeline alone ran 1.6x the clips a second, the bench 1.5x: BENCHMARKS.md). That is exact for
+16-bit mono sources (the same values as a float32 decode) and rounds to 16 bits, noise 96 dB under
+full scale, what has more: a downmix of several channels, 24- and 32-bit sources, lossy ones (MP3,
+Vorbis); ``full_precision=True`` decodes to float32 instead.
 
-On CPU DALI's resampler (16 lobes of its sinc at its default quality) is most of the whole pipeline and costs
-about twice torchaudio's, and torchaudio's about three times libsoxr's, so CPU pipelines resample
-with libsoxr (``soxr``, its "HQ" quality) inside the DALI pipeline (``fn.python_function``, the
-clips of a batch on a pool of threads) unless ``cpu_resample`` says "torchaudio" (its
-windowed-sinc resampler with its defaults, a Hann window over 6 zero crossings, the kernel made
-once per input rate) or "dali". The three give the same log-mel to within 0.1 dB down to 40 dB
-under its peak; further down, in their filters' transition bands near the new Nyquist
-frequency, they differ by a few dB (libsoxr's is flat to 7.3 kHz for 16 kHz and steeper past it;
-torchaudio's and DALI's roll off from 6 kHz). ``cpu_resample="dali"`` gives a GPU pipeline's
-filter on CPU too. BENCHMARKS.md ("Audio, 2-core CPU") has the figures.
+On CPU DALI's resampler (16 lobes of its sinc at its default quality) is most of the whole
+pipeline and costs about twice torchaudio's, and torchaudio's about three times libsoxr's, so CPU
+pipelines resample with libsoxr (``soxr``, its "HQ" quality) inside the DALI pipeline
+(``fn.python_function``, the clips of a batch on a pool of threads) unless ``cpu_resample`` says
+"torchaudio" (its windowed-sinc resampler with its defaults, a Hann window over 6 zero crossings,
+the kernel made once per input rate) or "dali". The three give the same log-mel to within 0.1 dB
+down to 40 dB under its peak; further down, in their filters' transition bands near the new
+Nyquist frequency, they differ by a few dB (libsoxr's is flat to 7.3 kHz for 16 kHz and steeper
+past it; torchaudio's and DALI's roll off from 6 kHz). ``cpu_resample="dali"`` gives a GPU
+pipeline's filter on CPU too. BENCHMARKS.md ("Audio, 2-core CPU") has the figures.
 """
 
 from __future__ import annotations
