@@ -61,6 +61,13 @@ def _write_shard(job: tuple[str, str, int, int, float, str]) -> str:
     path, kind, lo, hi, damage, damage_kind = job
     if not os.path.exists(path):
         write_tar(path, (_sample(kind, i, damage, damage_kind) for i in range(lo, hi)))
+        # on the disk before any system reads it: the kernel writing back gigabytes of audio
+        # shards while the first systems ran slowed them by a third (BENCHMARKS.md)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     return path
 
 
