@@ -20,6 +20,8 @@
 #                  default 256, 96 of 1280x720), one system a call: NVDEC driven by TorchCodec, TorchCodec with the
 #                  workers' PyAV on a SHARE of the clips (default 0.15), NVDEC driven by
 #                  PyNvVideoCodec (12 decode threads each), PyAV in the workers, PyTorch workers
+#   PART=mixed     decoder="mixed" with TorchCodec, PyAV in the workers and PyTorch's workers, one
+#                  process a system: 1,024 clips of 596x336 and of 320x240, 96 of 1280x720 (no PyAV)
 #   PART=damage    mmproxy on a copy of the image shards with 1% of the JPEGs damaged (KIND:
 #                  truncate or corrupt), against the same shards clean
 #   PART=remote    benchmarks/remote_bench.py (rounds interleaved) with the HTTP and S3 servers on
@@ -100,6 +102,15 @@ torchcodec)  # one system a call, as for nvdec; RES picks the sizes, SHARE the m
     t --systems mmproxy-pyav --json "$out/video-$res-pyav-$n.json"
     t --systems torch --json "$out/video-$res-torch-$n.json"
   done ;;
+mixed)  # decoder="mixed" (TorchCodec), PyAV in the workers, PyTorch's workers: one process a
+  # system; 1,024 clips of 596x336 and of 320x240 (RES picks them), then 96 of 1280x720 without PyAV
+  m() { one 250 python3 benchmarks/video_bench.py --clips "$2" --resolution "$1" --workers 15 \
+          --threads 8 --epochs 3 --decode-threads 12 --data-dir /tmp/vbench --systems "$3" \
+          --json "$out/video-$1-$(echo "$3" | tr -c 'a-zA-Z0-9\n-' '_')-$2.json" 2>&1 | grep -a "clips/s"; }
+  for res in ${RES:-596x336 320x240}; do
+    for s in 'mmproxy-mixed-torchcodec[auto]' mmproxy-pyav torch; do m "$res" 1024 "$s"; done
+  done
+  for s in 'mmproxy-mixed-torchcodec[auto]' torch; do m 1280x720 96 "$s"; done ;;
 damage)
   kind=${KIND:-truncate}
   one 400 $bench --workload image --systems mmproxy,dali-reader --samples 16384 --workers 15 \
@@ -124,6 +135,6 @@ resume)
   done ;;
 tests)  # the GPU tests of the code at hand
   one 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -8 ;;
-*) echo "PART must be image, photos, audio, video, video-options, nvdec, torchcodec, damage, remote, resume or tests" >&2
+*) echo "PART must be image, photos, audio, video, video-options, nvdec, torchcodec, mixed, damage, remote, resume or tests" >&2
    exit 2 ;;
 esac
