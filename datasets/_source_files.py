@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+from ._audio_headers import UNREAD
 from ._written import LeftOut, Reason
 from .checks import SIGNATURES, check_header, video_info
 
@@ -137,7 +138,8 @@ def sniff(item: Planned, media: str, data: bytes) -> tuple[str, LeftOut | None]:
     problem = check_header(ext, data)
     if problem is not None:
         return "", LeftOut(item.rel, f"{problem}" if ext == item.named
-                           else f"{ext.upper()} data that {problem}", Reason.DAMAGED)
+                           else f"{ext.upper()} data that {problem}",
+                           Reason.UNREAD if problem.endswith(UNREAD) else Reason.DAMAGED)
     return ext, None
 
 

@@ -19,6 +19,7 @@ class Reason(enum.Enum):
     CONTENT = "holds none of the formats this writer reads"
     EMPTY = "empty"
     DAMAGED = "damaged (the header check refused it)"
+    UNREAD = "a variant of its format that DALI's decoders do not read"
     NO_CAPTION = "no caption: no .txt beside it and no class folder to take one from"
     CAPTION = "its caption cannot be used"
     NO_LABEL = "no label: not in a class folder"
@@ -58,6 +59,10 @@ class WrittenShards(list[str]):
             is another format than its name says, stored as what it holds.
         files_left_out: A :class:`LeftOut` for every file not written, in name order.
         manifest: Path of ``manifest.jsonl`` (key, shard, source file, where the caption came from).
+        left_out_file: Path of ``left_out.jsonl`` (every file left out: source, why, reason), or
+            "" when none was.
+        empty_classes: ``(class name, label)`` of every class folder none of whose files was
+            written (all left out): its label stays in ``classes.json``, and no sample has it.
     """
 
     def __init__(self, kind: str, reads: list[str]) -> None:
@@ -66,7 +71,8 @@ class WrittenShards(list[str]):
         self.samples = self.captions_from_txt = self.captions_from_folder = 0
         self.renamed: list[tuple[str, str]] = []
         self.files_left_out: list[LeftOut] = []
-        self.manifest = ""
+        self.manifest = self.left_out_file = ""
+        self.empty_classes: list[tuple[str, int]] = []
 
     @property
     def left_out(self) -> list[tuple[str, str]]:
@@ -115,6 +121,11 @@ class WrittenShards(list[str]):
             shown = [item.path if same or reason is Reason.FORMAT else f"{item.path}: {item.why}"
                      for item in items]
             lines += [f"      {line}" for line in _listed(shown, examples)]
+        if self.left_out_file:
+            lines.append(f"  every file left out, and why: {self.left_out_file}")
+        if self.empty_classes:
+            lines.append("  classes with no sample (all their files left out; no sample has their "
+                         "label): " + ", ".join(f"{name} ({label})" for name, label in self.empty_classes))
         if self.manifest:
             lines.append(f"  manifest (key -> shard, source file): {self.manifest}")
         return "\n".join(lines)

@@ -8,7 +8,8 @@ image-text and video-text) and class index (``cls``, when the file is in a class
 ``shard-000001.tar:00000010`` can be traced back to the file. Beside the shards go
 ``classes.json`` (class names, sorted; ``cls`` indexes it) and ``manifest.jsonl`` (one line per
 sample: ``key``, ``shard``, ``source``, ``caption_from`` = "txt" | "folder" | null: where its
-caption came from).
+caption came from), and where files were left out ``left_out.jsonl`` (one line per file:
+``source``, ``why``, ``reason``).
 
 A file is stored under the extension of what it holds, whatever its name says (a PNG named
 ``.jpg`` as ``png``, a WAV named ``.flac`` as ``wav``); every extension written is one the
@@ -43,7 +44,7 @@ from ._written import LeftOut, Reason, WrittenShards
 __all__ = ["LeftOut", "NoMediaError", "OutputExistsError", "Reason", "WrittenShards",
            "make_shards"]
 
-CLASSES, MANIFEST = "classes.json", "manifest.jsonl"
+CLASSES, MANIFEST, LEFT_OUT = "classes.json", "manifest.jsonl", "left_out.jsonl"
 
 
 def _option(name: str, value: object, cli: bool) -> str:
@@ -105,7 +106,8 @@ def _old_set(output: Path, prefix: str) -> tuple[list[Path], list[Path]]:
     shard = re.compile(re.escape(prefix) + r"-\d+\.tar")
     ours, foreign = [], []
     for path in sorted(output.iterdir()):
-        if path.name in (CLASSES, MANIFEST) or shard.fullmatch(path.name) or path.name in named:
+        if (path.name in (CLASSES, MANIFEST, LEFT_OUT) or shard.fullmatch(path.name)
+                or path.name in named):
             ours.append(path)
         elif path.name.endswith(".tar"):
             foreign.append(path)
@@ -127,11 +129,15 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     path relative to ``source``), and ``classes.json`` and ``manifest.jsonl`` beside the shards.
     A file is stored under the extension of its content (a PNG named ``.jpg`` as ``png``).
     Files of other formats or content, empty files, empty or unreadable captions, and files whose
-    header :func:`~mmproxy.datasets.check_header` rejects are left out and listed with the reason.
+    header :func:`~mmproxy.datasets.check_header` rejects are left out: the summary gives them by
+    reason, ``left_out.jsonl`` beside the shards lists every one. A class folder none of whose
+    files is written keeps its label in ``classes.json`` (no sample has it) and is named in the
+    summary.
 
-    The shards, ``classes.json`` and ``manifest.jsonl`` are written under temporary names and
-    take their own only when the whole set is written, the old set's files (with ``overwrite``)
-    kept aside until then: an error or an interrupt leaves ``output`` as it was.
+    The shards, ``classes.json``, ``manifest.jsonl`` and ``left_out.jsonl`` are written under
+    temporary names and take their own only when the whole set is written, the old set's files
+    (with ``overwrite``) kept aside until then: an error or an interrupt leaves ``output`` as it
+    was.
 
     Args:
         source: The folder to read.
@@ -141,8 +147,9 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
         max_size: Bytes per shard (roughly) at most.
         prefix: Shard file names start with it.
         overwrite: Replace the shard set already in ``output`` (the shards of ``prefix``, those
-            its ``manifest.jsonl`` names, ``classes.json`` and ``manifest.jsonl``) once the new
-            one is written. Without it such a folder is refused (:class:`OutputExistsError`).
+            its ``manifest.jsonl`` names, ``classes.json``, ``manifest.jsonl``,
+            ``left_out.jsonl``) once the new one is written. Without it such a folder is refused
+            (:class:`OutputExistsError`).
 
     Returns:
         The paths of exactly the shards written, with a summary (:class:`WrittenShards`).
@@ -181,6 +188,7 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     classes = sorted({p.class_name for p in planned if p.class_name is not None})
     index = {name: i for i, name in enumerate(classes)}
     manifest: list[dict[str, Any]] = []
+    filled: set[str] = set()  # the classes a sample was written for
     parts: list[str] = []  # the shards' part files (ShardWriter's post), then classes.json's
     # and manifest.jsonl's
     pattern = (str(output / prefix).replace("%", "%%") + "-%06d.tar"
@@ -205,6 +213,7 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
                 sample["txt"] = item.caption
             if item.class_name is not None:
                 sample["cls"] = str(index[item.class_name])
+                filled.add(item.class_name)
             sink.write(sample)
             manifest.append({"key": key, "shard": os.path.basename(final_path(sink.fname)),
                              "source": item.rel, "caption_from": item.origin})
@@ -218,6 +227,10 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
         written.extend(final_path(part) for part in parts)
         _write_part(output / CLASSES, json.dumps(classes), parts)
         _write_part(output / MANIFEST, "".join(json.dumps(row) + "\n" for row in manifest), parts)
+        if written.files_left_out:
+            _write_part(output / LEFT_OUT, "".join(
+                json.dumps({"source": f.path, "why": f.why, "reason": f.reason.name.lower()}) + "\n"
+                for f in written.files_left_out), parts)
         _put_in_place(parts, [str(path) for path in old])  # the new set is whole: now it goes in
     except BaseException:  # an error or an interrupt: none of the new set stays
         if sink is not None:
@@ -232,6 +245,8 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     written.captions_from_txt = sum(row["caption_from"] == "txt" for row in manifest)
     written.captions_from_folder = sum(row["caption_from"] == "folder" for row in manifest)
     written.manifest = str(output / MANIFEST)
+    written.left_out_file = str(output / LEFT_OUT) if written.files_left_out else ""
+    written.empty_classes = [(name, index[name]) for name in classes if name not in filled]
     return written
 
 

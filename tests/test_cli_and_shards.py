@@ -330,7 +330,12 @@ def test_the_report_groups_left_out_files_by_reason_with_examples_of_each(tmp_pa
         "      art/cut.jpg",
         "    1 x holds none of the image formats this writer reads (it starts with b'this is ')",
         "      art/readme.jpg",
+        f"  every file left out, and why: {tmp_path / 'out' / 'left_out.jsonl'}",
         f"  manifest (key -> shard, source file): {tmp_path / 'out' / 'manifest.jsonl'}"]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "left_out.jsonl").read_text().splitlines()]
+    assert len(rows) == 609 and rows[-1] == {"source": "art/readme.jpg", "why": rows[-1]["why"],
+                                             "reason": "content"}
+    assert {r["source"] for r in rows} >= {"art/599.svg", "art/e4.jpg", "art/cut.jpg"}
     assert lines[:2] == [f"wrote 1 sample in 1 shard to {tmp_path / 'out'}",
                          f"  read them as: {tmp_path / 'out' / 'shard-000000.tar'}"]
     assert {item.reason for item in written.files_left_out} == {
@@ -1359,3 +1364,46 @@ def test_bench_cpu_counts_the_pipelines_threads_that_ended_between_snapshots():
     pools = 1000 * (after["dali-threads", 0] - before["dali-threads", 0])
     assert 390 <= pools < 470 and per_batch["dali-threads"] >= 390, (pools, per_batch)
     assert per_batch["server-threads"] < 50 and per_batch["main-thread"] < 50, per_batch
+
+
+def _wide_wav(bits: int) -> bytes:
+    """A sound WAV header of ``bits``-bit integer samples (mono, 8 kHz) and a few frames."""
+    import struct
+
+    width = bits // 8
+    data = bytes(width * 16)
+    fmt = struct.pack("<HHIIHH", 1, 1, 8000, 8000 * width, width, bits)
+    return (b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE"
+            + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data)
+
+
+def test_every_file_left_out_is_listed_and_a_class_left_without_samples_is_named(tmp_path):
+    """A new user's trial: of 7 files left out the summary named 3 ("... and 4 more", nowhere
+    else), 40-bit WAVs DALI does not read were called damaged, and a class folder holding only
+    those kept its label in classes.json without a word."""
+    src = tmp_path / "src"
+    for folder in ("speech", "wide"):
+        (src / folder).mkdir(parents=True)
+    (src / "speech" / "ok.wav").write_bytes(audio_bytes(synth_speech(1, 0.2), 16000))
+    for i in range(6):
+        (src / "wide" / f"w{i}.wav").write_bytes(_wide_wav(40))
+    (src / "speech" / "cut.wav").write_bytes(audio_bytes(synth_speech(2, 0.2), 16000)[:30])
+    written = make_shards(src, tmp_path / "out", kind="audio-label")
+    assert written.samples == 1 and written.empty_classes == [("wide", 1)]
+    assert json.loads((tmp_path / "out" / "classes.json").read_text()) == ["speech", "wide"]
+    reasons = {item.path: item.reason for item in written.files_left_out}
+    assert reasons.pop("speech/cut.wav") is Reason.DAMAGED
+    assert set(reasons.values()) == {Reason.UNREAD} and len(reasons) == 6
+    lines = written.summary().splitlines()
+    assert "    6 x has 40-bit integer samples (DALI's decoder reads at most 32)" in lines
+    assert ("  classes with no sample (all their files left out; no sample has their label): "
+            "wide (1)") in lines
+    listed = (tmp_path / "out" / "left_out.jsonl").read_text().splitlines()
+    assert sorted(json.loads(row)["source"] for row in listed) == sorted(
+        ["speech/cut.wav", *(f"wide/w{i}.wav" for i in range(6))])
+    clean = tmp_path / "clean" / "speech"
+    clean.mkdir(parents=True)
+    (clean / "ok.wav").write_bytes((src / "speech" / "ok.wav").read_bytes())
+    again = make_shards(clean.parent, tmp_path / "out", kind="audio-label", overwrite=True)
+    assert again.samples == 1 and not again.left_out_file  # the old list went with its set
+    assert not (tmp_path / "out" / "left_out.jsonl").exists()
