@@ -3,7 +3,9 @@ audio graph (decode, to the GPU, resample to 16 kHz, pad) behind DALI's shard re
 external source fed the way mmproxy's server feeds it (a ``TensorListCPU`` of views of the bytes,
 ``no_copy``, two runs in flight), each with the decoder's float32 output (``full_precision=True``)
 and its 16-bit output made float32 on the GPU (the default); and, for the limits, the reader
-alone and each decode alone (its output left on the CPU). No loader, no workers. On a GPU machine:
+alone and each decode alone (its output left on the CPU). No loader, no workers. The first
+pipeline built (the float32 graph behind the reader) carries the process's warm-up into its
+early epochs. On a GPU machine:
 
     python benchmarks/audio_pipeline_cost.py --clips 4096 --json audio-pipeline-cost.json
 """
@@ -44,7 +46,7 @@ def _decode_only(dtype: str) -> Callable[[Any], Any]:
     return lambda encoded: fn.decoders.audio(encoded, dtype=getattr(types, dtype), downmix=True)[0]
 
 
-def _time_reader(paths: list[str], graph: Callable[[Any], Any], n: int) -> list[float]:
+def _time_reader(paths: list[str], graph: Callable[[Any], Any], n: int) -> list[int]:
     """Clips a second of each epoch, the pipeline behind DALI's reader."""
     import torch
     from nvidia.dali import fn, pipeline_def
@@ -57,17 +59,19 @@ def _time_reader(paths: list[str], graph: Callable[[Any], Any], n: int) -> list[
     p = pipe(batch_size=BATCH, num_threads=THREADS, device_id=0, prefetch_queue_depth=2)
     p.build()
     rates = []
-    for _ in range(EPOCHS):
-        start = time.perf_counter()
-        for _ in range(-(-n // BATCH)):
-            p.run()
-        torch.cuda.synchronize()
-        rates.append(round(n / (time.perf_counter() - start)))
-    p._shutdown()
+    try:
+        for _ in range(EPOCHS):
+            start = time.perf_counter()
+            for _ in range(-(-n // BATCH)):
+                p.run()
+            torch.cuda.synchronize()
+            rates.append(round(n / (time.perf_counter() - start)))
+    finally:
+        p._shutdown()
     return rates
 
 
-def _time_fed(clips: list[Any], graph: Callable[[Any], Any]) -> list[float]:
+def _time_fed(clips: list[Any], graph: Callable[[Any], Any]) -> list[int]:
     """Clips a second of each epoch, the pipeline fed as mmproxy's server feeds it."""
     import torch
     from nvidia.dali import fn, pipeline_def, types
@@ -80,21 +84,23 @@ def _time_fed(clips: list[Any], graph: Callable[[Any], Any]) -> list[float]:
     p = pipe(batch_size=BATCH, num_threads=THREADS, device_id=0, prefetch_queue_depth=2)
     p.build()
     rates = []
-    for _ in range(EPOCHS):
-        start, inflight = time.perf_counter(), 0
-        for k in range(0, len(clips), BATCH):
-            p.feed_input("audio", TensorListCPU([TensorCPU(a) for a in clips[k:k + BATCH]],
-                                                contiguous=False))
-            p._run_once()
-            inflight += 1
-            if inflight == 2:
+    try:
+        for _ in range(EPOCHS):
+            start, inflight = time.perf_counter(), 0
+            for k in range(0, len(clips), BATCH):
+                p.feed_input("audio", TensorListCPU([TensorCPU(a) for a in clips[k:k + BATCH]],
+                                                    contiguous=False))
+                p._run_once()
+                inflight += 1
+                if inflight == 2:
+                    p.outputs()
+                    inflight -= 1
+            for _ in range(inflight):
                 p.outputs()
-                inflight -= 1
-        for _ in range(inflight):
-            p.outputs()
-        torch.cuda.synchronize()
-        rates.append(round(len(clips) / (time.perf_counter() - start)))
-    p._shutdown()
+            torch.cuda.synchronize()
+            rates.append(round(len(clips) / (time.perf_counter() - start)))
+    finally:
+        p._shutdown()
     return rates
 
 

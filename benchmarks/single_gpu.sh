@@ -21,7 +21,8 @@
 #                  workers' PyAV on a SHARE of the clips (default 0.15), NVDEC driven by
 #                  PyNvVideoCodec (12 decode threads each), PyAV in the workers, PyTorch workers
 #   PART=mixed     decoder="mixed" with TorchCodec, PyAV in the workers and PyTorch's workers, one
-#                  process a system: 1,024 clips of 596x336 and of 320x240, 96 of 1280x720 (no PyAV)
+#                  process a system: 1,024 clips of 596x336 and of 320x240, 96 of 1280x720 (no
+#                  PyAV); RES picks the sizes
 #   PART=damage    mmproxy on a copy of the image shards with 1% of the JPEGs damaged (KIND:
 #                  truncate or corrupt), against the same shards clean
 #   PART=remote    benchmarks/remote_bench.py (rounds interleaved) with the HTTP and S3 servers on
@@ -103,14 +104,17 @@ torchcodec)  # one system a call, as for nvdec; RES picks the sizes, SHARE the m
     t --systems torch --json "$out/video-$res-torch-$n.json"
   done ;;
 mixed)  # decoder="mixed" (TorchCodec), PyAV in the workers, PyTorch's workers: one process a
-  # system; 1,024 clips of 596x336 and of 320x240 (RES picks them), then 96 of 1280x720 without PyAV
+  # system; 1,024 clips of 596x336 and of 320x240, 96 of 1280x720 without PyAV (RES picks sizes)
   m() { one 250 python3 benchmarks/video_bench.py --clips "$2" --resolution "$1" --workers 15 \
           --threads 8 --epochs 3 --decode-threads 12 --data-dir /tmp/vbench --systems "$3" \
           --json "$out/video-$1-$(echo "$3" | tr -c 'a-zA-Z0-9\n-' '_')-$2.json" 2>&1 | grep -a "clips/s"; }
-  for res in ${RES:-596x336 320x240}; do
-    for s in 'mmproxy-mixed-torchcodec[auto]' mmproxy-pyav torch; do m "$res" 1024 "$s"; done
-  done
-  for s in 'mmproxy-mixed-torchcodec[auto]' torch; do m 1280x720 96 "$s"; done ;;
+  for res in ${RES:-596x336 320x240 1280x720}; do
+    if [ "$res" = 1280x720 ]; then
+      for s in 'mmproxy-mixed-torchcodec[auto]' torch; do m "$res" 96 "$s"; done
+    else
+      for s in 'mmproxy-mixed-torchcodec[auto]' mmproxy-pyav torch; do m "$res" 1024 "$s"; done
+    fi
+  done ;;
 damage)
   kind=${KIND:-truncate}
   one 400 $bench --workload image --systems mmproxy,dali-reader --samples 16384 --workers 15 \

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["UNREAD", "ogg_cut", "wav_problem"]
+__all__ = ["Unread", "ogg_cut", "wav_problem"]
 
-UNREAD = "(DALI's decoder reads at most 32)"  # a sound file DALI does not read, not a damaged one
+
+class Unread(str):
+    """A problem that is no damage: a sound file of a variant DALI's decoder does not read."""
 
 
 _PCM_TAGS = (1, 3, 0xFFFE)  # integer PCM, IEEE float, extensible: bits per sample must be set
@@ -77,7 +79,7 @@ def _fmt_problem(data: bytes | memoryview, body: int, size: int, big: bool) -> s
         sub = _SUB[big].unpack_from(data, body + 24)[0]  # the GUID's first field
         tag = 1 if sub in (1, 0x01000000) else sub  # RIFX writers store it either way
     if tag == 1 and bits > 32:
-        return f"has {bits}-bit integer samples {UNREAD}"
+        return Unread(f"has {bits}-bit integer samples (DALI's decoder reads at most 32)")
     return None
 
 

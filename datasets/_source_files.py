@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-from ._audio_headers import UNREAD
+from ._audio_headers import Unread
 from ._written import LeftOut, Reason
 from .checks import SIGNATURES, check_header, video_info
 
@@ -139,7 +139,7 @@ def sniff(item: Planned, media: str, data: bytes) -> tuple[str, LeftOut | None]:
     if problem is not None:
         return "", LeftOut(item.rel, f"{problem}" if ext == item.named
                            else f"{ext.upper()} data that {problem}",
-                           Reason.UNREAD if problem.endswith(UNREAD) else Reason.DAMAGED)
+                           Reason.UNREAD if isinstance(problem, Unread) else Reason.DAMAGED)
     return ext, None
 
 

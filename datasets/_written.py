@@ -61,8 +61,9 @@ class WrittenShards(list[str]):
         manifest: Path of ``manifest.jsonl`` (key, shard, source file, where the caption came from).
         left_out_file: Path of ``left_out.jsonl`` (every file left out: source, why, reason), or
             "" when none was.
-        empty_classes: ``(class name, label)`` of every class folder none of whose files was
-            written (all left out): its label stays in ``classes.json``, and no sample has it.
+        empty_classes: ``(class name, label)`` of every class folder whose files of the kind
+            were all refused by the header check: its label stays in ``classes.json``, and no
+            sample has it.
     """
 
     def __init__(self, kind: str, reads: list[str]) -> None:

@@ -60,7 +60,8 @@ class OutputExistsError(MmproxyError, FileExistsError):
 
     Attributes:
         output: The folder.
-        files: Names of that set's files in it (shards, classes.json, manifest.jsonl).
+        files: Names of that set's files in it (shards, classes.json, manifest.jsonl,
+            left_out.jsonl).
     """
 
     def __init__(self, output: str, files: list[str], cli: bool = False) -> None:
@@ -96,7 +97,7 @@ class NoMediaError(MmproxyError, FileNotFoundError):
 
 def _old_set(output: Path, prefix: str) -> tuple[list[Path], list[Path]]:
     """(the shard set already in ``output``: shards of ``prefix`` and those its manifest.jsonl
-    names, classes.json, manifest.jsonl; the other ``.tar`` files there)."""
+    names, classes.json, manifest.jsonl, left_out.jsonl; the other ``.tar`` files there)."""
     if not output.is_dir():
         return [], []
     named: set[str] = set()
@@ -130,9 +131,10 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     A file is stored under the extension of its content (a PNG named ``.jpg`` as ``png``).
     Files of other formats or content, empty files, empty or unreadable captions, and files whose
     header :func:`~mmproxy.datasets.check_header` rejects are left out: the summary gives them by
-    reason, ``left_out.jsonl`` beside the shards lists every one. A class folder none of whose
-    files is written keeps its label in ``classes.json`` (no sample has it) and is named in the
-    summary.
+    reason, ``left_out.jsonl`` beside the shards lists every one. A class folder whose files of
+    the kind were all refused by the header check keeps its label in ``classes.json`` (no sample
+    has it) and is named in the summary (``empty_classes``); a folder with no file of the kind
+    gets no label.
 
     The shards, ``classes.json``, ``manifest.jsonl`` and ``left_out.jsonl`` are written under
     temporary names and take their own only when the whole set is written, the old set's files
@@ -189,8 +191,8 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     index = {name: i for i, name in enumerate(classes)}
     manifest: list[dict[str, Any]] = []
     filled: set[str] = set()  # the classes a sample was written for
-    parts: list[str] = []  # the shards' part files (ShardWriter's post), then classes.json's
-    # and manifest.jsonl's
+    parts: list[str] = []  # the shards' part files (ShardWriter's post), then classes.json's,
+    # manifest.jsonl's and left_out.jsonl's
     pattern = (str(output / prefix).replace("%", "%%") + "-%06d.tar"
                + part_path("").replace("%", "%%"))  # ShardWriter fills in the number
     sink: Any = None

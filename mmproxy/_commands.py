@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     shards = sub.add_parser("make-shards", parents=[common], help="turn a folder into WebDataset shards",
                             description="Writes images with captions (ImageFolder tree or image + "
                             ".txt pairs) or audio files with labels (class folders) as shards, "
-                            "each sample with its source path (src), and classes.json and "
-                            "manifest.jsonl (key -> shard, source file) beside them; prints what "
+                            "each sample with its source path (src), and classes.json, "
+                            "manifest.jsonl (key -> shard, source file) and, when any file was "
+                            "left out, left_out.jsonl (each, and why) beside them; prints what "
                             "was written, which captions were guessed from folder names and "
                             "which files were left out and why.")
     shards.add_argument("source", help="the folder to read")

@@ -18,8 +18,8 @@ Outputs (in this order):
 Cost: decoding runs on CPU threads (DALI has no GPU audio decoder); with a GPU the resampling,
 trimming and spectrogram run on the GPU, with DALI's windowed-sinc resampler. A GPU pipeline
 decodes to 16-bit integers, moves those to the GPU and makes them float32 there: half the bytes of
-float32 to move, and DALI's decoder is faster without its float conversion (on an H200 the
-pipeline alone ran 1.6x the clips a second, the bench 1.5x: BENCHMARKS.md). That is exact for
+float32 to move, and DALI's decoder is faster without its float conversion (BENCHMARKS.md,
+"Audio decoded to 16 bits"). That is exact for
 16-bit mono sources (the same values as a float32 decode) and rounds to 16 bits, noise 96 dB under
 full scale, what has more: a downmix of several channels, 24- and 32-bit sources, lossy ones (MP3,
 Vorbis); ``full_precision=True`` decodes to float32 instead.

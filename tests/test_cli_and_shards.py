@@ -1378,9 +1378,9 @@ def _wide_wav(bits: int) -> bytes:
 
 
 def test_every_file_left_out_is_listed_and_a_class_left_without_samples_is_named(tmp_path):
-    """A new user's trial: of 7 files left out the summary named 3 ("... and 4 more", nowhere
-    else), 40-bit WAVs DALI does not read were called damaged, and a class folder holding only
-    those kept its label in classes.json without a word."""
+    """Of 7 files left out the summary named 3 ("... and 4 more", nowhere else), 40-bit WAVs
+    DALI does not read were called damaged, and a class folder holding only those kept its
+    label in classes.json without a word."""
     src = tmp_path / "src"
     for folder in ("speech", "wide"):
         (src / folder).mkdir(parents=True)

@@ -61,8 +61,8 @@ def _write_shard(job: tuple[str, str, int, int, float, str]) -> str:
     path, kind, lo, hi, damage, damage_kind = job
     if not os.path.exists(path):
         write_tar(path, (_sample(kind, i, damage, damage_kind) for i in range(lo, hi)))
-        # on the disk before any system reads it: the kernel writing back gigabytes of audio
-        # shards while the first systems ran slowed them by a third (BENCHMARKS.md)
+        # on the disk before any system reads it: the kernel writing gigabytes of new shards
+        # back while systems run slows every one of them (BENCHMARKS.md)
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
