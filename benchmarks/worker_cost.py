@@ -13,9 +13,10 @@ process, where the proxy packs and sends as in a DataLoader worker. The server's
 bare external source, or with ``--pipeline train`` the image training pipeline whose proxy draws
 each sample's crop window and flip from its seed.
 
-With ``--real`` it measures what the worker process spends instead (user and system CPU time from
-``getrusage``, over ``--repeat`` epochs after two to warm up): the whole dataset path with every
-batch sent to the running server, its collections of garbage and page faults included, in a
+With ``--real`` it measures what the worker process spends instead (user and system CPU time and
+minor page faults from ``getrusage``, over ``--repeat`` epochs after two to warm up): the whole
+dataset path with every batch sent to the running server, its collections of garbage and page
+faults included, in a
 process forked from one whose heap was frozen first, as :class:`mmproxy.DataLoader` does before
 its workers start (``freeze_gc``). It is the figure closest to the GPU bench's
 ``cpu_ms_per_batch.workers``.
@@ -92,7 +93,8 @@ def _measure_real(paths: list[str], ext: str, batch: int, proxy: object, repeat:
         for got in ds:
             n += batch if "x" in got else 0  # (the bench's shards fill whole batches)
     after = resource.getrusage(resource.RUSAGE_SELF)
-    conn.send((n, (after.ru_utime - before.ru_utime) / n, (after.ru_stime - before.ru_stime) / n))
+    conn.send((n, (after.ru_utime - before.ru_utime) / n, (after.ru_stime - before.ru_stime) / n,
+               (after.ru_minflt - before.ru_minflt) / n))
 
 
 def main() -> None:
@@ -139,10 +141,11 @@ def main() -> None:
         with server:
             gc.collect()
             gc.freeze()  # what mmproxy.DataLoader does before its workers start
-            n, user, system = _in_child(_measure_real, paths, ext, batch, server.proxy, a.repeat,
+            n, user, system, faults = _in_child(_measure_real, paths, ext, batch, server.proxy, a.repeat,
                                         a.labels)
         print(f"{a.kind}: {n} samples; worker CPU {(user + system) * 1e6:.1f} us/sample (user "
-              f"{user * 1e6:.1f}, system {system * 1e6:.1f}), batches sent to the server")
+              f"{user * 1e6:.1f}, system {system * 1e6:.1f}; {faults:.2f} page faults), batches "
+              "sent to the server")
         return
     n, best_read, best_check, best_all, text = _in_child(
         _measure, paths, ext, batch, server.proxy, a.repeat, a.labels, a.profile)
