@@ -16,10 +16,9 @@ each sample's crop window and flip from its seed.
 With ``--real`` it measures what the worker process spends instead (user and system CPU time and
 minor page faults from ``getrusage``, over ``--repeat`` epochs after two to warm up): the whole
 dataset path with every batch sent to the running server, its collections of garbage and page
-faults included, in a
-process forked from one whose heap was frozen first, as :class:`mmproxy.DataLoader` does before
-its workers start (``freeze_gc``). It is the figure closest to the GPU bench's
-``cpu_ms_per_batch.workers``.
+faults included, in a process forked from one whose heap was frozen first, as
+:class:`mmproxy.DataLoader` does before its workers start (``freeze_gc``). It is the figure
+closest to the GPU bench's ``cpu_ms_per_batch.workers``.
 """
 
 from __future__ import annotations
@@ -141,8 +140,8 @@ def main() -> None:
         with server:
             gc.collect()
             gc.freeze()  # what mmproxy.DataLoader does before its workers start
-            n, user, system, faults = _in_child(_measure_real, paths, ext, batch, server.proxy, a.repeat,
-                                        a.labels)
+            n, user, system, faults = _in_child(_measure_real, paths, ext, batch, server.proxy,
+                                                a.repeat, a.labels)
         print(f"{a.kind}: {n} samples; worker CPU {(user + system) * 1e6:.1f} us/sample (user "
               f"{user * 1e6:.1f}, system {system * 1e6:.1f}; {faults:.2f} page faults), batches "
               "sent to the server")

@@ -18,11 +18,11 @@ Outputs (in this order):
 Cost: decoding runs on CPU threads (DALI has no GPU audio decoder); with a GPU the resampling,
 trimming and spectrogram run on the GPU, with DALI's windowed-sinc resampler. A GPU pipeline
 decodes to 16-bit integers, moves those to the GPU and makes them float32 there: half the bytes of
-float32 to move, and DALI's decoder is faster without its float conversion (BENCHMARKS.md,
-"Audio decoded to 16 bits"). That is exact for
-16-bit mono sources (the same values as a float32 decode) and rounds to 16 bits, noise 96 dB under
-full scale, what has more: a downmix of several channels, 24- and 32-bit sources, lossy ones (MP3,
-Vorbis); ``full_precision=True`` decodes to float32 instead.
+float32 to move, and DALI's decoder is faster without its float conversion (BENCHMARKS.md, "Audio
+decoded to 16 bits"). That is exact for 16-bit mono sources (the same values as a float32 decode)
+and rounds to 16 bits, noise 96 dB under full scale, what has more: a downmix of several channels,
+24- and 32-bit sources, lossy ones (MP3, Vorbis); ``full_precision=True`` decodes to float32
+instead.
 
 On CPU DALI's resampler (16 lobes of its sinc at its default quality) is most of the whole
 pipeline and costs about twice torchaudio's, and torchaudio's about three times libsoxr's, so CPU
