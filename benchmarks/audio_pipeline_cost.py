@@ -8,6 +8,7 @@ pipeline built (the float32 graph behind the reader) carries the process's warm-
 early epochs. On a GPU machine:
 
     python benchmarks/audio_pipeline_cost.py --clips 4096 --json audio-pipeline-cost.json
+    python benchmarks/audio_pipeline_cost.py --batch 256 --only "16-bit"   # larger runs, 16-bit only
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-BATCH, THREADS, EPOCHS = 64, 8, 4
+THREADS, EPOCHS = 8, 4
 
 
 def _clips(paths: list[str]) -> list[Any]:
@@ -46,7 +47,7 @@ def _decode_only(dtype: str) -> Callable[[Any], Any]:
     return lambda encoded: fn.decoders.audio(encoded, dtype=getattr(types, dtype), downmix=True)[0]
 
 
-def _time_reader(paths: list[str], graph: Callable[[Any], Any], n: int) -> list[int]:
+def _time_reader(paths: list[str], graph: Callable[[Any], Any], n: int, batch: int) -> list[int]:
     """Clips a second of each epoch, the pipeline behind DALI's reader."""
     import torch
     from nvidia.dali import fn, pipeline_def
@@ -56,13 +57,13 @@ def _time_reader(paths: list[str], graph: Callable[[Any], Any], n: int) -> list[
         return graph(fn.readers.webdataset(paths=paths, ext=["wav"], random_shuffle=True,
                                            initial_fill=256, name="reader"))
 
-    p = pipe(batch_size=BATCH, num_threads=THREADS, device_id=0, prefetch_queue_depth=2)
+    p = pipe(batch_size=batch, num_threads=THREADS, device_id=0, prefetch_queue_depth=2)
     p.build()
     rates = []
     try:
         for _ in range(EPOCHS):
             start = time.perf_counter()
-            for _ in range(-(-n // BATCH)):
+            for _ in range(-(-n // batch)):
                 p.run()
             torch.cuda.synchronize()
             rates.append(round(n / (time.perf_counter() - start)))
@@ -71,7 +72,7 @@ def _time_reader(paths: list[str], graph: Callable[[Any], Any], n: int) -> list[
     return rates
 
 
-def _time_fed(clips: list[Any], graph: Callable[[Any], Any]) -> list[int]:
+def _time_fed(clips: list[Any], graph: Callable[[Any], Any], batch: int) -> list[int]:
     """Clips a second of each epoch, the pipeline fed as mmproxy's server feeds it."""
     import torch
     from nvidia.dali import fn, pipeline_def, types
@@ -81,14 +82,14 @@ def _time_fed(clips: list[Any], graph: Callable[[Any], Any]) -> list[int]:
     def pipe() -> Any:
         return graph(fn.external_source(name="audio", no_copy=True, dtype=types.UINT8))
 
-    p = pipe(batch_size=BATCH, num_threads=THREADS, device_id=0, prefetch_queue_depth=2)
+    p = pipe(batch_size=batch, num_threads=THREADS, device_id=0, prefetch_queue_depth=2)
     p.build()
     rates = []
     try:
         for _ in range(EPOCHS):
             start, inflight = time.perf_counter(), 0
-            for k in range(0, len(clips), BATCH):
-                p.feed_input("audio", TensorListCPU([TensorCPU(a) for a in clips[k:k + BATCH]],
+            for k in range(0, len(clips), batch):
+                p.feed_input("audio", TensorListCPU([TensorCPU(a) for a in clips[k:k + batch]],
                                                     contiguous=False))
                 p._run_once()
                 inflight += 1
@@ -108,26 +109,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clips", type=int, default=4096)
     parser.add_argument("--data-dir", default="/tmp/bench", help="the bench's shards (written once)")
+    parser.add_argument("--batch", type=int, default=64, help="clips a pipeline run (default 64, "
+                        "the bench's audio batch)")
+    parser.add_argument("--only", help="run only the measurements whose names contain this")
     parser.add_argument("--json", help="where to write the results")
     args = parser.parse_args()
+    b = args.batch
 
     from mmproxy.apps.bench.shards import write_shards
 
     paths = write_shards(args.data_dir, "audio", args.clips, 15)
     clips = _clips(paths)
     runs = {
-        "reader, float32 decode": lambda: _time_reader(paths, _graph(True), len(clips)),
-        "reader, 16-bit decode": lambda: _time_reader(paths, _graph(False), len(clips)),
-        "fed, float32 decode": lambda: _time_fed(clips, _graph(True)),
-        "fed, 16-bit decode": lambda: _time_fed(clips, _graph(False)),
-        "reader alone (bytes out)": lambda: _time_reader(paths, lambda x: x, len(clips)),
+        "reader, float32 decode": lambda: _time_reader(paths, _graph(True), len(clips), b),
+        "reader, 16-bit decode": lambda: _time_reader(paths, _graph(False), len(clips), b),
+        "fed, float32 decode": lambda: _time_fed(clips, _graph(True), b),
+        "fed, 16-bit decode": lambda: _time_fed(clips, _graph(False), b),
+        "reader alone (bytes out)": lambda: _time_reader(paths, lambda x: x, len(clips), b),
         "reader, float32 decode alone (CPU out)": lambda: _time_reader(
-            paths, _decode_only("FLOAT"), len(clips)),
+            paths, _decode_only("FLOAT"), len(clips), b),
         "reader, 16-bit decode alone (CPU out)": lambda: _time_reader(
-            paths, _decode_only("INT16"), len(clips)),
+            paths, _decode_only("INT16"), len(clips), b),
     }
-    results: dict[str, Any] = {"clips": len(clips), "batch": BATCH, "threads": THREADS}
+    results: dict[str, Any] = {"clips": len(clips), "batch": b, "threads": THREADS}
     for name, run in runs.items():
+        if args.only and args.only not in name:
+            continue
         rates = run()
         results[name] = {"epochs": rates, "after_the_first": sorted(rates[1:])}
         print(f"{name:42s} clips/s, epochs 2-{EPOCHS}: {rates[1:]} (first {rates[0]})", flush=True)

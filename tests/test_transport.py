@@ -169,3 +169,40 @@ def test_the_server_keeps_the_mappings_of_every_shard_in_flight(tmp_path):
     finally:
         for fd in fds:
             os.close(fd)
+
+
+@pytest.mark.timeout(120)
+def test_samples_a_shuffle_buffer_keeps_long_still_travel_by_reference(tmp_path, monkeypatch):
+    """A shuffle buffer keeps some samples for many shards after their own was read (each draw
+    replaces one of its samples at random): those samples' shards stay registered, so their
+    bytes are sent by reference like the others' and none is copied."""
+    from conftest import cpu, double_pipe
+    from mmproxy.datasets import MultiModalDataset
+
+    import mmproxy
+    from mmproxy import _layout, _process
+    from mmproxy.testing import write_tar
+
+    shards, per_shard = 40, 64
+    for s in range(shards):
+        write_tar(tmp_path / f"s-{s:02d}.tar", [
+            {"__key__": f"{s:02d}-{k:02d}", "bin": bytes([k]) * (300 + k)} for k in range(per_shard)])
+    placed: list[tuple[int, int]] = []  # (samples, samples copied) of each packed run
+    place = _layout.place
+
+    def counting(inputs, registry):
+        result = place(inputs, registry)
+        placed.extend((len(p.files), int((p.files == -1).sum())) for p in result[0])
+        return result
+
+    monkeypatch.setattr(_layout, "place", counting)
+    monkeypatch.setattr(_process, "local", lambda uid: None)  # packed and sent, as from a worker
+    monkeypatch.setattr(_transport, "send", lambda path, fds, name: None)
+    with mmproxy.DALIServer(cpu(double_pipe, batch_size=16), name="double") as server:
+        dataset = MultiModalDataset(str(tmp_path / f"s-{{00..{shards - 1}}}.tar"),
+                                    {"x": ("bin", server.proxy)}, batch_size=16,
+                                    shuffle_buffer=256, seed=3)
+        batches = sum(1 for _ in dataset)
+    assert batches == shards * per_shard // 16
+    assert sum(n for n, _ in placed) == shards * per_shard
+    assert sum(copied for _, copied in placed) == 0
