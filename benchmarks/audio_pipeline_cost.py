@@ -1,14 +1,23 @@
-"""The GPU audio pipeline alone, where its time goes: the bench's WAV clips through the bench's
-audio graph (decode, to the GPU, resample to 16 kHz, pad) behind DALI's shard reader and behind an
-external source fed the way mmproxy's server feeds it (a ``TensorListCPU`` of views of the bytes,
-``no_copy``, two runs in flight), each with the decoder's float32 output (``full_precision=True``)
-and its 16-bit output made float32 on the GPU (the default); and, for the limits, the reader
-alone and each decode alone (its output left on the CPU). No loader, no workers. The first
-pipeline built (the float32 graph behind the reader) carries the process's warm-up into its
-early epochs. On a GPU machine:
+"""The GPU audio pipeline alone, and what each part of mmproxy's path around it costs: the
+bench's WAV clips through the bench's audio graph (decode, to the GPU, resample to 16 kHz, pad)
+
+- behind DALI's shard reader;
+- behind an external source fed as mmproxy's server feeds it (a ``TensorListCPU`` of views of
+  the bytes, ``no_copy``, two runs in flight): the clips copied out of their shards, or views of
+  the shards' mappings (in shard order, or shuffled);
+- behind a :class:`mmproxy.DALIServer` fed by its proxy in this process (the server's runner,
+  run table and the batches' resolution, no transport), and with the runs sent by a forked
+  process as a loader's worker sends them (the transport and the server's listener too);
+
+each with the 16-bit decode made float32 on the GPU (the default) and, behind the reader and
+the plain external source, the decoder's float32 output (``full_precision=True``); and, for the
+limits, the reader alone and each decode alone (its output left on the CPU). No dataset, no
+DataLoader. The first pipeline built carries the process's warm-up into its early epochs. On a
+GPU machine:
 
     python benchmarks/audio_pipeline_cost.py --clips 4096 --json audio-pipeline-cost.json
     python benchmarks/audio_pipeline_cost.py --batch 256 --only "16-bit"   # larger runs, 16-bit only
+    python benchmarks/audio_pipeline_cost.py --clips 16384 --only "served,sent"
 """
 
 from __future__ import annotations
@@ -32,6 +41,34 @@ def _clips(paths: list[str]) -> list[Any]:
             out += [np.frombuffer(tar.extractfile(m).read(), np.uint8)  # type: ignore[union-attr]
                     for m in tar if m.name.endswith(".wav")]
     return out
+
+
+def _mapped_clips(paths: list[str]) -> list[Any]:
+    """The clips as views of read-only mappings of their shards, as the server's inputs are;
+    every shard registered, so that a forked process sends its clips by reference."""
+    import mmap
+
+    import numpy as np
+    from mmproxy.datasets._tar import members
+
+    from mmproxy import _mappings, worker
+
+    _mappings.MAX_FILES = max(_mappings.MAX_FILES, len(paths))
+    out = []
+    for path in paths:
+        with open(path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            worker.register_file_mapping(mapping, f.fileno())
+        data = np.frombuffer(mapping, np.uint8)
+        out += [data[o:o + n] for name, o, n in members(memoryview(mapping)) if name.endswith(".wav")]
+    return out
+
+
+def _shuffled(clips: list[Any]) -> list[Any]:
+    import random
+
+    random.Random(0).shuffle(clips)
+    return clips
 
 
 def _graph(full_precision: bool) -> Callable[[Any], Any]:
@@ -105,13 +142,104 @@ def _time_fed(clips: list[Any], graph: Callable[[Any], Any], batch: int) -> list
     return rates
 
 
+def _time_served(clips: list[Any], graph: Callable[[Any], Any], batch: int,
+                 device_id: int | None = 0) -> list[int]:
+    """Clips a second of each epoch, the pipeline behind a :class:`mmproxy.DALIServer` fed by its
+    proxy in this process (no workers, no transport): the server's runner thread, its run table
+    and the batches' resolution, three runs ahead of the one resolved."""
+    from collections import deque
+
+    import torch
+    from mmproxy.pipelines import external_pipeline
+
+    import mmproxy
+    from mmproxy.refs import DALIOutputBatchRef
+
+    pipe = external_pipeline(graph, input_name="audio", batch_size=batch, num_threads=THREADS,
+                             device_id=device_id, prefetch_queue_depth=2)
+    rates = []
+    with mmproxy.DALIServer(pipe, name="audio") as server:
+        for _ in range(EPOCHS):
+            start, pending = time.perf_counter(), deque()
+            for k in range(0, len(clips), batch):
+                run = server.proxy.run([None] * len(clips[k:k + batch]),
+                                       [(a,) for a in clips[k:k + batch]])
+                pending.append(DALIOutputBatchRef(server.uid, "audio", run, 0))
+                if len(pending) > 3:
+                    server.produce_data(pending.popleft())
+            while pending:
+                server.produce_data(pending.popleft())
+            if device_id is not None:
+                torch.cuda.synchronize()
+            rates.append(round(len(clips) / (time.perf_counter() - start)))
+    return rates
+
+
+def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
+               device_id: int | None = 0) -> list[int]:
+    """:func:`_time_served` with the runs sent by a forked process, as a loader's worker sends
+    them (packed, the clips by reference to their shards' registered mappings, received by the
+    server's listener thread); one process forked before the first epoch (from a frozen heap)
+    sends every epoch's runs, as a persistent worker does, and the parent resolves them as they
+    come."""
+    import gc
+    from collections import deque
+    from multiprocessing import get_context
+
+    import torch
+    from mmproxy.pipelines import external_pipeline
+
+    import mmproxy
+    from mmproxy.refs import DALIOutputBatchRef
+
+    pipe = external_pipeline(graph, input_name="audio", batch_size=batch, num_threads=THREADS,
+                             device_id=device_id, prefetch_queue_depth=2)
+    rates = []
+    with mmproxy.DALIServer(pipe, name="audio") as server:
+        proxy = server.proxy
+
+        def send_all(go: Any, conn: Any) -> None:
+            for _ in range(EPOCHS):
+                go.recv()  # the parent's clock has started
+                for k in range(0, len(clips), batch):
+                    conn.send(proxy.run([None] * len(clips[k:k + batch]),
+                                        [(a,) for a in clips[k:k + batch]]))
+            conn.close()
+
+        gc.collect()  # the heap frozen before the fork, as mmproxy.DataLoader does (freeze_gc)
+        gc.freeze()
+        fork = get_context("fork")
+        receive, send = fork.Pipe(duplex=False)
+        wait, go = fork.Pipe(duplex=False)
+        child = fork.Process(target=send_all, args=(wait, send))
+        child.start()
+        send.close()
+        try:
+            for _ in range(EPOCHS):
+                start, pending = time.perf_counter(), deque()
+                go.send(True)
+                for _ in range(0, len(clips), batch):
+                    pending.append(DALIOutputBatchRef(server.uid, "audio", receive.recv(), 0))
+                    if len(pending) > 3:
+                        server.produce_data(pending.popleft())
+                while pending:
+                    server.produce_data(pending.popleft())
+                if device_id is not None:
+                    torch.cuda.synchronize()
+                rates.append(round(len(clips) / (time.perf_counter() - start)))
+        finally:
+            child.join(timeout=60)
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clips", type=int, default=4096)
     parser.add_argument("--data-dir", default="/tmp/bench", help="the bench's shards (written once)")
     parser.add_argument("--batch", type=int, default=64, help="clips a pipeline run (default 64, "
                         "the bench's audio batch)")
-    parser.add_argument("--only", help="run only the measurements whose names contain this")
+    parser.add_argument("--only", help="run only the measurements whose names contain one of "
+                        "these (comma-separated)")
     parser.add_argument("--json", help="where to write the results")
     args = parser.parse_args()
     b = args.batch
@@ -125,6 +253,14 @@ def main() -> None:
         "reader, 16-bit decode": lambda: _time_reader(paths, _graph(False), len(clips), b),
         "fed, float32 decode": lambda: _time_fed(clips, _graph(True), b),
         "fed, 16-bit decode": lambda: _time_fed(clips, _graph(False), b),
+        "served in this process, 16-bit decode": lambda: _time_served(
+            _shuffled(_mapped_clips(paths)), _graph(False), b),
+        "sent from a forked process, 16-bit decode": lambda: _time_sent(
+            _shuffled(_mapped_clips(paths)), _graph(False), b),
+        "fed from the shards' mappings, 16-bit decode": lambda: _time_fed(
+            _mapped_clips(paths), _graph(False), b),
+        "fed from the shards' mappings, shuffled, 16-bit decode": lambda: _time_fed(
+            _shuffled(_mapped_clips(paths)), _graph(False), b),
         "reader alone (bytes out)": lambda: _time_reader(paths, lambda x: x, len(clips), b),
         "reader, float32 decode alone (CPU out)": lambda: _time_reader(
             paths, _decode_only("FLOAT"), len(clips), b),
@@ -133,7 +269,7 @@ def main() -> None:
     }
     results: dict[str, Any] = {"clips": len(clips), "batch": b, "threads": THREADS}
     for name, run in runs.items():
-        if args.only and args.only not in name:
+        if args.only and not any(part in name for part in args.only.split(",")):
             continue
         rates = run()
         results[name] = {"epochs": rates, "after_the_first": sorted(rates[1:])}

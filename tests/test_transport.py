@@ -206,3 +206,26 @@ def test_samples_a_shuffle_buffer_keeps_long_still_travel_by_reference(tmp_path,
     assert batches == shards * per_shard // 16
     assert sum(n for n, _ in placed) == shards * per_shard
     assert sum(copied for _, copied in placed) == 0
+
+
+@pytest.mark.parametrize("copied", [False, True])
+def test_a_long_header_arrives_whole(tmp_path, copied):
+    """Keys that make a batch's header long (300 keys of 125 characters) arrive whole, with the
+    arrays behind them, whether the arrays lie in a shard or one of them was copied."""
+    from mmproxy._context import SampleId
+
+    path = _tar(tmp_path / "s.tar", FILES, tarfile.GNU_FORMAT)
+    shard = _registered_view(path)
+    n = 300
+    keys = [SampleId(f"{i:04d}-" + "k" * 120, f"shard-{i % 7}.tar", i % 2 == 0, i) for i in range(n)]
+    arrays = [np.frombuffer(shard, np.uint8)[512 + i % 9:512 + i % 9 + 3] for i in range(n)]
+    if copied:
+        arrays[-1] = np.arange(1000, dtype=np.uint8)
+    fd, files = _transport.pack("run", ("loader", 1), keys, [arrays])
+    try:
+        assert int.from_bytes(os.pread(fd, 12, 0)[4:], "little") > 16384  # the header's length
+        request = _transport.unpack([fd, *files])
+    finally:
+        os.close(fd)
+    assert request.keys == keys and request.tag == ("loader", 1)
+    assert [bytes(a) for a in request.inputs[0]] == [bytes(a) for a in arrays]
