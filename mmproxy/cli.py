@@ -12,17 +12,20 @@ traceback.
 An interrupt (Ctrl-C) ends the command with one line, ``mmproxy COMMAND: interrupted``, and exit
 code 130: the first raises ``KeyboardInterrupt``, and the command cleans up on its way out (its
 servers and workers stop, half-written files go); one more while it does exits at once. An
-interrupt that library code swallowed (a callback from C that cannot raise) still ends with 130.
+interrupt that lands in a callback that cannot raise (a fork's hooks, a callback from C) is
+raised again once the callback is over (:class:`_Interrupts`).
 """
 
 from __future__ import annotations
 
+import _thread
 import importlib.util
 import os
 import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -70,21 +73,59 @@ def _missing(module: str) -> str:
 class _Interrupts:
     """SIGINT while a command runs: the first raises ``KeyboardInterrupt`` in the main thread, as
     Python's own handler does; another one before the command has ended exits at once, saying
-    so in one line (no traceback from code cleaning up, nor from the interpreter's exit)."""
+    so in one line (no traceback from code cleaning up, nor from the interpreter's exit).
+
+    Python runs a signal's handler wherever the main thread is, and where that is a callback
+    whose exceptions Python prints and drops (a fork's ``os.register_at_fork`` hooks, which every
+    DataLoader worker's start runs, or a callback from C), the ``KeyboardInterrupt`` would be
+    lost and a long command would run on. Such a drop reaches ``sys.unraisablehook``: there the
+    interrupt is raised again, from a thread (``_thread.interrupt_main``), once the main thread
+    is out of the callback, until it lands where it propagates."""
 
     def __init__(self, where: str) -> None:
         self.where, self.count, self.said = where, 0, False
         self.pid = os.getpid()  # forked workers inherit the handler: theirs stays Python's
         self.previous: Any = None
+        self.previous_hook: Any = None
+        self.again = False  # a dropped interrupt is on its way again (not a new Ctrl-C)
+        self.done = False  # the command is over: an interrupt still on its way is dropped
+        self.threads: list[threading.Thread] = []
 
     def install(self) -> bool:
         if threading.current_thread() is not threading.main_thread():
             return False  # only the main thread may set a handler
         self.previous = signal.signal(signal.SIGINT, self._handle)
+        self.previous_hook, sys.unraisablehook = sys.unraisablehook, self._dropped
         return True
 
     def restore(self) -> None:
         signal.signal(signal.SIGINT, self.previous)
+        sys.unraisablehook = self.previous_hook
+
+    def _dropped(self, unraisable: Any) -> None:
+        if unraisable.exc_type is KeyboardInterrupt and self.count and os.getpid() == self.pid:
+            self.again = True
+            self._raise_again()
+            return
+        self.previous_hook(unraisable)
+
+    def _raise_again(self) -> None:
+        """Raises the interrupt again in the main thread in a moment, when it has left the
+        callback (and this hook, whose own exceptions nothing would see)."""
+        def later() -> None:
+            time.sleep(0.02)
+            _thread.interrupt_main()
+
+        thread = threading.Thread(target=later, name="mmproxy-interrupt", daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def finish(self) -> None:
+        """The command is over (its interrupt, if any, counted): one still on its way again is
+        dropped on arrival instead of raised in the caller's code."""
+        self.done = True
+        for thread in self.threads:
+            thread.join()
 
     def interrupted(self) -> None:
         """The command ended by an interrupt (a signal, or ``KeyboardInterrupt`` raised for
@@ -98,6 +139,13 @@ class _Interrupts:
             print(f"{self.where}: interrupted", file=sys.stderr, flush=True)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self.again:  # the interrupt a callback dropped, raised again
+            if frame is not None and frame.f_code is _Interrupts._dropped.__code__:
+                return self._raise_again()  # still in the hook: once more, a moment later
+            self.again = False
+            if self.done:
+                return
+            raise KeyboardInterrupt
         self.count += 1
         if self.count == 1 or os.getpid() != self.pid:
             raise KeyboardInterrupt
@@ -154,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             print("(run with --debug for the traceback)", file=sys.stderr)
         return 1
     finally:
+        interrupts.finish()
         if installed and argv is not None:
             interrupts.restore()
 

@@ -996,6 +996,51 @@ def test_an_interrupt_that_library_code_swallows_still_ends_with_130(capsys, mon
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
 
 
+_DROPPED_IN_A_FORK_HOOK = """
+import os, signal, sys, time
+from mmproxy import cli
+
+def command(args):
+    fired = []
+    def hook():  # a fork's hook in the parent: Python prints and drops what it raises
+        if not fired:
+            fired.append(True)
+            signal.raise_signal(signal.SIGINT)
+            sum(range(1000))  # the handler runs here, inside the hook
+    os.register_at_fork(after_in_parent=hook)
+    pid = os.fork()  # as a DataLoader worker's start does
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    for _ in range(500):  # a long command: it must not run on for 10 s
+        time.sleep(0.02)
+    print("ran on", flush=True)
+
+import argparse
+parser = argparse.ArgumentParser()
+parser.set_defaults(func=command, command="trial", command_parser=parser, debug=False)
+cli.build_parser = lambda: parser
+started = time.monotonic()
+code = cli.main([])
+print("code", code, "after", round(time.monotonic() - started, 1), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_that_lands_in_a_fork_hook_is_raised_again_at_once(tmp_path):
+    """A Ctrl-C handled while the main thread ran a fork's ``register_at_fork`` hook (a
+    DataLoader starting its workers) was printed as "Exception ignored" and lost: a demo of many
+    epochs ran on for minutes. It is raised again once the hook is over."""
+    script = tmp_path / "dropped.py"
+    script.write_text(_DROPPED_IN_A_FORK_HOOK)
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=50)
+    assert "ran on" not in done.stdout, (done.stdout, done.stderr)
+    code, after = done.stdout.split()[1], float(done.stdout.split()[3])
+    assert code == "130" and after < 5, done.stdout
+    assert done.stderr.strip().splitlines() == ["mmproxy trial: interrupted"], done.stderr
+
+
 def test_a_second_interrupt_while_the_program_exits_prints_no_traceback(tmp_path):
     """The first Ctrl-C ends the command; a second one while the interpreter exits (its atexit
     work: stopping workers, joining threads) printed a long traceback."""
