@@ -16,7 +16,8 @@ __all__ = ["Unread", "ogg_cut", "wav_problem"]
 
 
 class Unread(str):
-    """A problem that is no damage: a sound file of a variant DALI's decoder does not read."""
+    """A problem that is no damage: a file of a variant of its format (a sound file's, a TIFF's)
+    that DALI's decoders do not read."""
 
 
 _PCM_TAGS = (1, 3, 0xFFFE)  # integer PCM, IEEE float, extensible: bits per sample must be set

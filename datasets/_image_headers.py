@@ -1,4 +1,5 @@
-"""Image headers: the size a PNG or JPEG declares, and a JPEG's or PNG's damage, from a few bytes.
+"""Image headers: the size a PNG, JPEG or TIFF declares, and a JPEG's or PNG's damage or a
+TIFF's variant, from a few bytes.
 
 A JPEG's header is walked marker by marker up to its first scan: a file that ends inside it, a
 malformed Huffman table, or data where a marker belongs is refused there (DALI's image decoders
@@ -11,9 +12,13 @@ bytes.
 from __future__ import annotations
 
 import struct
+from typing import Any
 from zlib import adler32
 
-__all__ = ["image_size", "jpeg_header", "jpeg_truncated", "png_truncated"]
+from ._audio_headers import Unread
+
+__all__ = ["image_size", "jpeg_header", "jpeg_truncated", "png_truncated", "tiff_info",
+           "tiff_problem"]
 
 _SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 
@@ -23,6 +28,11 @@ def image_size(ext: str, data: bytes | memoryview) -> tuple[int, int] | None:
     if ext == "png" and len(data) >= 24 and data[12:16] == b"IHDR":
         width, height = struct.unpack(">II", data[16:24])
         return width, height
+    if ext in ("tif", "tiff"):
+        info = tiff_info(data)
+        if isinstance(info, dict) and "width" in info and "height" in info:
+            return int(info["width"]), int(info["height"])
+        return None
     if ext in ("jpg", "jpeg"):
         i = 2
         while i + 9 < len(data) and i < 1 << 20:
@@ -63,6 +73,8 @@ def jpeg_header(data: bytes | memoryview) -> tuple[int | None, tuple[int, int] |
             if marker == 0xFF:
                 i += 1
                 continue
+            if marker in _STANDALONE:  # a stuffed zero, a restart or an image's start or end
+                return -3, None if sizing else size
             if marker == 0xDA:  # a scan before any size: image_size walks on past it
                 return i, image_size("jpg", data) if sizing else size
             if sizing and marker in _SOF:
@@ -80,7 +92,10 @@ def jpeg_header(data: bytes | memoryview) -> tuple[int | None, tuple[int, int] |
     return None, size
 
 
-_WATCHED = _SOF | {0xFF, 0xDA}  # fill bytes, the scan, the frames that hold the size
+# Markers that have no segment and cannot stand before the first scan: a stuffed zero (FF00,
+# which DALI 2.4's CPU decoder crashed on), TEM, the restarts, a second start of image, the end
+_STANDALONE = frozenset({0x00, 0x01, *range(0xD0, 0xDA)})
+_WATCHED = _SOF | _STANDALONE | {0xFF, 0xDA}  # those, fill bytes, the scan, the size's frames
 _TABLE_KINDS = frozenset(range(4)) | frozenset(range(0x10, 0x14))  # a Huffman table's class, id
 _MARKER = struct.Struct(">BBH")
 _SIZE = struct.Struct(">HH")
@@ -123,3 +138,81 @@ def png_truncated(data: bytes | memoryview) -> str | None:
     if data[-8:-4] == b"IEND" or bytes(data).rfind(b"IEND") >= 0:
         return None
     return "is truncated (no IEND chunk)"
+
+
+_TIFF_TYPES = {1: 1, 3: 2, 4: 4, 16: 8}  # the integer field types a TIFF tag here may have: bytes
+_TIFF_TAGS = {256: "width", 257: "height", 258: "bits", 259: "compression", 277: "samples",
+              339: "sample_format"}
+# The compression schemes DALI 2.4's CPU decoders read (on libtiff): none, CCITT (2-4), LZW,
+# old-style and new JPEG, Deflate, PackBits. LZMA and WebP fail every batch that holds one.
+_TIFF_COMPRESSIONS = frozenset({1, 2, 3, 4, 5, 6, 7, 8, 32773, 32946})
+
+
+def tiff_info(data: bytes | memoryview) -> dict[str, Any] | str:
+    """The first image's width, height, bits per sample, compression, samples per pixel and
+    sample format that a TIFF's header (classic or BigTIFF) gives, or why it cannot be read."""
+    n = len(data)
+    if n < 16:
+        return "is truncated (it ends inside its header)"
+    order = "<" if bytes(data[:2]) == b"II" else ">"
+    big = struct.unpack_from(order + "H", data, 2)[0] == 43
+    count_at, entry, offset = (("Q", 20, "Q") if big else ("H", 12, "I"))
+    at = struct.unpack_from(order + offset, data, 8 if big else 4)[0]
+    head = 8 if big else 2
+    if at < 8 or at + head > n:
+        return f"has its first image's header at byte {at}, outside the file (damaged?)"
+    entries = struct.unpack_from(order + count_at, data, at)[0]
+    if entries == 0 or at + head + entries * entry > n:
+        return f"has a malformed or truncated image header ({entries} entries at byte {at})"
+    info: dict[str, Any] = {}
+    for k in range(entries):
+        e = at + head + k * entry
+        tag, kind = struct.unpack_from(order + "HH", data, e)
+        name = _TIFF_TAGS.get(tag)
+        if name is None:
+            continue
+        size = _TIFF_TYPES.get(kind)
+        count = struct.unpack_from(order + ("Q" if big else "I"), data, e + 4)[0]
+        if size is None or count == 0 or count > 64:
+            return f"has a malformed {name} field (type {kind}, {count} values)"
+        field = e + (12 if big else 8)
+        if size * count > (8 if big else 4):  # the values lie elsewhere
+            field = struct.unpack_from(order + offset, data, field)[0]
+            if field + size * count > n:
+                return f"has its {name} field outside the file (damaged?)"
+        code = {1: "B", 2: "H", 4: "I", 8: "Q"}[size]
+        values = struct.unpack_from(f"{order}{count}{code}", data, field)
+        info[name] = values if name == "bits" else values[0]
+    return info
+
+
+def tiff_problem(data: bytes | memoryview) -> str | None:
+    """Why DALI's decoders would not read a TIFF, or could crash on it, or None.
+
+    DALI 2.4's CPU decoder crashed the whole process (a batch of 32 holding one such file, in
+    its first run or after the pipeline was rebuilt) on samples of more than 16 bits (32-bit
+    integers, 32- and 64-bit floats) and on an absurd number of samples a pixel, and on a stuffed
+    zero in a JPEG's header (:func:`jpeg_header`), and on an old-style JPEG TIFF whose header
+    lists three bits-per-sample values and no samples a pixel; it raised on signed samples, 2-
+    to 7-bit ones, LZMA and WebP compression and a header that points outside the file. It read
+    1-, 8-, 12- and 16-bit samples, palettes, CMYK, CIELab, planes apart, several pages (the
+    first), CCITT, LZW, Deflate, PackBits and both JPEG schemes (Pillow's and scikit-image's
+    test images)."""
+    info = tiff_info(data)
+    if isinstance(info, str):
+        return info
+    if "width" not in info or "height" not in info:
+        return "has no image size in its header"
+    samples = int(info.get("samples", 1))
+    listed = info.get("bits", (1,))
+    if "samples" not in info and len(listed) > 1:  # crashed DALI (old-style JPEG, Pillow's)
+        return (f"has a malformed header ({len(listed)} bits-per-sample values and no samples "
+                "a pixel)")
+    bits = set(listed)
+    compression = int(info.get("compression", 1))
+    variant = (
+        f"{samples} samples a pixel" if not 1 <= samples <= 4 else
+        f"{'/'.join(map(str, sorted(bits)))}-bit samples" if bits - {1, *range(8, 17)} else
+        "signed or floating-point samples" if int(info.get("sample_format", 1)) != 1 else
+        f"compression scheme {compression}" if compression not in _TIFF_COMPRESSIONS else None)
+    return Unread(f"is a TIFF variant DALI does not read ({variant})") if variant else None

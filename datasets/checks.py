@@ -11,11 +11,15 @@ than its header promises, so catching them here saves the server a failed run (o
 made-up frames); a good file pays for a look at its last bytes or its top-level boxes.
 Trailing bytes after the end marker are allowed (decoders ignore them).
 
-The JPEG header walk also refuses a malformed Huffman table and data where a marker belongs: DALI
-2.4's image decoders (CPU and GPU) can crash the whole process on such files when a large batch
-holds one (BENCHMARKS.md, "Damaged data"; ``benchmarks/dali_decoder_crash.py`` shows it without
-mmproxy), so they must never reach a pipeline. No check sees other corruption inside compressed
-data; the server finds those samples when the pipeline fails on them (see docs/reliability.md).
+The JPEG header walk also refuses a malformed Huffman table and data where a marker belongs (a
+stuffed zero among the header's segments too): DALI 2.4's image decoders (CPU and GPU) can crash
+the whole process on such files when a large batch holds one (BENCHMARKS.md, "Damaged data";
+``benchmarks/dali_decoder_crash.py`` shows it without mmproxy), so they must never reach a
+pipeline. For the same reason a TIFF's first image header is read: samples of more than 16 bits
+or too many samples a pixel crashed DALI's CPU decoder, and the variants it refuses every time
+(signed samples, 2- to 7-bit ones, LZMA or WebP compression) are named as such. No check sees
+other corruption inside compressed data; the server finds those samples when the pipeline fails
+on them (see docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ._audio_headers import ogg_cut, wav_problem
-from ._image_headers import image_size, jpeg_header, jpeg_truncated, png_truncated
+from ._image_headers import image_size, jpeg_header, jpeg_truncated, png_truncated, tiff_problem
 from ._video_headers import VIDEO_EXTS, VideoInfo, video_cut, video_info, video_problem
 
 __all__ = ["MAX_PIXELS", "SIGNATURES", "VIDEO_EXTS", "VideoInfo", "check_header", "image_size",
@@ -96,4 +100,6 @@ def check_header(ext: str, data: Data, max_pixels: int = MAX_PIXELS) -> str | No
         return ogg_cut(data)
     if ext == "png":
         return png_truncated(data)
+    if ext in ("tif", "tiff"):
+        return tiff_problem(data)
     return None

@@ -197,7 +197,8 @@ def named_sample(err: BaseException, n: int) -> int | None:
 # nvImageCodec's status codes (nvimgcodecStatus_t, in DALI's "nvImageCodec failure: '#3'") in words.
 _DAMAGED = "the image data is damaged: it is not a valid stream of the format it starts as"
 _UNREAD = "the data is not an image of a format the decoder reads"
-_FAILED = "the image decoder failed on the data, which is usually damaged or cut short"
+_FAILED = ("the image decoder failed on the data (damaged, cut short, or a variant of its "
+           "format DALI does not read)")
 _MEMORY = "the decoder ran out of memory"
 _CODEC_WORDS = {
     3: _DAMAGED, 13: _DAMAGED, 19: "the image data ends early (a file cut short)",
@@ -222,7 +223,8 @@ def _in_words(line: str) -> str:
     if undecoded is not None:
         detail = undecoded.group(1).strip()
         return ("the decoder could not decode the data" + (f": {detail}" if detail else
-                ", which is damaged or cut short (DALI gives no detail)"))
+                " (damaged, cut short, or a variant of its format DALI does not read; DALI "
+                "gives no detail)"))
     if "std::bad_alloc" in line:
         return f"{_MEMORY} (does the data declare a huge size?)"
     return line

@@ -120,6 +120,64 @@ def test_header_checks_catch_the_damage_that_crashes_dali_and_pass_good_files():
         assert check_header(ext, memoryview(data)) is None
 
 
+def _tiff(i, mode="RGB"):
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((40, 56, 3), _color(i), np.uint8)).convert(mode).save(buf, "TIFF")
+    return buf.getvalue()
+
+
+def _ff00_jpeg(i):
+    """A JPEG with a stuffed zero (FF 00 00 02) between its header's segments, as in a photo of
+    Pillow's tests that crashed DALI 2.4's CPU decoder."""
+    jpeg = _jpeg(i)
+    frame = jpeg.find(b"\xff\xc0")
+    return jpeg[:frame] + b"\xff\x00\x00\x02" + jpeg[frame:]
+
+
+@pytest.mark.timeout(240)
+def test_tiffs_and_jpegs_that_crashed_dalis_decoder_are_skipped_by_name(tmp_path):
+    """Real files from Pillow's and scikit-image's test images crashed the whole process in
+    DALI 2.4's CPU decoder (a batch of 32 holding one): TIFFs of 32- and 64-bit samples, and a
+    JPEG with a stuffed zero in its header. The header checks name them; the TIFFs DALI reads
+    (8 and 16 bits, grey, palette, RGB) pass and decode."""
+    bad_tiffs = {3: "I", 9: "F", 17: "I", 25: "F"}  # 32-bit integers, 32-bit floats
+    samples = []
+    for i in range(40):
+        if i in bad_tiffs:
+            field = ("tif", _tiff(i, bad_tiffs[i]))
+        elif i == 30:
+            field = ("jpg", _ff00_jpeg(i))
+        else:
+            field = [("jpg", _jpeg(i)), ("png", _jpeg(i, "PNG")), ("tif", _tiff(i)),
+                     ("tif", _tiff(i, "L")), ("tif", _tiff(i, "I;16"))][i % 5]
+        samples.append({"__key__": f"t{i:03d}", field[0]: field[1], "cls": str(i).encode()})
+    write_tar(tmp_path / "t-000.tar", samples)
+    image = mmproxy.DALIServer(image_eval_pipeline(batch_size=32, size=16, dtype="uint8",
+                                                   layout="HWC", device="cpu", num_threads=1),
+                               name="image")
+    with image:
+        ds = MultiModalDataset(str(tmp_path / "t-000.tar"), {"image": ("jpg;png;tif", image.proxy),
+                                                             "label": ("cls", int)},
+                               batch_size=32, on_error="skip", max_skipped=0.5)
+        labels, records = [], []
+        for batch in ds.loader(image, num_workers=0):
+            assert batch["image"].shape[0] == len(batch["label"])
+            labels += batch["label"].tolist()
+            records += batch["__skipped__"]
+    bad = {*bad_tiffs, 30}
+    assert sorted(labels) == sorted(set(range(40)) - bad)
+    by_key = {r.key: r.reason for r in records}
+    assert sorted(by_key) == sorted(f"t{i:03d}" for i in bad)
+    for i in bad_tiffs:
+        assert by_key[f"t{i:03d}"] == ("bad header: field 'tif' is a TIFF variant DALI does not "
+                                       "read (32-bit samples)")
+    assert "malformed header" in by_key["t030"]
+
+
 def _servers():
     image = mmproxy.DALIServer(image_eval_pipeline(batch_size=8, size=16, dtype="uint8", layout="HWC",
                                                    device="cpu", num_threads=1), name="image")

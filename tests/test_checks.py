@@ -52,6 +52,10 @@ def _jpeg(*segments: bytes, scan: bytes = b"\x12\x34") -> bytes:
     (SOI + b"\xff\xc4\x00\x00" + SOF + SOS + EOI, MALFORMED),
     (SOI + b"\xff\xc4\x00\x02" + SOF + SOS + EOI, None),
     (_jpeg(SOF, b"\x00\xc4", SOS), MALFORMED),
+    # a stuffed zero among the header's segments (FF 00 00 02: a "segment" of no body), which
+    # crashed DALI 2.4's CPU decoder in a photo from Pillow's tests; a restart marker likewise
+    (_jpeg(SOF, b"\xff\x00\x00\x02", DHT, SOS), MALFORMED),
+    (_jpeg(SOF, b"\xff\xd0", DHT, SOS), MALFORMED),
     (_jpeg(SOF, SOS)[:-2] + b"\x00", "is truncated (no end-of-image marker after its image data)"),
     (_jpeg(SOF, SOS) + b"trailing", None),
 ])
@@ -159,3 +163,90 @@ def test_a_wav_that_ends_before_its_data_chunk_or_is_rf64():
     assert check_header("wav", huge) == "has no 'data' chunk (no audio data before its end)"
     longer = huge + bytes(2 << 20)  # the header goes on past what is walked: not known
     assert check_header("wav", longer) is None
+
+
+def _tiff(mode: str = "RGB", size=(24, 16), **save) -> bytes:
+    buf = io.BytesIO()
+    image = Image.new(mode, size)
+    if save.pop("pages", 1) == 2:
+        save.update(save_all=True, append_images=[Image.new(mode, size)])
+    image.save(buf, "TIFF", **save)
+    return buf.getvalue()
+
+
+def _tiff_field(data: bytes, tag: int, value: int) -> bytes:
+    """A little-endian classic TIFF with its first image's (SHORT or LONG, one value) field
+    ``tag`` set to ``value``."""
+    out = bytearray(data)
+    at = struct.unpack_from("<I", out, 4)[0]
+    for k in range(struct.unpack_from("<H", out, at)[0]):
+        e = at + 2 + 12 * k
+        if struct.unpack_from("<H", out, e)[0] == tag:
+            kind = struct.unpack_from("<H", out, e + 2)[0]
+            struct.pack_into("<H" if kind == 3 else "<I", out, e + 8, value)
+            return bytes(out)
+    raise AssertionError(f"no field {tag}")
+
+
+@pytest.mark.parametrize("data, verdict", [
+    (_tiff("RGB"), None),
+    (_tiff("RGBA"), None),
+    (_tiff("L"), None),
+    (_tiff("1"), None),  # 1-bit
+    (_tiff("I;16"), None),
+    (_tiff("CMYK"), None),
+    (_tiff("P"), None),  # a palette
+    (_tiff("RGB", compression="tiff_lzw"), None),
+    (_tiff("RGB", compression="tiff_adobe_deflate"), None),
+    (_tiff("RGB", compression="packbits"), None),
+    (_tiff("RGB", compression="jpeg"), None),
+    (_tiff("L", pages=2), None),  # DALI decodes the first page
+    # samples of more than 16 bits crashed DALI 2.4's CPU decoder (a batch of 32 holding one)
+    (_tiff("I"), "is a TIFF variant DALI does not read (32-bit samples)"),
+    (_tiff("F"), "is a TIFF variant DALI does not read (32-bit samples)"),
+    (_tiff_field(_tiff("RGB"), 277, 65535),  # samples a pixel, as in a file that crashed libtiff
+     "is a TIFF variant DALI does not read (65535 samples a pixel)"),
+    (_tiff_field(_tiff("L"), 258, 4), "is a TIFF variant DALI does not read (4-bit samples)"),
+    (_tiff_field(_tiff("L"), 259, 34925),  # LZMA
+     "is a TIFF variant DALI does not read (compression scheme 34925)"),
+    (_tiff_field(_tiff("I"), 258, 16),  # 16-bit signed integers
+     "is a TIFF variant DALI does not read (signed or floating-point samples)"),
+    (_tiff("RGB")[:12], "is truncated (it ends inside its header)"),
+    (_tiff("RGB")[:4] + struct.pack("<I", 1 << 30) + _tiff("RGB")[8:],
+     "has its first image's header at byte 1073741824, outside the file (damaged?)"),
+])
+def test_a_tiffs_first_image_header_says_whether_dali_reads_it(data, verdict):
+    assert check_header("tif", data) == verdict
+    assert check_header("png", memoryview(data)) == verdict  # checked as what it is
+
+
+def test_a_tiff_variant_dali_does_not_read_is_no_damage_and_its_size_is_read():
+    from mmproxy.datasets._audio_headers import Unread
+
+    assert isinstance(check_header("tiff", _tiff("F")), Unread)
+    assert not isinstance(check_header("tiff", _tiff("RGB")[:12]), Unread)
+    data = _tiff("RGB", size=(300, 200))
+    assert image_size("tiff", data) == (300, 200)
+    assert check_header("tiff", data, max_pixels=300 * 200 - 1) == \
+        "declares 300x200 pixels, more than max_pixels=59999"
+    big = io.BytesIO()
+    Image.new("RGB", (30, 20)).save(big, "TIFF", big_tiff=True)
+    assert big.getvalue()[2:4] == b"\x2b\x00" and check_header("tiff", big.getvalue()) is None
+    assert image_size("tiff", big.getvalue()) == (30, 20)
+
+
+def test_a_tiff_listing_several_bit_depths_and_no_samples_a_pixel_is_refused():
+    """Pillow's old-style JPEG TIFF without a SamplesPerPixel field (three bits-per-sample
+    values) crashed DALI 2.4's CPU decoder in the demo every time; one that names its samples
+    a pixel, even with one bits-per-sample value too many, decodes."""
+    rgb = _tiff("RGB")
+    at = struct.unpack_from("<I", rgb, 4)[0]
+    entries = struct.unpack_from("<H", rgb, at)[0]
+    no_samples = bytearray(rgb)
+    for k in range(entries):
+        e = at + 2 + 12 * k
+        if struct.unpack_from("<H", no_samples, e)[0] == 277:
+            struct.pack_into("<H", no_samples, e, 0xFFF0)  # a private tag, not SamplesPerPixel
+    assert check_header("tif", bytes(no_samples)) == (
+        "has a malformed header (3 bits-per-sample values and no samples a pixel)")
+    assert check_header("tif", rgb) is None

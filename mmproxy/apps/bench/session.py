@@ -89,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
                 gc.collect()  # destroy the last system's pipelines here, not in forked workers
                 if damaged and system.dali_without_checks:
                     result: dict[str, Any] = {"error": (
-                        f"not run: mmproxy found damaged files in your data ({damaged}); "
+                        f"not run: mmproxy skipped files of your data ({damaged}); "
                         f"{system.name} would feed them to DALI's decoders unchecked, and some "
-                        "damaged files crash the process (bench clean shards to compare)")}
+                        "such files crash the process (bench clean shards to compare)")}
                 else:
                     try:
                         if args.stacks:
