@@ -252,8 +252,11 @@ class SkipReport:
             hint = f"{self.shards_text()} tried, and none could be read"
             raise EmptyEpochError(f"no sample could be used ({hint}):\n{self.summary()}\n"
                                   f"{self._first_shards()}")
-        hint = ("check the shard paths, the field extensions and the field functions"
-                if self.skipped else "check that the shard pattern matches files with samples")
+        kinds = set(self.by_kind) - {SkipKind.UNREADABLE_SHARD, SkipKind.EMPTY_SHARD}
+        hint = ("check that the shard pattern matches files with samples" if not self.skipped else
+                "every sample read was skipped, for the reasons below"
+                if kinds and kinds <= {SkipKind.BAD_HEADER, SkipKind.PIPELINE} else
+                "check the shard paths, the field extensions and the field functions")
         raise EmptyEpochError(f"no sample could be used ({hint}):\n{self.summary()}")
 
     def _first_shards(self) -> str:

@@ -858,6 +858,25 @@ def test_an_epoch_whose_every_shard_failed_says_so():
     assert "field extensions" not in text
 
 
+@pytest.mark.parametrize("kind, hint", [
+    ("PIPELINE", "every sample read was skipped, for the reasons below"),
+    ("BAD_HEADER", "every sample read was skipped, for the reasons below"),
+    ("MISSING_FIELD", "check the shard paths, the field extensions and the field functions"),
+])
+def test_an_epoch_whose_every_sample_failed_points_at_the_reasons(kind, hint):
+    """Every sample failed to decode (a new user's TIFFs): the error pointed at the shard paths
+    and field extensions, which were right; it points at the reasons it lists."""
+    from mmproxy.skips import SkipKind, SkippedSample, SkipReport
+
+    report = SkipReport(epoch=0)
+    report.add(0, [SkippedSample("a.tar", f"k{i}", f"{SkipKind[kind].value}: why {i}",
+                                 SkipKind[kind]) for i in range(3)], shards_tried=1)
+    with pytest.raises(mmproxy.EmptyEpochError) as raised:
+        report.check(0.1, final=True)
+    assert str(raised.value).startswith(f"no sample could be used ({hint}):")
+    assert "a.tar, sample 'k0'" in str(raised.value)
+
+
 def test_a_skip_summary_lists_the_first_records_of_each_kind_and_counts_the_rest():
     # A user whose files fail asks which: the summary (in SkipLimitError too) names the first
     # five of each kind, then how many more (the report's records hold up to 10,000).

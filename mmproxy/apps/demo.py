@@ -154,9 +154,14 @@ def _stream(args: argparse.Namespace, loader: Any, used: list[str], servers: dic
     over = f" over {args.epochs} epochs (each epoch counts its own)" if args.epochs > 1 else ""
     print(f"  skipped {total.samples_skipped} samples"
           + (f" and {total.shards_text()}" if total.shards else "") + over)
+    shown: list[set[Any]] = []  # the records of the epochs summarized in full
     for report in reports:
         if report.skipped:
-            print("  " + report.summary().replace("\n", "\n  "))
+            lines = report.summary().split("\n")
+            if set(report.records) in shown:  # the same samples as an earlier epoch
+                lines = [lines[0] + " (the same as an earlier epoch)"]
+            shown.append(set(report.records))
+            print("  " + "\n  ".join(lines))
     _list_skipped(reports)
 
 
