@@ -45,7 +45,8 @@ def _clips(paths: list[str]) -> list[Any]:
 
 def _mapped_clips(paths: list[str]) -> list[Any]:
     """The clips as views of read-only mappings of their shards, as the server's inputs are;
-    every shard registered, so that a forked process sends its clips by reference."""
+    every shard registered (past the loader's bound: the sender below keeps no shard for long),
+    so that a forked process sends its clips by reference."""
     import mmap
 
     import numpy as np
@@ -190,6 +191,7 @@ def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
     from mmproxy.pipelines import external_pipeline
 
     import mmproxy
+    from mmproxy import _transport
     from mmproxy.refs import DALIOutputBatchRef
 
     pipe = external_pipeline(graph, input_name="audio", batch_size=batch, num_threads=THREADS,
@@ -206,12 +208,15 @@ def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
                                         [(a,) for a in clips[k:k + batch]]))
             conn.close()
 
+        if batch >= _transport._MAX_FDS:  # a run's clips may lie in as many shards
+            raise SystemExit(f"--batch {batch}: the runs sent from a forked process take at most "
+                             f"{_transport._MAX_FDS - 1} clips")
         gc.collect()  # the heap frozen before the fork, as mmproxy.DataLoader does (freeze_gc)
         gc.freeze()
         fork = get_context("fork")
         receive, send = fork.Pipe(duplex=False)
         wait, go = fork.Pipe(duplex=False)
-        child = fork.Process(target=send_all, args=(wait, send))
+        child = fork.Process(target=send_all, args=(wait, send), daemon=True)
         child.start()
         send.close()
         try:
@@ -229,6 +234,9 @@ def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
                 rates.append(round(len(clips) / (time.perf_counter() - start)))
         finally:
             child.join(timeout=60)
+            if child.is_alive():  # an error here left it waiting for the next epoch
+                child.kill()
+            gc.unfreeze()
     return rates
 
 

@@ -156,13 +156,15 @@ def tiff_info(data: bytes | memoryview) -> dict[str, Any] | str:
         return "is truncated (it ends inside its header)"
     order = "<" if bytes(data[:2]) == b"II" else ">"
     big = struct.unpack_from(order + "H", data, 2)[0] == 43
+    if big and struct.unpack_from(order + "H", data, 4)[0] != 8:
+        return "has a malformed BigTIFF header (offsets not of 8 bytes)"
     count_at, entry, offset = (("Q", 20, "Q") if big else ("H", 12, "I"))
     at = struct.unpack_from(order + offset, data, 8 if big else 4)[0]
     head = 8 if big else 2
     if at < 8 or at + head > n:
         return f"has its first image's header at byte {at}, outside the file (damaged?)"
     entries = struct.unpack_from(order + count_at, data, at)[0]
-    if entries == 0 or at + head + entries * entry > n:
+    if entries == 0 or entries > 4096 or at + head + entries * entry > n:  # libtiff's limit
         return f"has a malformed or truncated image header ({entries} entries at byte {at})"
     info: dict[str, Any] = {}
     for k in range(entries):
@@ -191,13 +193,13 @@ def tiff_problem(data: bytes | memoryview) -> str | None:
 
     DALI 2.4's CPU decoder crashed the whole process (a batch of 32 holding one such file, in
     its first run or after the pipeline was rebuilt) on samples of more than 16 bits (32-bit
-    integers, 32- and 64-bit floats) and on an absurd number of samples a pixel, and on a stuffed
-    zero in a JPEG's header (:func:`jpeg_header`), and on an old-style JPEG TIFF whose header
-    lists three bits-per-sample values and no samples a pixel; it raised on signed samples, 2-
-    to 7-bit ones, LZMA and WebP compression and a header that points outside the file. It read
-    1-, 8-, 12- and 16-bit samples, palettes, CMYK, CIELab, planes apart, several pages (the
-    first), CCITT, LZW, Deflate, PackBits and both JPEG schemes (Pillow's and scikit-image's
-    test images)."""
+    integers, 32- and 64-bit floats), on 65,535 samples a pixel (more than 16 are refused; 5
+    decode), on a stuffed zero in a JPEG's header (:func:`jpeg_header`), and on an old-style
+    JPEG TIFF whose header lists three bits-per-sample values and no samples a pixel; it raised
+    on signed samples, 2- to 7-bit ones, LZMA and WebP compression and a header that points
+    outside the file. It read 1-, 8-, 12- and 16-bit samples, palettes, CMYK, CIELab, planes
+    apart, several pages (the first), CCITT, LZW, Deflate, PackBits and both JPEG schemes
+    (Pillow's and scikit-image's test images)."""
     info = tiff_info(data)
     if isinstance(info, str):
         return info
@@ -211,7 +213,7 @@ def tiff_problem(data: bytes | memoryview) -> str | None:
     bits = set(listed)
     compression = int(info.get("compression", 1))
     variant = (
-        f"{samples} samples a pixel" if not 1 <= samples <= 4 else
+        f"{samples} samples a pixel" if not 1 <= samples <= 16 else
         f"{'/'.join(map(str, sorted(bits)))}-bit samples" if bits - {1, *range(8, 17)} else
         "signed or floating-point samples" if int(info.get("sample_format", 1)) != 1 else
         f"compression scheme {compression}" if compression not in _TIFF_COMPRESSIONS else None)

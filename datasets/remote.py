@@ -233,13 +233,15 @@ def _stream(url: str, options: RemoteOptions, cache: NodeCache | None, name: str
             if fd is None:  # it does not go in the cache: stream it past
                 cache.unlock(lock)
                 lock = None
+        memfd = fd is None
         if fd is None:
             fd = os.memfd_create("mmproxy-shard", os.MFD_CLOEXEC)
         if size is None:  # no length given: the whole body first, then the mapping
             Download(url, attempts, response, None, fd).run()
             response = None
             own, fd = fd, None
-            return RemoteShard(_map_readonly(own))
+            view = _map_readonly(own)  # a memfd's registration goes when the shard is closed
+            return RemoteShard(view, streamed=view.obj if memfd else None)  # type: ignore[arg-type]
         os.ftruncate(fd, size)
         mapping = mmap.mmap(fd, size)
         worker.register_file_mapping(mapping, fd)

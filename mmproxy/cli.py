@@ -18,7 +18,6 @@ raised again once the callback is over (:class:`_Interrupts`).
 
 from __future__ import annotations
 
-import _thread
 import importlib.util
 import os
 import re
@@ -79,7 +78,7 @@ class _Interrupts:
     whose exceptions Python prints and drops (a fork's ``os.register_at_fork`` hooks, which every
     DataLoader worker's start runs, or a callback from C), the ``KeyboardInterrupt`` would be
     lost and a long command would run on. Such a drop reaches ``sys.unraisablehook``: there the
-    interrupt is raised again, from a thread (``_thread.interrupt_main``), once the main thread
+    interrupt is raised again, from a thread (a SIGINT sent to it again), once the main thread
     is out of the callback, until it lands where it propagates."""
 
     def __init__(self, where: str) -> None:
@@ -89,6 +88,7 @@ class _Interrupts:
         self.previous_hook: Any = None
         self.again = False  # a dropped interrupt is on its way again (not a new Ctrl-C)
         self.done = False  # the command is over: an interrupt still on its way is dropped
+        self.in_hook = 0  # inside _dropped: an interrupt raised there would be lost
         self.threads: list[threading.Thread] = []
 
     def install(self) -> bool:
@@ -104,25 +104,34 @@ class _Interrupts:
 
     def _dropped(self, unraisable: Any) -> None:
         if unraisable.exc_type is KeyboardInterrupt and self.count and os.getpid() == self.pid:
-            self.again = True
-            self._raise_again()
+            self.in_hook += 1
+            try:
+                self.again = True
+                if not any(thread.is_alive() for thread in self.threads):
+                    thread = threading.Thread(target=self._raise_again, name="mmproxy-interrupt",
+                                              daemon=True)
+                    thread.start()
+                    self.threads.append(thread)
+            finally:
+                self.in_hook -= 1
             return
         self.previous_hook(unraisable)
 
     def _raise_again(self) -> None:
-        """Raises the interrupt again in the main thread in a moment, when it has left the
-        callback (and this hook, whose own exceptions nothing would see)."""
-        def later() -> None:
+        """A thread's: raises the dropped interrupt again in the main thread once it has left
+        the callback (and this hook, whose own exceptions nothing would see), with a real SIGINT
+        to the main thread, which also ends a wait it is blocked in; again until it lands."""
+        main = threading.main_thread().ident
+        while main is not None:
             time.sleep(0.02)
-            _thread.interrupt_main()
-
-        thread = threading.Thread(target=later, name="mmproxy-interrupt", daemon=True)
-        thread.start()
-        self.threads.append(thread)
+            if not self.again or self.done:  # it landed, or the command is over
+                return
+            if not self.in_hook:
+                signal.pthread_kill(main, signal.SIGINT)
 
     def finish(self) -> None:
-        """The command is over (its interrupt, if any, counted): one still on its way again is
-        dropped on arrival instead of raised in the caller's code."""
+        """Waits for the interrupt on its way again, if any (dropped on arrival, :attr:`done`
+        being set when the command returned), so that it never reaches the caller's code."""
         self.done = True
         for thread in self.threads:
             thread.join()
@@ -140,8 +149,8 @@ class _Interrupts:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.again:  # the interrupt a callback dropped, raised again
-            if frame is not None and frame.f_code is _Interrupts._dropped.__code__:
-                return self._raise_again()  # still in the hook: once more, a moment later
+            if self.in_hook:
+                return  # still in the hook: the thread sends it once more
             self.again = False
             if self.done:
                 return
@@ -172,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     interrupts = _Interrupts(where)
     installed = interrupts.install()
     try:
-        code = int(args.func(args) or 0)
+        try:
+            code = int(args.func(args) or 0)
+        finally:  # the command is over: an interrupt raised again from here on is dropped (it
+            interrupts.done = True  # was counted), never raised in this function's handlers
         if interrupts.count:  # raised where it could not propagate (a callback from C)
             interrupts.say()
             return 130

@@ -296,7 +296,8 @@ def test_decoded_arrays_are_refused_at_the_proxy_call(tmp_path):
 
 
 @pytest.mark.parametrize("line,words", [
-    ("Failed to decode sample #0 : ", "the decoder could not decode the data, which is damaged"),
+    ("Failed to decode sample #0 : ", "the decoder could not decode the data (damaged, cut "
+                                      "short, or a variant of its format DALI does not read"),
     ("nvImageCodec failure: '#4'", "not an image of a format the decoder reads (nvImageCodec "
                                    "status 4)"),
     ("nvImageCodec failure: '#3'", "the image data is damaged"),

@@ -676,3 +676,42 @@ def test_a_server_given_up_on_is_not_retried_for_its_next_shards():
         assert time.monotonic() - start < first / 2
         with pytest.raises(RemoteError, match=r"gave up after 3 attempts"):
             Attempts(f"{other}/c.tar", "c", options).connect(0, None)
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_served_without_a_length_is_let_go_when_read(tmp_path):
+    """A server that gives no Content-Length (the body until it closes): the shard is read into
+    a memfd whole, registered for sending by reference, and its registration goes when the
+    shard is closed, as a streamed shard's does (it held the whole shard's memory per worker)."""
+    import http.server
+
+    from mmproxy import _mappings
+
+    body = (tmp_path / "s.tar")
+    write_tar(body, [{"__key__": f"k{i}", "bin": bytes([i]) * 3000} for i in range(4)])
+    data = body.read_bytes()
+
+    class NoLength(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoLength)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/s.tar"
+        with open_remote(url, RemoteOptions(cache_dir=None)) as shard:
+            assert bytes(shard.view) == data
+            start = np.frombuffer(shard.view, np.uint8).__array_interface__["data"][0]
+            assert start in _mappings.files.table()[0].tolist()
+        assert start not in _mappings.files.table()[0].tolist()
+    finally:
+        server.shutdown()
+        server.server_close()
