@@ -13,7 +13,8 @@ An interrupt (Ctrl-C) ends the command with one line, ``mmproxy COMMAND: interru
 code 130: the first raises ``KeyboardInterrupt``, and the command cleans up on its way out (its
 servers and workers stop, half-written files go); one more while it does exits at once. An
 interrupt that lands in a callback that cannot raise (a fork's hooks, a callback from C) is
-raised again once the callback is over (:class:`_Interrupts`).
+raised again once the callback is over (:class:`_Interrupts`); a command still running
+:data:`GRACE` seconds after its first interrupt (swallowed without a trace) ends the process.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def _missing(module: str) -> str:
     """What to install for ``module``: the extra of mmproxy that holds it, or the package."""
     extra = _EXTRAS.get(module.split(".")[0])
     return f"pip install 'mmproxy[{extra}]'" if extra else f"pip install {module.split('.')[0]}"
+
+
+GRACE = 20.0  # seconds a command may run on after its first interrupt before the process ends
 
 
 class _Interrupts:
@@ -129,6 +133,16 @@ class _Interrupts:
             if not self.in_hook:
                 signal.pthread_kill(main, signal.SIGINT)
 
+    def _deadline(self) -> None:
+        """A thread's: ends the process if the command still runs :data:`GRACE` seconds after
+        the first interrupt, which something then swallowed without a trace (a ``except
+        BaseException`` in library code, an error turned into another by a C++ callback)."""
+        time.sleep(GRACE)
+        if not self.done:
+            os.write(2, f"{self.where}: interrupted (the command went on for {GRACE:.0f} s "
+                        "after the interrupt; stopped)\n".encode())
+            os._exit(130)
+
     def finish(self) -> None:
         """Waits for the interrupt on its way again, if any (dropped on arrival, :attr:`done`
         being set when the command returned), so that it never reaches the caller's code."""
@@ -156,7 +170,11 @@ class _Interrupts:
                 return
             raise KeyboardInterrupt
         self.count += 1
-        if self.count == 1 or os.getpid() != self.pid:
+        if os.getpid() != self.pid:
+            raise KeyboardInterrupt
+        if self.count == 1:
+            threading.Thread(target=self._deadline, name="mmproxy-interrupt-deadline",
+                             daemon=True).start()
             raise KeyboardInterrupt
         if not self.said:
             os.write(2, f"{self.where}: interrupted\n".encode())

@@ -1041,6 +1041,46 @@ def test_an_interrupt_that_lands_in_a_fork_hook_is_raised_again_at_once(tmp_path
     assert done.stderr.strip().splitlines() == ["mmproxy trial: interrupted"], done.stderr
 
 
+_SWALLOWED_FOR_GOOD = """
+import signal, time
+from mmproxy import cli
+
+def command(args):
+    for i in range(100):  # library code that swallows it for good, and runs on
+        try:
+            if i == 0:
+                signal.raise_signal(signal.SIGINT)
+            sum(range(1000))
+            time.sleep(0.1)
+        except KeyboardInterrupt:
+            pass
+    print("ran on", flush=True)
+
+import argparse
+parser = argparse.ArgumentParser()
+parser.set_defaults(func=command, command="trial", command_parser=parser, debug=False)
+cli.build_parser = lambda: parser
+cli.GRACE = 1.0
+raise SystemExit(cli.main())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_command_that_runs_on_after_an_interrupt_is_stopped(tmp_path):
+    """An interrupt that something swallowed without a trace (a bare ``except`` in library
+    code) would leave a long command running: :data:`mmproxy.cli.GRACE` seconds after it, the
+    process ends, saying so, with 130."""
+    script = tmp_path / "swallowed.py"
+    script.write_text(_SWALLOWED_FOR_GOOD)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=50)
+    assert done.returncode == 130 and "ran on" not in done.stdout, (done.stdout, done.stderr)
+    assert time.monotonic() - started < 8
+    assert done.stderr.strip().splitlines()[-1] == (
+        "mmproxy trial: interrupted (the command went on for 1 s after the interrupt; stopped)")
+
+
 def test_a_second_interrupt_while_the_program_exits_prints_no_traceback(tmp_path):
     """The first Ctrl-C ends the command; a second one while the interpreter exits (its atexit
     work: stopping workers, joining threads) printed a long traceback."""
