@@ -26,7 +26,7 @@ import argparse
 import json
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 THREADS, EPOCHS = 8, 4
@@ -143,37 +143,48 @@ def _time_fed(clips: list[Any], graph: Callable[[Any], Any], batch: int) -> list
     return rates
 
 
+def _runs(proxy: Any, clips: list[Any], batch: int) -> Iterator[str]:
+    """Sends the clips to ``proxy``'s server ``batch`` at a time, as they are asked for; yields
+    each run's id."""
+    for k in range(0, len(clips), batch):
+        yield proxy.run([None] * len(clips[k:k + batch]), [(a,) for a in clips[k:k + batch]])
+
+
+def _epoch_rate(server: Any, runs: Iterator[str], clips: int, device_id: int | None) -> int:
+    """Clips a second of one epoch: the runs ``runs`` gives (sent as it is iterated, within the
+    timing) resolved three behind the newest, as a loader's main loop resolves its batches."""
+    from collections import deque
+
+    import torch
+
+    from mmproxy.refs import DALIOutputBatchRef
+
+    start, pending = time.perf_counter(), deque()
+    for run in runs:
+        pending.append(DALIOutputBatchRef(server.uid, "audio", run, 0))
+        if len(pending) > 3:
+            server.produce_data(pending.popleft())
+    while pending:
+        server.produce_data(pending.popleft())
+    if device_id is not None:
+        torch.cuda.synchronize()
+    return round(clips / (time.perf_counter() - start))
+
+
 def _time_served(clips: list[Any], graph: Callable[[Any], Any], batch: int,
                  device_id: int | None = 0) -> list[int]:
     """Clips a second of each epoch, the pipeline behind a :class:`mmproxy.DALIServer` fed by its
     proxy in this process (no workers, no transport): the server's runner thread, its run table
     and the batches' resolution, three runs ahead of the one resolved."""
-    from collections import deque
-
-    import torch
     from mmproxy.pipelines import external_pipeline
 
     import mmproxy
-    from mmproxy.refs import DALIOutputBatchRef
 
     pipe = external_pipeline(graph, input_name="audio", batch_size=batch, num_threads=THREADS,
                              device_id=device_id, prefetch_queue_depth=2)
-    rates = []
     with mmproxy.DALIServer(pipe, name="audio") as server:
-        for _ in range(EPOCHS):
-            start, pending = time.perf_counter(), deque()
-            for k in range(0, len(clips), batch):
-                run = server.proxy.run([None] * len(clips[k:k + batch]),
-                                       [(a,) for a in clips[k:k + batch]])
-                pending.append(DALIOutputBatchRef(server.uid, "audio", run, 0))
-                if len(pending) > 3:
-                    server.produce_data(pending.popleft())
-            while pending:
-                server.produce_data(pending.popleft())
-            if device_id is not None:
-                torch.cuda.synchronize()
-            rates.append(round(len(clips) / (time.perf_counter() - start)))
-    return rates
+        return [_epoch_rate(server, _runs(server.proxy, clips, batch), len(clips), device_id)
+                for _ in range(EPOCHS)]
 
 
 def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
@@ -184,16 +195,16 @@ def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
     sends every epoch's runs, as a persistent worker does, and the parent resolves them as they
     come."""
     import gc
-    from collections import deque
     from multiprocessing import get_context
 
-    import torch
     from mmproxy.pipelines import external_pipeline
 
     import mmproxy
     from mmproxy import _transport
-    from mmproxy.refs import DALIOutputBatchRef
 
+    if batch >= _transport._MAX_FDS:  # a run's clips may lie in as many shards
+        raise SystemExit(f"--batch {batch}: the runs sent from a forked process take at most "
+                         f"{_transport._MAX_FDS - 1} clips")
     pipe = external_pipeline(graph, input_name="audio", batch_size=batch, num_threads=THREADS,
                              device_id=device_id, prefetch_queue_depth=2)
     rates = []
@@ -203,14 +214,10 @@ def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
         def send_all(go: Any, conn: Any) -> None:
             for _ in range(EPOCHS):
                 go.recv()  # the parent's clock has started
-                for k in range(0, len(clips), batch):
-                    conn.send(proxy.run([None] * len(clips[k:k + batch]),
-                                        [(a,) for a in clips[k:k + batch]]))
+                for run in _runs(proxy, clips, batch):
+                    conn.send(run)
             conn.close()
 
-        if batch >= _transport._MAX_FDS:  # a run's clips may lie in as many shards
-            raise SystemExit(f"--batch {batch}: the runs sent from a forked process take at most "
-                             f"{_transport._MAX_FDS - 1} clips")
         gc.collect()  # the heap frozen before the fork, as mmproxy.DataLoader does (freeze_gc)
         gc.freeze()
         fork = get_context("fork")
@@ -219,19 +226,14 @@ def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
         child = fork.Process(target=send_all, args=(wait, send), daemon=True)
         child.start()
         send.close()
+
+        def received() -> Iterator[str]:
+            go.send(True)
+            for _ in range(0, len(clips), batch):
+                yield receive.recv()
+
         try:
-            for _ in range(EPOCHS):
-                start, pending = time.perf_counter(), deque()
-                go.send(True)
-                for _ in range(0, len(clips), batch):
-                    pending.append(DALIOutputBatchRef(server.uid, "audio", receive.recv(), 0))
-                    if len(pending) > 3:
-                        server.produce_data(pending.popleft())
-                while pending:
-                    server.produce_data(pending.popleft())
-                if device_id is not None:
-                    torch.cuda.synchronize()
-                rates.append(round(len(clips) / (time.perf_counter() - start)))
+            rates = [_epoch_rate(server, received(), len(clips), device_id) for _ in range(EPOCHS)]
         finally:
             child.join(timeout=60)
             if child.is_alive():  # an error here left it waiting for the next epoch
