@@ -61,6 +61,7 @@ import _harness  # this script's folder is on the path
 import numpy as np
 import torch
 
+from mmproxy.apps.bench.cpu import cores_apart, pin_threads
 from mmproxy.apps.bench.stacks import ThreadStacks
 
 FRAMES, STRIDE, SIZE, RESIZE = 16, 4, 224, 256
@@ -128,6 +129,15 @@ class TorchClips(torch.utils.data.Dataset):
         return ((clip.permute(1, 0, 2, 3).float() - MEAN) / STD), i % 400
 
 
+def _pin_worker(args: Any) -> Any:
+    """``--worker-cpus``: a ``worker_init_fn`` that moves each worker onto those cores."""
+    from mmproxy.apps.bench.cpu import PinWorker
+    from mmproxy.apps.bench.remote import cpu_list
+
+    cores = cpu_list(args.worker_cpus)
+    return None if cores is None else PinWorker(cores)
+
+
 def _graph(video: Any, gpu: bool, train_draws: bool) -> Any:
     from mmproxy.pipelines import video_graph
     from nvidia.dali import fn
@@ -155,7 +165,8 @@ def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: lis
     with mmproxy.DALIServer(pipe, name="video") as server:
         ds = video_label_dataset(shards, server, batch_size=args.batch_size, shuffle_buffer=64,
                                  keep_keys=False, on_error="skip")
-        loader = ds.loader(server, num_workers=args.workers, persistent_workers=True)
+        loader = ds.loader(server, num_workers=args.workers, persistent_workers=True,
+                           worker_init_fn=_pin_worker(args))
         result = time_epochs(lambda: loader, args.epochs, gpu, server)
     if pipe.prepare is not None:  # NVDEC: where the clips were decoded, over all epochs (the
         # warm-up too), the workers' including any in a codec NVDEC does not take
@@ -173,7 +184,7 @@ def _torch(args: Any, gpu: bool, device_id: Any, shards: list[str], files: list[
     clips = TorchClips(files, **(options or {}))
     loader = torch.utils.data.DataLoader(clips, batch_size=args.batch_size, shuffle=True,
                                          num_workers=args.workers, pin_memory=gpu,
-                                         persistent_workers=True)
+                                         persistent_workers=True, worker_init_fn=_pin_worker(args))
     return time_epochs(lambda: ((b[0].cuda(non_blocking=True) if gpu else b[0]) for b in loader),
                        args.epochs, gpu)
 
@@ -215,7 +226,8 @@ def _dali_proxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: 
                                        device_id=device_id)) as server:
         loader = dali_proxy.DataLoader(server, ProxyFiles(files, server.proxy),
                                        batch_size=args.batch_size, shuffle=True,
-                                       num_workers=args.workers, persistent_workers=True)
+                                       num_workers=args.workers, persistent_workers=True,
+                                       worker_init_fn=_pin_worker(args))
         return time_epochs(lambda: (b[0] for b in loader), args.epochs, gpu)
 
 
@@ -267,6 +279,9 @@ def main() -> None:
     parser.add_argument("--stacks", action="store_true",
                         help="sample the threads' Python frames (and NVDEC's utilization) while "
                         "each system runs; the result's 'stacks' (module docstring)")
+    parser.add_argument("--worker-cpus", default=None,
+                        help="the DataLoader workers on these cores (like 6-15), this process's "
+                        "threads (DALI's, the NVDEC decode threads, the main loop) on the others")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="Python's thread switch interval in seconds for this process "
                         "(sys.setswitchinterval; Python's default 0.005)")
@@ -276,6 +291,7 @@ def main() -> None:
     width, height = (int(v) for v in args.resolution.split("x"))
     gpu, device_id, _, folder = _harness.setup(args)
     shards, files = write_clips(folder, args.clips, width, height)
+    apart = cores_apart(args.worker_cpus)
     results: dict[str, Any] = {}
 
     for system in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", args.systems):
@@ -286,6 +302,8 @@ def main() -> None:
         if name not in SYSTEMS:
             raise SystemExit(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
         more = {"options": options} if options else {}
+        if apart:  # this process's threads off the workers' cores (dali-reader has no workers)
+            pin_threads(apart[0] if name == "dali-reader" else apart[1])
         if args.stacks:
             with ThreadStacks(gpu, device_id) as sampler:
                 results[system] = r = SYSTEMS[name](args, gpu, device_id, shards, files, **more)

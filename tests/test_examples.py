@@ -301,13 +301,13 @@ def test_bench_worker_cpus_moves_every_thread_and_the_workers_apart(tmp_path):
                           text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["True True", "True [3]"]  # a thread started before too
-    from mmproxy.apps.bench.session import _cores_apart
+    from mmproxy.apps.bench.cpu import cores_apart
 
     mine = frozenset(os.sched_getaffinity(0))
-    assert _cores_apart(str(b)) == (mine, mine - {b})
+    assert cores_apart(str(b)) == (mine, mine - {b})
     for wrong in ("0-4096", "9-8", ",".join(map(str, sorted(mine)))):  # too many, none, all
         with pytest.raises(ValueError, match=f"--worker-cpus {wrong}: this process may use cores"):
-            _cores_apart(wrong)
+            cores_apart(wrong)
 
 
 def test_the_bench_best_epoch_leaves_the_warm_up_out():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-__all__ = ["CPU_GROUPS", "PinWorker", "cpu_ms_per_batch", "cpu_seconds", "pin_threads"]
+__all__ = ["CPU_GROUPS", "PinWorker", "cores_apart", "cpu_ms_per_batch", "cpu_seconds",
+           "pin_threads"]
 
 CPU_GROUPS = ("workers", "main-thread", "server-threads", "dali-threads")
 
@@ -71,6 +72,21 @@ def pin_threads(cores: frozenset[int]) -> None:
             except ProcessLookupError:  # a thread that has just ended
                 pass
         done |= new
+
+
+def cores_apart(worker_cpus: str | None) -> tuple[frozenset[int], frozenset[int]] | None:
+    """``--worker-cpus``: (all the cores this process may use, those that are not the workers')."""
+    from mmproxy.apps.bench.remote import cpu_list
+
+    workers = cpu_list(worker_cpus)
+    if workers is None:
+        return None
+    mine = frozenset(os.sched_getaffinity(0))
+    rest = mine - workers
+    if not workers or not workers <= mine or not rest:
+        raise ValueError(f"--worker-cpus {worker_cpus}: this process may use cores "
+                         f"{sorted(mine)}; the workers' cores must be some of them, not all")
+    return mine, rest
 
 
 class PinWorker:

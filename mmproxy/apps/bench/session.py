@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from mmproxy.apps.bench.cpu import pin_threads
+from mmproxy.apps.bench.cpu import cores_apart, pin_threads
 from mmproxy.apps.bench.memory import memory
 from mmproxy.apps.bench.report import (
     add_ratios,
@@ -35,21 +34,6 @@ from mmproxy.apps.bench.stacks import ThreadStacks
 from mmproxy.apps.bench.systems import WORKLOADS, Setup, select
 
 __all__ = ["run"]
-
-
-def _cores_apart(worker_cpus: str | None) -> tuple[frozenset[int], frozenset[int]] | None:
-    """``--worker-cpus``: (all the cores this process may use, those that are not the workers')."""
-    from mmproxy.apps.bench.remote import cpu_list
-
-    workers = cpu_list(worker_cpus)
-    if workers is None:
-        return None
-    mine = frozenset(os.sched_getaffinity(0))
-    rest = mine - workers
-    if not workers or not workers <= mine or not rest:
-        raise ValueError(f"--worker-cpus {worker_cpus}: this process may use cores "
-                         f"{sorted(mine)}; the workers' cores must be some of them, not all")
-    return mine, rest
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--runs and --epochs must be at least 1, got {args.runs} and {args.epochs}")
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     select("image", names, 0.0)  # unknown names fail before any shard is written
-    apart = _cores_apart(getattr(args, "worker_cpus", None))
+    apart = cores_apart(getattr(args, "worker_cpus", None))
     out: dict[str, Any] = {"machine": machine(gpu),
                            "settings": {k: v for k, v in vars(args).items()
                                         if k not in ("func", "command_parser")},
