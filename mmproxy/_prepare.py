@@ -6,7 +6,7 @@ the video pipeline's NVDEC decoder is one). The proxy then sends the stage's inp
 :class:`PreparedRuns`, which hands each sample to the stage as soon as the run is taken from the
 run table and gives the run to the runner once every sample of it is prepared::
 
-    RunTable ──next()──> PreparedRuns: up to `ahead` runs taken early (SCHEDULED), each sample
+    RunTable ──next()──> PreparedRuns: up to the stage's `ahead` runs taken early, each sample
                            Prepare.submit(sample) -> Future   [the stage's own threads]
                          the oldest run, all its samples done: inputs replaced by the prepared
                            ones (by the pipeline's input names) ──> runner: feed, outputs, finish
@@ -49,6 +49,7 @@ class Prepare(Protocol):
     process (e.g. encoded video decoded into GPU frames)."""
 
     inputs: tuple[str, ...]  # what the proxy sends per sample, in order
+    ahead: int  # runs handed to the stage ahead of the one the runner takes next (at least 1)
 
     def start(self) -> None:
         """Lets the stage take samples (again after :meth:`close`); the server calls it when it
@@ -76,13 +77,14 @@ class PreparedRuns:
         prepare: The stage.
         input_names: The pipeline's inputs, in the order the runner feeds them.
         num_outputs: The pipeline's outputs (a run whose samples all fail has empty ones).
-        ahead: Runs prepared ahead of the one the runner takes next.
+
+    The stage's ``ahead`` says how many runs it is handed ahead of the one the runner takes next.
     """
 
     def __init__(self, table: RunTable, prepare: Prepare, input_names: Sequence[str],
-                 num_outputs: int, ahead: int = 2) -> None:
+                 num_outputs: int) -> None:
         self.table, self.prepare, self.input_names = table, prepare, tuple(input_names)
-        self.num_outputs, self.ahead = num_outputs, max(1, ahead)
+        self.num_outputs, self.ahead = num_outputs, max(1, int(prepare.ahead))
         self.name = table.name
         self._pending: deque[tuple[Run, list[Future[dict[str, Any]]]]] = deque()
         self._reduced: dict[str, tuple[list[Any], list[int], dict[int, str]]] = {}

@@ -27,6 +27,7 @@ class _Jpegs:
     pipeline's decoder refuses; -3: the stage itself fails)."""
 
     inputs = ("n", "label")
+    ahead = 2
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="test-prepare")
@@ -129,3 +130,40 @@ def test_the_run_fails_naming_the_sample_and_the_server_stays_healthy(numbers, s
             server.produce_data(_batch(server, numbers, skip=skip))
         images, labels = server.produce_data(_batch(server, [2], skip=False))
         assert labels.tolist() == [0]
+
+
+class _Held(_Jpegs):
+    """:class:`_Jpegs` whose samples wait until ``release`` is set; counts the samples handed
+    to it."""
+
+    def __init__(self, ahead: int) -> None:
+        super().__init__()
+        self.ahead, self.release, self.handed = ahead, threading.Event(), 0
+
+    def submit(self, sample):
+        self.handed += 1
+        return self.pool.submit(self._held, sample)
+
+    def _held(self, sample):
+        self.release.wait(30)
+        return self._one(sample)
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_the_stage_is_handed_as_many_runs_ahead_as_it_asks(ahead):
+    import time
+
+    pipe = _decode(batch_size=8, num_threads=1, device_id=None)
+    stage = _Held(ahead)
+    server = mmproxy.DALIServer(mmproxy.SampleSeeded(pipe, None, prepare=stage), name="prepared")
+    with server:
+        batches = [_batch(server, [r, r + 1], skip=False) for r in range(5)]
+        deadline = time.monotonic() + 10
+        while stage.handed < 2 * ahead and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # a stage handed more than it asked for would show it by now
+        assert stage.handed == 2 * ahead  # two samples a run, none done yet
+        stage.release.set()
+        got = [server.produce_data(b)[1].tolist() for b in batches]
+    assert got == [[0, 1]] * 5
+    assert stage.handed == 10
