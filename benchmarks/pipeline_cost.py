@@ -1,23 +1,27 @@
-"""The GPU audio pipeline alone, and what each part of mmproxy's path around it costs: the
-bench's WAV clips through the bench's audio graph (decode, to the GPU, resample to 16 kHz, pad)
+"""A pipeline alone, and what each part of mmproxy's path around it costs: the bench's WAV clips
+through the bench's audio graph (decode, to the GPU, resample to 16 kHz, pad), or with ``--kind
+image`` its JPEGs through the image training graph (decode a random window on the GPU, resize,
+flip, normalize)
 
 - behind DALI's shard reader;
 - behind an external source fed as mmproxy's server feeds it (a ``TensorListCPU`` of views of
-  the bytes, ``no_copy``, two runs in flight): the clips copied out of their shards, or views of
-  the shards' mappings (in shard order, or shuffled);
+  the bytes, ``no_copy``, two runs in flight): the samples copied out of their shards, or views
+  of the shards' mappings (in shard order, or shuffled);
 - behind a :class:`mmproxy.DALIServer` fed by its proxy in this process (the server's runner,
   run table and the batches' resolution, no transport), and with the runs sent by a forked
-  process as a loader's worker sends them (the transport and the server's listener too);
+  process as a loader's worker sends them (the transport and the server's listener too; runs
+  of at most 64 samples);
 
-each with the 16-bit decode made float32 on the GPU (the default) and, behind the reader and
-the plain external source, the decoder's float32 output (``full_precision=True``); and, for the
-limits, the reader alone and each decode alone (its output left on the CPU). No dataset, no
-DataLoader. The first pipeline built carries the process's warm-up into its early epochs. On a
-GPU machine:
+for audio each with the 16-bit decode made float32 on the GPU (the default) and, behind the
+reader and the plain external source, the decoder's float32 output (``full_precision=True``);
+and, for the limits, the reader alone and each decode alone (its output left on the CPU). No
+dataset, no DataLoader. The first pipeline built carries the process's warm-up into its early
+epochs. On a GPU machine:
 
-    python benchmarks/audio_pipeline_cost.py --clips 4096 --json audio-pipeline-cost.json
-    python benchmarks/audio_pipeline_cost.py --batch 256 --only "16-bit"   # larger runs, 16-bit only
-    python benchmarks/audio_pipeline_cost.py --clips 16384 --only "served,sent"
+    python benchmarks/pipeline_cost.py --clips 4096 --json audio-pipeline-cost.json
+    python benchmarks/pipeline_cost.py --batch 256 --only "16-bit"   # larger runs, 16-bit only
+    python benchmarks/pipeline_cost.py --clips 16384 --only "served,sent"
+    python benchmarks/pipeline_cost.py --kind image --samples 16384 --only "reader,fed,served"
 """
 
 from __future__ import annotations
@@ -32,18 +36,18 @@ from typing import Any
 THREADS, EPOCHS = 8, 4
 
 
-def _clips(paths: list[str]) -> list[Any]:
+def _clips(paths: list[str], ext: str) -> list[Any]:
     import numpy as np
 
     out = []
     for path in paths:
         with tarfile.open(path) as tar:
             out += [np.frombuffer(tar.extractfile(m).read(), np.uint8)  # type: ignore[union-attr]
-                    for m in tar if m.name.endswith(".wav")]
+                    for m in tar if m.name.endswith("." + ext)]
     return out
 
 
-def _mapped_clips(paths: list[str]) -> list[Any]:
+def _mapped_clips(paths: list[str], ext: str) -> list[Any]:
     """The clips as views of read-only mappings of their shards, as the server's inputs are;
     every shard registered (past the loader's bound: the sender below keeps no shard for long),
     so that a forked process sends its clips by reference."""
@@ -61,7 +65,8 @@ def _mapped_clips(paths: list[str]) -> list[Any]:
             mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             worker.register_file_mapping(mapping, f.fileno())
         data = np.frombuffer(mapping, np.uint8)
-        out += [data[o:o + n] for name, o, n in members(memoryview(mapping)) if name.endswith(".wav")]
+        out += [data[o:o + n] for name, o, n in members(memoryview(mapping))
+                if name.endswith("." + ext)]
     return out
 
 
@@ -79,20 +84,27 @@ def _graph(full_precision: bool) -> Callable[[Any], Any]:
                                        full_precision=full_precision)[0]
 
 
+def _image_graph() -> Callable[[Any], Any]:
+    from mmproxy.pipelines.image import image_train_graph
+
+    return lambda encoded: image_train_graph(encoded, gpu=True)
+
+
 def _decode_only(dtype: str) -> Callable[[Any], Any]:
     from nvidia.dali import fn, types
 
     return lambda encoded: fn.decoders.audio(encoded, dtype=getattr(types, dtype), downmix=True)[0]
 
 
-def _time_reader(paths: list[str], graph: Callable[[Any], Any], n: int, batch: int) -> list[int]:
-    """Clips a second of each epoch, the pipeline behind DALI's reader."""
+def _time_reader(paths: list[str], graph: Callable[[Any], Any], n: int, batch: int,
+                 ext: str = "wav") -> list[int]:
+    """Samples a second of each epoch, the pipeline behind DALI's reader."""
     import torch
     from nvidia.dali import fn, pipeline_def
 
     @pipeline_def
     def pipe() -> Any:
-        return graph(fn.readers.webdataset(paths=paths, ext=["wav"], random_shuffle=True,
+        return graph(fn.readers.webdataset(paths=paths, ext=[ext], random_shuffle=True,
                                            initial_fill=256, name="reader"))
 
     p = pipe(batch_size=batch, num_threads=THREADS, device_id=0, prefetch_queue_depth=2)
@@ -111,14 +123,14 @@ def _time_reader(paths: list[str], graph: Callable[[Any], Any], n: int, batch: i
 
 
 def _time_fed(clips: list[Any], graph: Callable[[Any], Any], batch: int) -> list[int]:
-    """Clips a second of each epoch, the pipeline fed as mmproxy's server feeds it."""
+    """Samples a second of each epoch, the pipeline fed as mmproxy's server feeds it."""
     import torch
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.backend import TensorCPU, TensorListCPU
 
     @pipeline_def
     def pipe() -> Any:
-        return graph(fn.external_source(name="audio", no_copy=True, dtype=types.UINT8))
+        return graph(fn.external_source(name="data", no_copy=True, dtype=types.UINT8))
 
     p = pipe(batch_size=batch, num_threads=THREADS, device_id=0, prefetch_queue_depth=2)
     p.build()
@@ -127,7 +139,7 @@ def _time_fed(clips: list[Any], graph: Callable[[Any], Any], batch: int) -> list
         for _ in range(EPOCHS):
             start, inflight = time.perf_counter(), 0
             for k in range(0, len(clips), batch):
-                p.feed_input("audio", TensorListCPU([TensorCPU(a) for a in clips[k:k + batch]],
+                p.feed_input("data", TensorListCPU([TensorCPU(a) for a in clips[k:k + batch]],
                                                     contiguous=False))
                 p._run_once()
                 inflight += 1
@@ -151,7 +163,7 @@ def _runs(proxy: Any, clips: list[Any], batch: int) -> Iterator[str]:
 
 
 def _epoch_rate(server: Any, runs: Iterator[str], clips: int, device_id: int | None) -> int:
-    """Clips a second of one epoch: the runs ``runs`` gives (sent as it is iterated, within the
+    """Samples a second of one epoch: the runs ``runs`` gives (sent as it is iterated, within the
     timing) resolved three behind the newest, as a loader's main loop resolves its batches."""
     from collections import deque
 
@@ -161,7 +173,7 @@ def _epoch_rate(server: Any, runs: Iterator[str], clips: int, device_id: int | N
 
     start, pending = time.perf_counter(), deque()
     for run in runs:
-        pending.append(DALIOutputBatchRef(server.uid, "audio", run, 0))
+        pending.append(DALIOutputBatchRef(server.uid, "data", run, 0))
         if len(pending) > 3:
             server.produce_data(pending.popleft())
     while pending:
@@ -173,16 +185,16 @@ def _epoch_rate(server: Any, runs: Iterator[str], clips: int, device_id: int | N
 
 def _time_served(clips: list[Any], graph: Callable[[Any], Any], batch: int,
                  device_id: int | None = 0) -> list[int]:
-    """Clips a second of each epoch, the pipeline behind a :class:`mmproxy.DALIServer` fed by its
+    """Samples a second of each epoch, the pipeline behind a :class:`mmproxy.DALIServer` fed by its
     proxy in this process (no workers, no transport): the server's runner thread, its run table
     and the batches' resolution, three runs ahead of the one resolved."""
     from mmproxy.pipelines import external_pipeline
 
     import mmproxy
 
-    pipe = external_pipeline(graph, input_name="audio", batch_size=batch, num_threads=THREADS,
+    pipe = external_pipeline(graph, input_name="data", batch_size=batch, num_threads=THREADS,
                              device_id=device_id, prefetch_queue_depth=2)
-    with mmproxy.DALIServer(pipe, name="audio") as server:
+    with mmproxy.DALIServer(pipe, name="data") as server:
         return [_epoch_rate(server, _runs(server.proxy, clips, batch), len(clips), device_id)
                 for _ in range(EPOCHS)]
 
@@ -205,10 +217,10 @@ def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
     if batch >= _transport._MAX_FDS:  # a run's clips may lie in as many shards
         raise SystemExit(f"--batch {batch}: the runs sent from a forked process take at most "
                          f"{_transport._MAX_FDS - 1} clips")
-    pipe = external_pipeline(graph, input_name="audio", batch_size=batch, num_threads=THREADS,
+    pipe = external_pipeline(graph, input_name="data", batch_size=batch, num_threads=THREADS,
                              device_id=device_id, prefetch_queue_depth=2)
     rates = []
-    with mmproxy.DALIServer(pipe, name="audio") as server:
+    with mmproxy.DALIServer(pipe, name="data") as server:
         proxy = server.proxy
 
         def send_all(go: Any, conn: Any) -> None:
@@ -242,48 +254,74 @@ def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
     return rates
 
 
+def _transport_fds() -> int:
+    from mmproxy import _transport
+
+    return _transport._MAX_FDS
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clips", type=int, default=4096)
+    parser.add_argument("--kind", choices=["audio", "image"], default="audio")
+    parser.add_argument("--samples", "--clips", dest="samples", type=int, default=4096,
+                        help="clips or images (written once)")
     parser.add_argument("--data-dir", default="/tmp/bench", help="the bench's shards (written once)")
-    parser.add_argument("--batch", type=int, default=64, help="clips a pipeline run (default 64, "
-                        "the bench's audio batch)")
+    parser.add_argument("--batch", type=int, default=None, help="samples a pipeline run (default: "
+                        "the bench's batch, 64 clips or 256 images)")
     parser.add_argument("--only", help="run only the measurements whose names contain one of "
                         "these (comma-separated)")
     parser.add_argument("--json", help="where to write the results")
     args = parser.parse_args()
-    b = args.batch
+    audio = args.kind == "audio"
+    b = args.batch or (64 if audio else 256)
+    ext = "wav" if audio else "jpg"
 
     from mmproxy.apps.bench.shards import write_shards
 
-    paths = write_shards(args.data_dir, "audio", args.clips, 15)
-    clips = _clips(paths)
-    runs = {
-        "reader, float32 decode": lambda: _time_reader(paths, _graph(True), len(clips), b),
-        "reader, 16-bit decode": lambda: _time_reader(paths, _graph(False), len(clips), b),
-        "fed, float32 decode": lambda: _time_fed(clips, _graph(True), b),
-        "fed, 16-bit decode": lambda: _time_fed(clips, _graph(False), b),
-        "served in this process, 16-bit decode": lambda: _time_served(
-            _shuffled(_mapped_clips(paths)), _graph(False), b),
-        "sent from a forked process, 16-bit decode": lambda: _time_sent(
-            _shuffled(_mapped_clips(paths)), _graph(False), b),
-        "fed from the shards' mappings, 16-bit decode": lambda: _time_fed(
-            _mapped_clips(paths), _graph(False), b),
-        "fed from the shards' mappings, shuffled, 16-bit decode": lambda: _time_fed(
-            _shuffled(_mapped_clips(paths)), _graph(False), b),
-        "reader alone (bytes out)": lambda: _time_reader(paths, lambda x: x, len(clips), b),
-        "reader, float32 decode alone (CPU out)": lambda: _time_reader(
-            paths, _decode_only("FLOAT"), len(clips), b),
-        "reader, 16-bit decode alone (CPU out)": lambda: _time_reader(
-            paths, _decode_only("INT16"), len(clips), b),
-    }
-    results: dict[str, Any] = {"clips": len(clips), "batch": b, "threads": THREADS}
+    paths = write_shards(args.data_dir, args.kind, args.samples, 15)
+    clips = _clips(paths, ext)
+    n = len(clips)
+    if audio:
+        runs = {
+            "reader, float32 decode": lambda: _time_reader(paths, _graph(True), n, b),
+            "reader, 16-bit decode": lambda: _time_reader(paths, _graph(False), n, b),
+            "fed, float32 decode": lambda: _time_fed(clips, _graph(True), b),
+            "fed, 16-bit decode": lambda: _time_fed(clips, _graph(False), b),
+            "served in this process, 16-bit decode": lambda: _time_served(
+                _shuffled(_mapped_clips(paths, ext)), _graph(False), b),
+            "sent from a forked process, 16-bit decode": lambda: _time_sent(
+                _shuffled(_mapped_clips(paths, ext)), _graph(False), b),
+            "fed from the shards' mappings, 16-bit decode": lambda: _time_fed(
+                _mapped_clips(paths, ext), _graph(False), b),
+            "fed from the shards' mappings, shuffled, 16-bit decode": lambda: _time_fed(
+                _shuffled(_mapped_clips(paths, ext)), _graph(False), b),
+            "reader alone (bytes out)": lambda: _time_reader(paths, lambda x: x, n, b),
+            "reader, float32 decode alone (CPU out)": lambda: _time_reader(
+                paths, _decode_only("FLOAT"), n, b),
+            "reader, 16-bit decode alone (CPU out)": lambda: _time_reader(
+                paths, _decode_only("INT16"), n, b),
+        }
+    else:
+        runs = {
+            "reader": lambda: _time_reader(paths, _image_graph(), n, b, ext),
+            "fed": lambda: _time_fed(clips, _image_graph(), b),
+            "fed from the shards' mappings, shuffled": lambda: _time_fed(
+                _shuffled(_mapped_clips(paths, ext)), _image_graph(), b),
+            "served in this process": lambda: _time_served(
+                _shuffled(_mapped_clips(paths, ext)), _image_graph(), b),
+            "reader alone (bytes out)": lambda: _time_reader(paths, lambda x: x, n, b, ext),
+        }
+        if b < _transport_fds():  # a run's samples may lie in as many shards as it holds
+            runs["sent from a forked process"] = lambda: _time_sent(
+                _shuffled(_mapped_clips(paths, ext)), _image_graph(), b)
+    results: dict[str, Any] = {"kind": args.kind, "samples": n, "batch": b, "threads": THREADS}
     for name, run in runs.items():
         if args.only and not any(part in name for part in args.only.split(",")):
             continue
         rates = run()
         results[name] = {"epochs": rates, "after_the_first": sorted(rates[1:])}
-        print(f"{name:42s} clips/s, epochs 2-{EPOCHS}: {rates[1:]} (first {rates[0]})", flush=True)
+        print(f"{name:42s} {'clips' if audio else 'images'}/s, epochs 2-{EPOCHS}: {rates[1:]} "
+              f"(first {rates[0]})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
