@@ -21,6 +21,7 @@ epochs. On a GPU machine:
     python benchmarks/pipeline_cost.py --clips 4096 --json audio-pipeline-cost.json
     python benchmarks/pipeline_cost.py --batch 256 --only "16-bit"   # larger runs, 16-bit only
     python benchmarks/pipeline_cost.py --clips 16384 --only "served,sent"
+    python benchmarks/pipeline_cost.py --clips 16384 --only sent --ahead 30   # as a loader's 15x2
     python benchmarks/pipeline_cost.py --kind image --samples 16384 --only "reader,fed,served"
 """
 
@@ -200,12 +201,13 @@ def _time_served(clips: list[Any], graph: Callable[[Any], Any], batch: int,
 
 
 def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
-               device_id: int | None = 0) -> list[int]:
+               device_id: int | None = 0, ahead: int = 0) -> list[int]:
     """:func:`_time_served` with the runs sent by a forked process, as a loader's worker sends
     them (packed, the clips by reference to their shards' registered mappings, received by the
     server's listener thread); one process forked before the first epoch (from a frozen heap)
     sends every epoch's runs, as a persistent worker does, and the parent resolves them as they
-    come."""
+    come. With ``ahead``, the sender stays at most that many runs ahead of those the parent has
+    received, as a loader's workers stay within their prefetch (0: as fast as it can)."""
     import gc
     from multiprocessing import get_context
 
@@ -226,8 +228,11 @@ def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
         def send_all(go: Any, conn: Any) -> None:
             for _ in range(EPOCHS):
                 go.recv()  # the parent's clock has started
-                for run in _runs(proxy, clips, batch):
+                runs = -(-len(clips) // batch)
+                for k, run in enumerate(_runs(proxy, clips, batch)):
                     conn.send(run)
+                    if ahead and ahead <= k + 1 < runs:
+                        go.recv()  # the parent has received one more: send the next
             conn.close()
 
         gc.collect()  # the heap frozen before the fork, as mmproxy.DataLoader does (freeze_gc)
@@ -241,8 +246,12 @@ def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
 
         def received() -> Iterator[str]:
             go.send(True)
-            for _ in range(0, len(clips), batch):
-                yield receive.recv()
+            runs = -(-len(clips) // batch)
+            for k in range(runs):
+                run = receive.recv()
+                if ahead and k + ahead < runs:  # the sender may send one more
+                    go.send(True)
+                yield run
 
         try:
             rates = [_epoch_rate(server, received(), len(clips), device_id) for _ in range(EPOCHS)]
@@ -270,6 +279,9 @@ def main() -> None:
                         "the bench's batch, 64 clips or 256 images)")
     parser.add_argument("--only", help="run only the measurements whose names contain one of "
                         "these (comma-separated)")
+    parser.add_argument("--ahead", type=int, default=0, help="the forked sender stays at most "
+                        "this many runs ahead of the runs received (a loader: workers x "
+                        "prefetch_factor, e.g. 30); 0: as fast as it can")
     parser.add_argument("--json", help="where to write the results")
     args = parser.parse_args()
     audio = args.kind == "audio"
@@ -290,7 +302,7 @@ def main() -> None:
             "served in this process, 16-bit decode": lambda: _time_served(
                 _shuffled(_mapped_clips(paths, ext)), _graph(False), b),
             "sent from a forked process, 16-bit decode": lambda: _time_sent(
-                _shuffled(_mapped_clips(paths, ext)), _graph(False), b),
+                _shuffled(_mapped_clips(paths, ext)), _graph(False), b, ahead=args.ahead),
             "fed from the shards' mappings, 16-bit decode": lambda: _time_fed(
                 _mapped_clips(paths, ext), _graph(False), b),
             "fed from the shards' mappings, shuffled, 16-bit decode": lambda: _time_fed(
@@ -313,8 +325,9 @@ def main() -> None:
         }
         if b < _transport_fds():  # a run's samples may lie in as many shards as it holds
             runs["sent from a forked process"] = lambda: _time_sent(
-                _shuffled(_mapped_clips(paths, ext)), _image_graph(), b)
-    results: dict[str, Any] = {"kind": args.kind, "samples": n, "batch": b, "threads": THREADS}
+                _shuffled(_mapped_clips(paths, ext)), _image_graph(), b, ahead=args.ahead)
+    results: dict[str, Any] = {"kind": args.kind, "samples": n, "batch": b, "threads": THREADS,
+                               "ahead": args.ahead}
     for name, run in runs.items():
         if args.only and not any(part in name for part in args.only.split(",")):
             continue
