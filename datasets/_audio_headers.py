@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["Unread", "ogg_cut", "wav_problem"]
+from ._unread import Unread
 
-
-class Unread(str):
-    """A problem that is no damage: a file of a variant of its format (a sound file's, a TIFF's)
-    that DALI's decoders do not read."""
+__all__ = ["ogg_cut", "wav_problem"]
 
 
 _PCM_TAGS = (1, 3, 0xFFFE)  # integer PCM, IEEE float, extensible: bits per sample must be set

@@ -15,7 +15,7 @@ import struct
 from typing import Any
 from zlib import adler32
 
-from ._audio_headers import Unread
+from ._unread import Unread
 
 __all__ = ["image_size", "jpeg_header", "jpeg_truncated", "png_truncated", "tiff_info",
            "tiff_problem"]

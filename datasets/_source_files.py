@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-from ._audio_headers import Unread
+from ._unread import Unread
 from ._written import LeftOut, Reason
 from .checks import SIGNATURES, check_header, video_info
 
