@@ -24,12 +24,16 @@ The loader turns a run that reads (almost) nothing into an error instead of an e
   :class:`SkipLimitError` naming the share and the first shards with their reasons. A shard's
   samples were never read, so nobody counted them: a shard counts as a shard, never as one sample.
 
-Each error gives the counts and the first record of each kind of failure.
+Each error gives the counts and the first record of each kind of failure; where a local shard
+has the ``manifest.jsonl`` that ``mmproxy make-shards`` writes beside it, each sample listed is
+also named by the file it was made from.
 """
 
 from __future__ import annotations
 
 import enum
+import json
+import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -83,8 +87,39 @@ class SkippedSample(NamedTuple):
     kind: SkipKind = SkipKind.OTHER
 
 
-def _where(record: SkippedSample) -> str:
-    return f"{record.shard}, sample {record.key!r}" if record.key else record.shard
+def _where(record: SkippedSample, sources: dict[tuple[str, str], str]) -> str:
+    if not record.key:
+        return record.shard
+    source = sources.get((record.shard, record.key))
+    return f"{record.shard}, sample {record.key!r}" + (f" (file {source})" if source else "")
+
+
+_MANIFEST = "manifest.jsonl"  # mmproxy make-shards': one line per sample (key, shard, source)
+
+
+def _sources(records: Iterable[SkippedSample]) -> dict[tuple[str, str], str]:
+    """The source file of each sample record whose shard is a local file with make-shards'
+    manifest beside it: {(shard, key): source}. One pass over each manifest, ended once every
+    key wanted from it is found; a manifest that cannot be read names nothing."""
+    wanted: dict[str, dict[tuple[str, str], str]] = {}  # manifest -> {(shard name, key): shard}
+    for r in records:
+        if r.key and "://" not in r.shard and not r.shard.startswith("pipe:"):
+            manifest = os.path.join(os.path.dirname(r.shard), _MANIFEST)
+            wanted.setdefault(manifest, {})[os.path.basename(r.shard), r.key] = r.shard
+    found: dict[tuple[str, str], str] = {}
+    for manifest, keys in wanted.items():
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                for line in f:
+                    row = json.loads(line)
+                    shard = keys.pop((row.get("shard"), row.get("key")), None)
+                    if shard is not None:
+                        found[shard, row["key"]] = str(row.get("source"))
+                        if not keys:
+                            break
+        except (OSError, ValueError, AttributeError):  # none there, or not make-shards' own
+            continue
+    return found
 
 
 def _legacy_kind(reason: str) -> SkipKind:
@@ -214,11 +249,14 @@ class SkipReport:
                   if self.shards else "")
         lines = [f"epoch {self.epoch}: {self.delivered} samples delivered, "
                  f"{self.samples_skipped} samples skipped{shards}"]
-        for kind, count in self.by_kind.most_common():
-            first = self._first[kind]
-            lines.append(f"  {count} x {kind.value}; first: {_where(first)}: {first.reason}")
-            more = [r for r in self.records if r.kind == kind and r != first][:_MORE_OF_A_KIND]
-            lines += [f"    then {_where(r)}: {r.reason}" for r in more]
+        listed = [(kind, count, self._first[kind],
+                   [r for r in self.records if r.kind == kind and r != self._first[kind]
+                    ][:_MORE_OF_A_KIND]) for kind, count in self.by_kind.most_common()]
+        sources = _sources(r for _, _, first, more in listed for r in (first, *more))
+        for kind, count, first, more in listed:
+            lines.append(f"  {count} x {kind.value}; first: {_where(first, sources)}: "
+                         f"{first.reason}")
+            lines += [f"    then {_where(r, sources)}: {r.reason}" for r in more]
             if count > 1 + len(more):
                 lines.append(f"    and {count - 1 - len(more)} more")
         return "\n".join(lines)

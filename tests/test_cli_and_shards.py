@@ -1492,3 +1492,34 @@ def test_every_file_left_out_is_listed_and_a_class_left_without_samples_is_named
     again = make_shards(clean.parent, tmp_path / "out", kind="audio-label", overwrite=True)
     assert again.samples == 1 and not again.left_out_file  # the old list went with its set
     assert not (tmp_path / "out" / "left_out.jsonl").exists()
+
+
+def _caption(data):
+    """A field function that fails on one sample's caption."""
+    text = bytes(data).decode()
+    if text == "broken":
+        raise ValueError("this caption is not allowed")
+    return text
+
+
+def test_a_skip_summary_names_the_file_make_shards_made_the_sample_from(tmp_path, image_server):
+    # A user sees "shard-000000.tar, sample '00000001'" and asks which of their files that is:
+    # make-shards' manifest beside the shards says, and the summary names it
+    src = tmp_path / "src" / "holiday"
+    src.mkdir(parents=True)
+    for name, caption in (("beach", "sand"), ("hotel", "broken"), ("pool", "water")):
+        (src / f"{name}.jpg").write_bytes(solid(90, "JPEG"))
+        (src / f"{name}.txt").write_text(caption)
+    written = make_shards(tmp_path / "src", tmp_path / "out")
+    ds = mmproxy.datasets.MultiModalDataset(
+        written.pattern, {"image": ("jpg", image_server.proxy), "caption": ("txt", _caption)},
+        batch_size=3, on_error="skip", max_skipped=0.5)
+    loader = ds.loader(image_server, num_workers=0)
+    assert [len(b["caption"]) for b in loader] == [2]
+    summary = loader.skipped.summary()
+    assert f"{written[0]}, sample '00000001' (file holiday/hotel.jpg): field function failed" in summary
+
+    Path(written.manifest).write_text("not json\n")  # a manifest that is not make-shards' own
+    loader = ds.loader(image_server, num_workers=0)
+    list(loader)
+    assert f"{written[0]}, sample '00000001': field function failed" in loader.skipped.summary()
