@@ -14,7 +14,9 @@ address, size and shape) and one view per array made on the server.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,31 @@ from mmproxy.errors import TransportError
 
 ALIGN = 64
 _SEED_LIMIT = 2**64
+
+
+def _pointer_reader() -> Callable[[np.ndarray], int] | None:
+    """A fast reader of an array's data address, or None. ``a.__array_interface__`` builds a dict
+    (about 3 us an array: a fifth of a worker's cost of sending a JPEG); numpy's C structure
+    holds the address in the field after the object header, read here through ctypes (0.2 us).
+    Where that field is not found (another interpreter or numpy), None: the interface is used."""
+    probes = [np.zeros(n, np.uint8)[1:] for n in (16, 4096)]  # views: their address is not the base's
+    read = ctypes.c_void_p.from_address
+    for offset in range(8, 65, 8):
+        if all(read(id(p) + offset).value == p.__array_interface__["data"][0] for p in probes):
+            return lambda a: read(id(a) + offset).value or 0
+    return None
+
+
+_POINTER = _pointer_reader()
+
+
+def _addresses(arrays: list[np.ndarray]) -> np.ndarray:
+    """Each array's data address (0 for one that owns its memory: it lies in no file)."""
+    read = _POINTER
+    if read is None:
+        return np.array([0 if a.base is None else a.__array_interface__["data"][0]
+                         for a in arrays], np.int64)
+    return np.array([0 if a.base is None else read(a) for a in arrays], np.uint64).view(np.int64)
 
 
 def align(n: int) -> int:
@@ -102,8 +129,7 @@ def place(inputs: list[list[np.ndarray]], registry: FileMappings
         dtype = _dtype(arrays)
         arrays = [a if a.flags.c_contiguous else np.asarray(a, order="C") for a in arrays]
         nbytes = np.array([a.nbytes for a in arrays], np.int64)
-        address = np.array([0 if a.base is None else a.__array_interface__["data"][0]
-                            for a in arrays], np.int64)
+        address = _addresses(arrays)
         entry = np.searchsorted(starts, address, side="right") - 1
         if len(starts):
             inside = (entry >= 0) & (nbytes > 0) & (address != 0) & (address + nbytes <= ends[entry])

@@ -114,6 +114,12 @@ def server_mapping(fd: int) -> mmap.mmap:
     touch, for every shard of every batch."""
     st = os.fstat(fd)
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _mapped_lock:  # a shard mapped already (the common case): no more system calls
+        for cache in (_mapped_files, _mapped_memfds):
+            mapping = cache.get(key)
+            if mapping is not None:
+                cache.move_to_end(key)
+                return mapping
     memfd = os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
     cache, bound = (_mapped_memfds, KEPT_MEMFDS) if memfd else (_mapped_files, KEPT_FILES)
     with _mapped_lock:
@@ -122,6 +128,4 @@ def server_mapping(fd: int) -> mmap.mmap:
             mapping = cache[key] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             while len(cache) > bound:
                 cache.popitem(last=False)
-        else:
-            cache.move_to_end(key)
     return mapping

@@ -198,3 +198,19 @@ def test_a_run_reaches_a_server_the_same_in_its_process_and_from_a_worker(tmp_pa
     assert received.tag == local.tag and received.run_id != local.run_id
     _same_request(received, received.run_id, local.tag, local.keys, local.inputs)
     assert local.keys == keys and [bytes(a) for a in local.inputs[0]] == [bytes(s[0]) for s in samples]
+
+
+def test_the_fast_address_reader_agrees_with_numpys_interface(monkeypatch):
+    # pack() finds each array's address to look it up among the registered mappings; the fast
+    # reader (numpy's C structure through ctypes) must give what __array_interface__ gives
+    base = np.arange(4096, dtype=np.uint8)
+    mapped = mmap.mmap(-1, 8192)
+    arrays = [base[5:900], base[4000:], base[10:10], np.zeros(3, np.float32),
+              np.frombuffer(mapped, np.uint8)[4096:5000], base.view(np.uint16)[7:70],
+              np.frombuffer(memoryview(mapped)[100:200], np.uint8)]
+    expected = [0 if a.base is None else a.__array_interface__["data"][0] for a in arrays]
+    assert _layout._POINTER is not None  # found on CPython and numpy 2
+    assert _layout._addresses(arrays).tolist() == expected
+    monkeypatch.setattr(_layout, "_POINTER", None)  # where the field is not found: the interface
+    assert _layout._addresses(arrays).tolist() == expected
+    del arrays

@@ -171,6 +171,36 @@ def test_the_server_keeps_the_mappings_of_every_shard_in_flight(tmp_path):
             os.close(fd)
 
 
+def test_memfds_and_files_are_kept_apart_and_a_rewritten_file_is_mapped_again(tmp_path):
+    # a streamed remote shard (a memfd) is kept among the last few only; a file rewritten in
+    # place (another size or time) is another version: never the old mapping
+    files_before = len(_mappings._mapped_files)
+    memfds = []
+    for i in range(_mappings.KEPT_MEMFDS + 2):
+        fd = os.memfd_create(f"shard-{i}")
+        os.write(fd, bytes([i]) * 4096)
+        memfds.append(fd)
+    path = tmp_path / "shard.tar"
+    path.write_bytes(b"a" * 4096)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapped = [_mappings.server_mapping(m) for m in memfds]
+        assert _mappings.server_mapping(memfds[-1]) is mapped[-1]
+        assert len(_mappings._mapped_memfds) == _mappings.KEPT_MEMFDS
+        assert len(_mappings._mapped_files) == files_before
+        old = _mappings.server_mapping(fd)
+        assert _mappings.server_mapping(fd) is old and len(_mappings._mapped_files) == files_before + 1
+        path.write_bytes(b"b" * 8192)
+        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        new = _mappings.server_mapping(fd)
+        assert new is not old and new[:1] == b"b" and len(new) == 8192
+    finally:
+        os.close(fd)
+        for m in memfds:
+            os.close(m)
+
+
 @pytest.mark.timeout(120)
 def test_samples_a_shuffle_buffer_keeps_long_still_travel_by_reference(tmp_path, monkeypatch):
     """A shuffle buffer keeps some samples for many shards after their own was read (each draw

@@ -1,0 +1,76 @@
+"""The transport's CPU per run: a worker packing a run of the bench's samples (their addresses
+found among the registered shard mappings, the header written to a memfd) and the server
+unpacking it (the shards' mappings found again, one view per sample), in shard order or drawn
+from every shard (shuffled), as a shuffle buffer spanning many shards gives them.
+
+    python benchmarks/transport_cost.py --kind audio --samples 4096     # runs of 64 clips
+    python benchmarks/transport_cost.py --kind image --samples 2048 --batch 64
+
+Uses the bench's shards under ``--data-dir`` (written once); one process, no server running (the
+unpacking is the listener's :func:`mmproxy._transport.unpack`, timed apart from the receive).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import mmap
+import os
+import random
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=["audio", "image"], default="audio")
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=64, help="samples a run (at most 64)")
+    parser.add_argument("--data-dir", default="/tmp/bench")
+    parser.add_argument("--repeat", type=int, default=5, help="rounds; the best is reported")
+    a = parser.parse_args()
+
+    from mmproxy.datasets._tar import members
+
+    from mmproxy import _mappings, _transport, worker
+    from mmproxy.apps.bench.shards import write_shards
+
+    ext = "wav" if a.kind == "audio" else "jpg"
+    paths = write_shards(a.data_dir, a.kind, a.samples, 15)
+    _mappings.MAX_FILES = max(_mappings.MAX_FILES, len(paths))  # every shard sent by reference
+    samples = []
+    for path in paths:
+        with open(path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            worker.register_file_mapping(mapping, f.fileno())
+        data = np.frombuffer(mapping, np.uint8)
+        samples += [data[o:o + n] for name, o, n in members(memoryview(mapping))
+                    if name.endswith("." + ext)]
+    shuffled = random.Random(0).sample(samples, len(samples))
+    gc.collect()
+    gc.freeze()
+    for order, items in (("in shard order", samples), ("shuffled", shuffled)):
+        runs = [items[k:k + a.batch] for k in range(0, len(items), a.batch)]
+        best_pack = best_unpack = float("inf")
+        files = 0
+        for _ in range(a.repeat):
+            start, packed = time.perf_counter(), []
+            for k, run in enumerate(runs):
+                fd, fds = _transport.pack(f"run{k}", None, [None] * len(run), [run])
+                packed.append([fd, *(os.dup(f) for f in fds)])  # as the server receives them
+            best_pack = min(best_pack, (time.perf_counter() - start) / len(runs))
+            files = sum(len(p) - 1 for p in packed) / len(runs)
+            start = time.perf_counter()
+            requests = [_transport.unpack(fds) for fds in packed]
+            best_unpack = min(best_unpack, (time.perf_counter() - start) / len(runs))
+            del requests
+            for fds in packed:
+                for fd in fds:
+                    os.close(fd)
+        print(f"{a.kind}, runs of {a.batch}, {order}: {files:.1f} shards a run; pack "
+              f"{best_pack * 1e6:.0f} us a run, unpack {best_unpack * 1e6:.0f} us a run", flush=True)
+
+
+if __name__ == "__main__":
+    main()
