@@ -68,3 +68,26 @@ def write_json(path: str | None, args: argparse.Namespace, gpu: bool, results: d
            **results}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2))
+
+
+def mapped_samples(paths: Sequence[str], ext: str) -> list[Any]:
+    """The ``ext`` members of the shards ``paths``, as views of read-only mappings of the shards
+    (as a server's inputs are), every shard registered with the transport past a worker's usual
+    bound, so that the views are sent by reference."""
+    import mmap
+
+    import numpy as np
+    from mmproxy.datasets._tar import members
+
+    from mmproxy import _mappings, worker
+
+    _mappings.MAX_FILES = max(_mappings.MAX_FILES, len(paths))
+    out = []
+    for path in paths:
+        with open(path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            worker.register_file_mapping(mapping, f.fileno())
+        data = np.frombuffer(mapping, np.uint8)
+        out += [data[o:o + n] for name, o, n in members(memoryview(mapping))
+                if name.endswith("." + ext)]
+    return out

@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import _harness  # this script's folder is on the path
+
 THREADS, EPOCHS = 8, 4
 
 
@@ -45,29 +47,6 @@ def _clips(paths: list[str], ext: str) -> list[Any]:
         with tarfile.open(path) as tar:
             out += [np.frombuffer(tar.extractfile(m).read(), np.uint8)  # type: ignore[union-attr]
                     for m in tar if m.name.endswith("." + ext)]
-    return out
-
-
-def _mapped_clips(paths: list[str], ext: str) -> list[Any]:
-    """The clips as views of read-only mappings of their shards, as the server's inputs are;
-    every shard registered (past the loader's bound: the sender below keeps no shard for long),
-    so that a forked process sends its clips by reference."""
-    import mmap
-
-    import numpy as np
-    from mmproxy.datasets._tar import members
-
-    from mmproxy import _mappings, worker
-
-    _mappings.MAX_FILES = max(_mappings.MAX_FILES, len(paths))
-    out = []
-    for path in paths:
-        with open(path, "rb") as f:
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            worker.register_file_mapping(mapping, f.fileno())
-        data = np.frombuffer(mapping, np.uint8)
-        out += [data[o:o + n] for name, o, n in members(memoryview(mapping))
-                if name.endswith("." + ext)]
     return out
 
 
@@ -300,13 +279,13 @@ def main() -> None:
             "fed, float32 decode": lambda: _time_fed(clips, _graph(True), b),
             "fed, 16-bit decode": lambda: _time_fed(clips, _graph(False), b),
             "served in this process, 16-bit decode": lambda: _time_served(
-                _shuffled(_mapped_clips(paths, ext)), _graph(False), b),
+                _shuffled(_harness.mapped_samples(paths, ext)), _graph(False), b),
             "sent from a forked process, 16-bit decode": lambda: _time_sent(
-                _shuffled(_mapped_clips(paths, ext)), _graph(False), b, ahead=args.ahead),
+                _shuffled(_harness.mapped_samples(paths, ext)), _graph(False), b, ahead=args.ahead),
             "fed from the shards' mappings, 16-bit decode": lambda: _time_fed(
-                _mapped_clips(paths, ext), _graph(False), b),
+                _harness.mapped_samples(paths, ext), _graph(False), b),
             "fed from the shards' mappings, shuffled, 16-bit decode": lambda: _time_fed(
-                _shuffled(_mapped_clips(paths, ext)), _graph(False), b),
+                _shuffled(_harness.mapped_samples(paths, ext)), _graph(False), b),
             "reader alone (bytes out)": lambda: _time_reader(paths, lambda x: x, n, b),
             "reader, float32 decode alone (CPU out)": lambda: _time_reader(
                 paths, _decode_only("FLOAT"), n, b),
@@ -318,14 +297,14 @@ def main() -> None:
             "reader": lambda: _time_reader(paths, _image_graph(), n, b, ext),
             "fed": lambda: _time_fed(clips, _image_graph(), b),
             "fed from the shards' mappings, shuffled": lambda: _time_fed(
-                _shuffled(_mapped_clips(paths, ext)), _image_graph(), b),
+                _shuffled(_harness.mapped_samples(paths, ext)), _image_graph(), b),
             "served in this process": lambda: _time_served(
-                _shuffled(_mapped_clips(paths, ext)), _image_graph(), b),
+                _shuffled(_harness.mapped_samples(paths, ext)), _image_graph(), b),
             "reader alone (bytes out)": lambda: _time_reader(paths, lambda x: x, n, b, ext),
         }
         if b < _transport_fds():  # a run's samples may lie in as many shards as it holds
             runs["sent from a forked process"] = lambda: _time_sent(
-                _shuffled(_mapped_clips(paths, ext)), _image_graph(), b, ahead=args.ahead)
+                _shuffled(_harness.mapped_samples(paths, ext)), _image_graph(), b, ahead=args.ahead)
     results: dict[str, Any] = {"kind": args.kind, "samples": n, "batch": b, "threads": THREADS,
                                "ahead": args.ahead}
     for name, run in runs.items():

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import mmap
 import os
 import random
 import time
 
-import numpy as np
+import _harness  # this script's folder is on the path
 
 
 def main() -> None:
@@ -31,22 +30,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="rounds; the best is reported")
     a = parser.parse_args()
 
-    from mmproxy.datasets._tar import members
-
-    from mmproxy import _mappings, _transport, worker
+    from mmproxy import _transport
     from mmproxy.apps.bench.shards import write_shards
 
     ext = "wav" if a.kind == "audio" else "jpg"
     paths = write_shards(a.data_dir, a.kind, a.samples, 15)
-    _mappings.MAX_FILES = max(_mappings.MAX_FILES, len(paths))  # every shard sent by reference
-    samples = []
-    for path in paths:
-        with open(path, "rb") as f:
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            worker.register_file_mapping(mapping, f.fileno())
-        data = np.frombuffer(mapping, np.uint8)
-        samples += [data[o:o + n] for name, o, n in members(memoryview(mapping))
-                    if name.endswith("." + ext)]
+    samples = _harness.mapped_samples(paths, ext)
     shuffled = random.Random(0).sample(samples, len(samples))
     gc.collect()
     gc.freeze()
