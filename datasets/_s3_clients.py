@@ -101,7 +101,7 @@ def _make_session() -> tuple[Any, list[str]]:
     try:
         import boto3
     except ImportError:
-        raise Permanent("s3:// shards need boto3: pip install 'mmproxy[s3]'") from None
+        raise Permanent("s3:// shards need boto3: pip install boto3 (mmproxy's [s3] extra)") from None
     session = boto3.session.Session()
     credentials = session.get_credentials()
     secrets = [value for value in (os.environ.get("AWS_SECRET_ACCESS_KEY"),

@@ -35,9 +35,10 @@ def main():
     model = TinyAudioNet(args.n_mels, args.classes).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step, start = 0, time.perf_counter()
-    with audio:
+    loader = dataset.loader(audio, num_workers=args.workers)  # one loader: each pass is a new
+    with audio:                                                # epoch (order and draws anew)
         while step < args.steps:
-            for batch in dataset.loader(audio, num_workers=args.workers):
+            for batch in loader:
                 mel = batch["audio"].data.to(device)  # PaddedBatch: [batch, n_mels, frames]
                 logits = model(mel, batch["audio_length"])
                 loss = F.cross_entropy(logits, batch["label"].to(device))

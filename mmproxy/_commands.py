@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="size of the synthetic set (default 256)")
     demo.add_argument("--video", action="store_true",
                       help="add an H.264 clip to every synthetic sample, and a video server "
-                      "(needs PyAV: pip install 'mmproxy[video]')")
+                      "(needs PyAV: pip install av)")
     demo.add_argument("--batch-size", type=_POSITIVE, default=32, help="samples per batch (default 32)")
     demo.add_argument("--workers", type=_COUNT, default=2, help="DataLoader workers (default 2)")
     demo.add_argument("--threads", type=_POSITIVE, default=2, help="DALI threads per server (default 2)")
@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     shards = sub.add_parser("make-shards", parents=[common], help="turn a folder into WebDataset shards",
                             description="Writes images with captions (ImageFolder tree or image + "
-                            ".txt pairs) or audio files with labels (class folders) as shards, "
+                            ".txt pairs), audio files with labels (class folders) or videos "
+                            "with labels or captions (--kind video-label, video-text) as shards, "
                             "each sample with its source path (src), and classes.json, "
                             "manifest.jsonl (key -> shard, source file) and, when any file was "
                             "left out, left_out.jsonl (each, and why) beside them; prints what "
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(DALI's own proxy), dali-proxy-seed (the same with its documentation's "
                        "prefetch_queue_depth=2*workers), dali-reader (fn.readers.webdataset, no Python), "
                        "spdl (SPDL's thread pipeline and FFmpeg decoding, --workers decoding "
-                       "threads; image, audio; pip install 'mmproxy[spdl]'), spdl-gpu (the same "
+                       "threads; image, audio; pip install spdl), spdl-gpu (the same "
                        "with nvJPEG on the GPU; image), mmproxy-http, mmproxy-s3, mmproxy-cached "
                        "(the image shards served by a local HTTP or S3 server, or through the "
                        "node cache)")

@@ -65,9 +65,10 @@ def _one_line(err: BaseException) -> str:
 
 
 def _missing(module: str) -> str:
-    """What to install for ``module``: the extra of mmproxy that holds it, or the package."""
-    extra = _EXTRAS.get(module.split(".")[0])
-    return f"pip install 'mmproxy[{extra}]'" if extra else f"pip install {module.split('.')[0]}"
+    """What to install for ``module``: the package, and the extra of mmproxy that holds it."""
+    package = module.split(".")[0]
+    extra = _EXTRAS.get(package)
+    return f"pip install {package}" + (f" (mmproxy's [{extra}] extra)" if extra else "")
 
 
 GRACE = 20.0  # seconds a command may run on after its first interrupt before the process ends

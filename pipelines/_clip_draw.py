@@ -145,4 +145,4 @@ def _need_pyav(info: VideoInfo | None, codecs: tuple[str, ...]) -> None:
     raise ValueError(
         f"{what} video: NVDEC decodes only {', '.join(_NAMES[c] for c in codecs)} in "
         f"MP4/MOV files, and the others are decoded in the workers by PyAV{hevc}, which is not "
-        "installed: pip install av (or 'mmproxy[video]')")
+        "installed: pip install av (mmproxy's [video] extra)")

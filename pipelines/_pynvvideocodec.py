@@ -1,7 +1,8 @@
 """PyNvVideoCodec's NVDEC decoding as a decode thread's session (``nvdec_library="pynvvideocodec"``,
 the default).
 
-NVIDIA's PyNvVideoCodec (``pip install 'mmproxy[nvdec]'``) brings its own demuxer. A session
+NVIDIA's PyNvVideoCodec (``pip install pynvvideocodec``, mmproxy's ``[nvdec]`` extra) brings its
+own demuxer. A session
 holds one ``SimpleDecoder`` for the thread's life, re-pointed at every clip (creating a decoder
 session costs far more than a clip's decode). Re-pointing takes a path, so each clip's bytes
 are written into one of the thread's two anonymous memory files (``memfd``: nothing on disk)
@@ -26,7 +27,7 @@ from mmproxy.pipelines._nvdec_session import (
 
 __all__ = ["PyNvSession", "load_nvdec"]
 
-_INSTALL = "pip install 'mmproxy[nvdec]'"
+_INSTALL = "pip install pynvvideocodec (mmproxy's [nvdec] extra)"
 
 
 def load_nvdec() -> Any:

@@ -1,6 +1,7 @@
 """TorchCodec's NVDEC decoding as a decode thread's session (``nvdec_library="torchcodec"``).
 
-TorchCodec (``pip install 'mmproxy[torchcodec]'``) demuxes with FFmpeg and, for a CUDA device,
+TorchCodec (``pip install torchcodec``, mmproxy's ``[torchcodec]`` extra) demuxes with FFmpeg
+and, for a CUDA device,
 decodes on NVDEC through its own backend, which keeps NVDEC decoders cached across
 ``VideoDecoder`` objects. A session makes one ``VideoDecoder`` per clip, over a tensor that views
 the clip's bytes where the worker sent them (no copy, no memory file), asks for the clip's frames
@@ -30,7 +31,7 @@ from mmproxy.pipelines._nvdec_session import (
 
 __all__ = ["TorchCodecSession", "load_torchcodec"]
 
-_INSTALL = "pip install 'mmproxy[torchcodec]'"
+_INSTALL = "pip install torchcodec (mmproxy's [torchcodec] extra)"
 
 
 def load_torchcodec() -> Any:

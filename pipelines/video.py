@@ -52,8 +52,8 @@ Decoders, and which codec is decoded where (DALI 2.4):
 =============  ===================================  ============================================
 
 ``"auto"`` is ``"nvdec"`` on a GPU where ``nvdec_library`` loads (PyNvVideoCodec: ``pip install
-'mmproxy[nvdec]'`` and the driver's NVDEC library; TorchCodec: ``pip install
-'mmproxy[torchcodec]'`` and FFmpeg's shared libraries), else ``"pyav"`` when PyAV is
+pynvvideocodec`` and the driver's NVDEC library; TorchCodec: ``pip install
+torchcodec`` and FFmpeg's shared libraries), else ``"pyav"`` when PyAV is
 installed, else ``"dali"``. On a GPU, ``"nvdec"`` gives more clips a second than PyAV in the
 workers for far less CPU, and DALI's in-memory decoder (``"dali"``) far fewer than either
 (BENCHMARKS.md, "Video", has the figures); a sample the chosen decoder cannot decode fails with
@@ -178,8 +178,8 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
             (balanced by load; which decoder decodes a clip then varies from run to run), or
             the share of the clips the workers decode, drawn per clip from its seed (0-1).
         nvdec_library: With ``"nvdec"`` and ``"mixed"``: the library that drives NVDEC,
-            ``"pynvvideocodec"`` (``pip install 'mmproxy[nvdec]'``) or ``"torchcodec"``
-            (``pip install 'mmproxy[torchcodec]'``, and FFmpeg's shared libraries).
+            ``"pynvvideocodec"`` (``pip install pynvvideocodec``) or ``"torchcodec"``
+            (``pip install torchcodec``, and FFmpeg's shared libraries).
     """
     from nvidia.dali import fn, pipeline_def, types
 
@@ -199,7 +199,7 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
                              "or 'auto' on a machine with CUDA, or decoder='pyav' on CPU")
         load_library(nvdec_library)
     if decoder in ("pyav", "mixed") and not pyav_installed():
-        raise ImportError(f"decoder={decoder!r} needs PyAV: pip install av (or 'mmproxy[video]')")
+        raise ImportError(f"decoder={decoder!r} needs PyAV: pip install av (mmproxy's [video] extra)")
     _check_resize_size(size, resize_size)
     if frames < 1 or stride < 1 or size < 1:
         raise ValueError(f"frames, stride and size must be at least 1, got {frames}, {stride} "

@@ -32,7 +32,7 @@ def _spdl_or_skip(gpu_decode=False):
     from mmproxy.apps.bench.spdl_loader import spdl_missing
 
     missing = spdl_missing(gpu_decode)
-    if missing:  # pip install 'mmproxy[spdl]', and FFmpeg's libraries or PyAV
+    if missing:  # pip install spdl, and FFmpeg's libraries or PyAV
         pytest.skip(missing)
 
 
@@ -118,7 +118,7 @@ def test_the_bench_reports_spdl_as_not_run_when_it_is_not_installed(tmp_path, mo
     assert session.run(args) == 0
     systems = json.loads(out.read_text())["results"]["image"]["systems"]
     assert systems["spdl"]["error"].startswith("not run: SPDL is not installed (")
-    assert "pip install 'mmproxy[spdl]'" in systems["spdl"]["error"]
+    assert "pip install spdl, mmproxy's [spdl] extra" in systems["spdl"]["error"]
     assert systems["torch"]["samples"] == 16
 
 

@@ -510,8 +510,8 @@ def test_mmproxy_errors_interrupts_and_bugs(tmp_path, capsys, monkeypatch):
     fail(ModuleNotFoundError("No module named 'av'", name="av"))
     assert cli.main(args) == 1
     assert capsys.readouterr().err.splitlines() == [
-        "mmproxy make-shards: error: needs av, which is not installed: pip install "
-        "'mmproxy[video]'", HINT]
+        "mmproxy make-shards: error: needs av, which is not installed: pip install av "
+        "(mmproxy's [video] extra)", HINT]
 
     # not the user's doing: one line saying so too, the traceback with --debug
     fail(TypeError("a bug in mmproxy"))
@@ -552,7 +552,7 @@ def test_demo_on_image_only_shards_uses_the_image_server_and_says_audio_is_missi
     out = proc.stdout
     assert "epoch 1/1" not in proc.stderr  # no progress bar in a pipe
     assert ("fields image (jpg/jpeg/png/webp/bmp/tif/tiff), text (txt/caption), label (cls); "
-            "missing: audio (no flac/wav/ogg)") in out
+            "not in these shards: audio (no flac/wav/ogg)") in out
     counts = dict(re.findall(r"^  (\w+) +(\d+) samples +[\d.]+ samples/s", out, re.M))
     assert counts == {"image": "11", "text": "11", "label": "11"} and written.samples == 11
     assert "server 'audio'" not in out and "skipped 0 samples" in out
@@ -1170,7 +1170,7 @@ def test_version_and_an_option_whose_package_is_missing(tmp_path, capsys, monkey
     assert exit_info.value.code == 2 and not ran
     assert capsys.readouterr().err.splitlines()[-1] == (
         "mmproxy bench: error: --plot needs matplotlib, which is not installed: pip install "
-        "'mmproxy[plot]'")
+        "matplotlib (mmproxy's [plot] extra)")
 
 
 def test_the_demo_says_it_writes_its_set_only_when_it_does_and_shows_a_bar_with_a_total(tmp_path):

@@ -564,7 +564,8 @@ def test_nvdec_without_its_package_or_driver_says_what_to_do(monkeypatch):
     from mmproxy.pipelines._nvdec import load_nvdec
 
     monkeypatch.setitem(sys.modules, "PyNvVideoCodec", None)
-    with pytest.raises(ImportError, match=r"PyNvVideoCodec: pip install 'mmproxy\[nvdec\]'"):
+    with pytest.raises(ImportError,
+                       match=r"PyNvVideoCodec: pip install pynvvideocodec \(mmproxy's \[nvdec\] extra\)"):
         load_nvdec()
     monkeypatch.delitem(sys.modules, "PyNvVideoCodec")
     monkeypatch.setattr(sys, "meta_path", [_BrokenDriver(), *sys.meta_path])
@@ -1068,7 +1069,8 @@ def test_torchcodec_missing_or_without_ffmpeg_says_what_to_do(monkeypatch):
     from mmproxy.pipelines._torchcodec import load_torchcodec
 
     monkeypatch.setitem(sys.modules, "torchcodec", None)
-    with pytest.raises(ImportError, match=r"TorchCodec: pip install 'mmproxy\[torchcodec\]'"):
+    with pytest.raises(ImportError,
+                       match=r"TorchCodec: pip install torchcodec \(mmproxy's \[torchcodec\] extra\)"):
         load_torchcodec()
     no_ffmpeg = types.ModuleType("torchcodec")
     no_ffmpeg.ffmpeg_major_version = None

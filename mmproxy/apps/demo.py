@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                          f"({AUDIO_EXTS}) or video ({VIDEO_EXTS}) field, only {', '.join(exts)}; "
                          "the demo needs one")
     read = {name: spec.replace(";", "/") for name, spec in wanted.items()}  # every one is read
-    print(f"mmproxy demo: fields {', '.join(f'{n} ({read[n]})' for n in used)}; missing: "
+    print(f"mmproxy demo: fields {', '.join(f'{n} ({read[n]})' for n in used)}; not in these shards: "
           + (", ".join(f"{n} (no {read[n]})" for n in wanted if n not in used) or "none")
           + f" (from the first sample of {first})")
     gpu, _ = resolve_device(args.device)

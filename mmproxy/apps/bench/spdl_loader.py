@@ -81,7 +81,7 @@ def spdl_missing(gpu_decode: bool = False) -> str | None:
         import spdl.io.utils
         import spdl.pipeline  # noqa: F401
     except ImportError as err:
-        return f"not run: SPDL is not installed ({err}; pip install 'mmproxy[spdl]')"
+        return f"not run: SPDL is not installed ({err}; pip install spdl, mmproxy's [spdl] extra)"
     from mmproxy.apps.bench.spdl_ffmpeg import load_cuda_build, load_ffmpeg
 
     try:
