@@ -206,6 +206,11 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         """Fixes the epoch used for seeding (otherwise mmproxy's DataLoader supplies it)."""
         self._epoch = epoch
 
+    @property
+    def follows_loader_epoch(self) -> bool:
+        """Whether the loader's epoch seeds the order and the draws (no :meth:`set_epoch`)."""
+        return self._epoch is None
+
     def __len__(self) -> int:
         if self.epoch_length is None:
             raise TypeError("the number of batches is known only with epoch_length set")

@@ -20,6 +20,8 @@ import gc
 import inspect
 import multiprocessing
 import os
+import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,7 +31,7 @@ from mmproxy import _context, _indexed, _workers
 from mmproxy._iterator import LoaderIter
 from mmproxy._progress import Progress, hand_out, rank_and_world
 from mmproxy.errors import StateError
-from mmproxy.protocols import ChecksLoader
+from mmproxy.protocols import ChecksLoader, FollowsLoaderEpoch
 from mmproxy.server import DALIServer
 from mmproxy.skips import SkipReport
 from mmproxy.state import LoaderState
@@ -38,6 +40,23 @@ __all__ = ["DataLoader"]
 
 Servers = DALIServer | Sequence[DALIServer] | Mapping[str, DALIServer]
 _SIGNATURE = inspect.signature(torch.utils.data.DataLoader.__init__)
+# dataset -> the loader that began its first epoch in this process (None once warned)
+_FIRST_EPOCH: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+
+
+def _note_first_epoch(dataset: Any, loader_id: str) -> None:
+    """Warns (once a dataset) when a second loader begins a first epoch over a dataset whose
+    order and draws follow the loader's epoch: it repeats the first loader's first epoch."""
+    if not (isinstance(dataset, FollowsLoaderEpoch) and dataset.follows_loader_epoch):
+        return
+    first = _FIRST_EPOCH.setdefault(dataset, loader_id)
+    if first is not None and first != loader_id:
+        _FIRST_EPOCH[dataset] = None
+        warnings.warn(
+            "another mmproxy.DataLoader over this dataset began its first epoch already: each "
+            "loader numbers its epochs from 1, so this one repeats that epoch's order and random "
+            "draws. Make the loader once and iterate it every epoch (or fix the dataset's epoch "
+            "with dataset.set_epoch)", UserWarning, stacklevel=3)
 
 
 def _as_servers(servers: Servers) -> dict[str, DALIServer]:
@@ -190,6 +209,8 @@ class DataLoader(torch.utils.data.DataLoader):
             hand, self._progress = hand_out(self._resume, self.dataset, workers)
             self._resume = None
             self._init.resume = hand
+        elif self._epoch.value == 1:
+            _note_first_epoch(self.dataset, self._loader_id)
         if self.num_workers == 0:  # this process makes the batches: its slot, of this loader
             _context.set_resume(self._loader_id, None if hand is None else hand[0])
         self._report = self._progress.report

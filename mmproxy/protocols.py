@@ -6,7 +6,8 @@ here; nothing needs to subclass them.
 
 - What :class:`mmproxy.DataLoader` asks of its dataset: :class:`ChecksLoader` (refuse a wrong
   loader when it is made), :class:`LimitsSkips` (the loader judges the epoch's skip report),
-  :class:`Reshardable` (redistribute a saved epoch over other numbers of ranks and workers).
+  :class:`Reshardable` (redistribute a saved epoch over other numbers of ranks and workers),
+  :class:`FollowsLoaderEpoch` (its order and draws follow the loader's epoch).
 - What makes a callable a server's proxy (:class:`Proxy`): a dataset sends a field through a
   server when its function is one, and :class:`mmproxy.Collate` knows servers by it.
 """
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from mmproxy.state import LoaderState
 
-__all__ = ["ChecksLoader", "LimitsSkips", "Proxy", "Reshardable"]
+__all__ = ["ChecksLoader", "FollowsLoaderEpoch", "LimitsSkips", "Proxy", "Reshardable"]
 
 
 @runtime_checkable
@@ -38,6 +39,15 @@ class LimitsSkips(Protocol):
     its samples (``None``: no limit on the fraction)."""
 
     max_skipped: float | None
+
+
+@runtime_checkable
+class FollowsLoaderEpoch(Protocol):
+    """A dataset whose order and random draws follow the epoch of the loader that iterates it
+    (``follows_loader_epoch`` is False once it fixes its own). Each loader numbers its epochs
+    from 1, so a loader made anew every epoch would repeat the first epoch: the loader warns."""
+
+    follows_loader_epoch: bool
 
 
 @runtime_checkable

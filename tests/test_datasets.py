@@ -402,3 +402,38 @@ def test_a_sample_with_two_members_of_one_extension_is_a_bad_sample_named_in_its
     (record,) = batch["__skipped__"]
     assert record.key == "s0" and record.kind is mmproxy.SkipKind.DUPLICATE_FIELD
     assert "duplicate field 'jpg': the shard holds more than one 'jpg' member" in record.reason
+
+
+def test_a_loader_made_anew_for_an_epoch_warns_that_it_repeats_the_first(image_shards, image_server):
+    # for epoch in range(n): for batch in dataset.loader(...) -- each loader begins at epoch 1:
+    # the same order and draws every epoch, silently, where a torch DataLoader would reshuffle
+    import warnings
+
+    ds = MultiModalDataset(image_shards, {"image": ("jpg", image_server.proxy), "label": ("cls", int)},
+                           batch_size=5, shuffle_buffer=8)
+
+    def order(loader):
+        return [x for b in loader for x in b["label"].tolist()]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        one = ds.loader(image_server, num_workers=0)
+        first, second = order(one), order(one)  # one loader, two epochs: no warning
+        assert first != second and not caught
+        again = order(ds.loader(image_server, num_workers=0))
+    assert again == first  # what the warning is about
+    assert [str(w.message) for w in caught] == [
+        "another mmproxy.DataLoader over this dataset began its first epoch already: each loader "
+        "numbers its epochs from 1, so this one repeats that epoch's order and random draws. Make "
+        "the loader once and iterate it every epoch (or fix the dataset's epoch with "
+        "dataset.set_epoch)"]
+    assert caught[0].filename == __file__  # pointed at the loop that iterates the new loader
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        order(ds.loader(image_server, num_workers=0))  # said once a dataset
+        fixed = MultiModalDataset(image_shards, {"image": ("jpg", image_server.proxy),
+                                                 "label": ("cls", int)}, batch_size=5)
+        for epoch in (1, 2):
+            fixed.set_epoch(epoch)  # the user numbers the epochs: any loader is right
+            order(fixed.loader(image_server, num_workers=0))
+    assert not caught
