@@ -259,10 +259,13 @@ def main() -> None:
     parser.add_argument("--only", help="run only the measurements whose names contain one of "
                         "these (comma-separated)")
     parser.add_argument("--ahead", type=int, default=0, help="the forked sender stays at most "
-                        "this many runs ahead of the runs received (a loader: workers x "
-                        "prefetch_factor, e.g. 30); 0: as fast as it can")
+                        "this many runs ahead of the runs the parent has received (which resolves "
+                        "them three behind, so up to this plus 3 wait in the server; a loader: "
+                        "workers x prefetch_factor, e.g. 30); 0: as fast as it can")
     parser.add_argument("--json", help="where to write the results")
     args = parser.parse_args()
+    if args.ahead < 0:
+        parser.error(f"--ahead must be 0 or more, got {args.ahead}")
     audio = args.kind == "audio"
     b = args.batch or (64 if audio else 256)
     ext = "wav" if audio else "jpg"

@@ -208,8 +208,10 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
 
     @property
     def follows_loader_epoch(self) -> bool:
-        """Whether the loader's epoch seeds the order and the draws (no :meth:`set_epoch`)."""
-        return self._epoch is None
+        """Whether the loader's epoch seeds the order and the draws: no :meth:`set_epoch`, and
+        something shuffled (an evaluation set read in order repeats by design)."""
+        return self._epoch is None and bool(self.shuffle_shards or self.shuffle_buffer
+                                            or self.resampled)
 
     def __len__(self) -> int:
         if self.epoch_length is None:

@@ -52,7 +52,8 @@ def _addresses(arrays: list[np.ndarray]) -> np.ndarray:
     if read is None:
         return np.array([0 if a.base is None else a.__array_interface__["data"][0]
                          for a in arrays], np.int64)
-    return np.array([0 if a.base is None else read(a) for a in arrays], np.uint64).view(np.int64)
+    return np.array([0 if a.base is None else read(a) if type(a) is np.ndarray
+                     else a.__array_interface__["data"][0] for a in arrays], np.uint64).view(np.int64)
 
 
 def align(n: int) -> int:

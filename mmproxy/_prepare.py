@@ -37,6 +37,7 @@ from mmproxy.errors import PipelineError, SampleError, with_remote_cause
 __all__ = ["DamagedSampleError", "Prepare", "PreparedRuns"]
 
 _POLL = 0.05
+_AHEAD = 2  # runs handed to a stage ahead of the runner, where the stage does not say
 
 
 class DamagedSampleError(SampleError):
@@ -49,7 +50,8 @@ class Prepare(Protocol):
     process (e.g. encoded video decoded into GPU frames)."""
 
     inputs: tuple[str, ...]  # what the proxy sends per sample, in order
-    ahead: int  # runs handed to the stage ahead of the one the runner takes next (at least 1)
+    # optional: ``ahead``, the runs handed to the stage ahead of the one the runner takes next
+    # (at least 1; 2 where a stage does not say)
 
     def start(self) -> None:
         """Lets the stage take samples (again after :meth:`close`); the server calls it when it
@@ -78,13 +80,15 @@ class PreparedRuns:
         input_names: The pipeline's inputs, in the order the runner feeds them.
         num_outputs: The pipeline's outputs (a run whose samples all fail has empty ones).
 
-    The stage's ``ahead`` says how many runs it is handed ahead of the one the runner takes next.
+    The stage's ``ahead``, where it has one, says how many runs it is handed ahead of the one the
+    runner takes next (default 2).
     """
 
     def __init__(self, table: RunTable, prepare: Prepare, input_names: Sequence[str],
                  num_outputs: int) -> None:
         self.table, self.prepare, self.input_names = table, prepare, tuple(input_names)
-        self.num_outputs, self.ahead = num_outputs, max(1, int(prepare.ahead))
+        self.num_outputs = num_outputs
+        self.ahead = max(1, int(getattr(prepare, "ahead", _AHEAD)))  # an optional member
         self.name = table.name
         self._pending: deque[tuple[Run, list[Future[dict[str, Any]]]]] = deque()
         self._reduced: dict[str, tuple[list[Any], list[int], dict[int, str]]] = {}

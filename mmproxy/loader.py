@@ -49,7 +49,10 @@ def _note_first_epoch(dataset: Any, loader_id: str) -> None:
     order and draws follow the loader's epoch: it repeats the first loader's first epoch."""
     if not (isinstance(dataset, FollowsLoaderEpoch) and dataset.follows_loader_epoch):
         return
-    first = _FIRST_EPOCH.setdefault(dataset, loader_id)
+    try:
+        first = _FIRST_EPOCH.setdefault(dataset, loader_id)
+    except TypeError:  # a dataset that cannot be weakly referenced or hashed: not followed
+        return
     if first is not None and first != loader_id:
         _FIRST_EPOCH[dataset] = None
         warnings.warn(

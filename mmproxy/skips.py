@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -95,12 +96,14 @@ def _where(record: SkippedSample, sources: dict[tuple[str, str], str]) -> str:
 
 
 _MANIFEST = "manifest.jsonl"  # mmproxy make-shards': one line per sample (key, shard, source)
+_KEY = re.compile(r'"key": "([^"]*)"')  # a line's key, found before the line is parsed
 
 
 def _sources(records: Iterable[SkippedSample]) -> dict[tuple[str, str], str]:
     """The source file of each sample record whose shard is a local file with make-shards'
     manifest beside it: {(shard, key): source}. One pass over each manifest, ended once every
-    key wanted from it is found; a manifest that cannot be read names nothing."""
+    key wanted from it is found (only the lines of a wanted key are parsed); a manifest that
+    cannot be read, or is not make-shards' own, names nothing."""
     wanted: dict[str, dict[tuple[str, str], str]] = {}  # manifest -> {(shard name, key): shard}
     for r in records:
         if r.key and "://" not in r.shard and not r.shard.startswith("pipe:"):
@@ -108,16 +111,23 @@ def _sources(records: Iterable[SkippedSample]) -> dict[tuple[str, str], str]:
             wanted.setdefault(manifest, {})[os.path.basename(r.shard), r.key] = r.shard
     found: dict[tuple[str, str], str] = {}
     for manifest, keys in wanted.items():
+        names = {key for _, key in keys}
         try:
             with open(manifest, encoding="utf-8") as f:
                 for line in f:
+                    key = _KEY.search(line)
+                    if key is None or key[1] not in names:
+                        continue
                     row = json.loads(line)
-                    shard = keys.pop((row.get("shard"), row.get("key")), None)
+                    source = row.get("source") if isinstance(row, dict) else None
+                    if not isinstance(source, str) or not isinstance(row.get("shard"), str):
+                        continue
+                    shard = keys.pop((row["shard"], key[1]), None)
                     if shard is not None:
-                        found[shard, row["key"]] = str(row.get("source"))
+                        found[shard, key[1]] = source
                         if not keys:
                             break
-        except (OSError, ValueError, AttributeError):  # none there, or not make-shards' own
+        except (OSError, ValueError, TypeError):  # none there, or not make-shards' own
             continue
     return found
 

@@ -1519,7 +1519,10 @@ def test_a_skip_summary_names_the_file_make_shards_made_the_sample_from(tmp_path
     summary = loader.skipped.summary()
     assert f"{written[0]}, sample '00000001' (file holiday/hotel.jpg): field function failed" in summary
 
-    Path(written.manifest).write_text("not json\n")  # a manifest that is not make-shards' own
-    loader = ds.loader(image_server, num_workers=0)
-    list(loader)
-    assert f"{written[0]}, sample '00000001': field function failed" in loader.skipped.summary()
+    for foreign in ('not json, "key": "00000001"\n',  # manifests that are not make-shards' own
+                    '{"key": "00000001", "shard": ["a"], "source": 3}\n',
+                    '{"key": "00000001", "shard": "shard-000000.tar"}\n'):
+        Path(written.manifest).write_text(foreign)
+        loader = ds.loader(image_server, num_workers=0)
+        list(loader)
+        assert f"{written[0]}, sample '00000001': field function failed" in loader.skipped.summary()

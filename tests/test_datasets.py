@@ -436,4 +436,9 @@ def test_a_loader_made_anew_for_an_epoch_warns_that_it_repeats_the_first(image_s
         for epoch in (1, 2):
             fixed.set_epoch(epoch)  # the user numbers the epochs: any loader is right
             order(fixed.loader(image_server, num_workers=0))
+        in_order = MultiModalDataset(image_shards, {"image": ("jpg", image_server.proxy),
+                                                    "label": ("cls", int)}, batch_size=5,
+                                     shuffle_shards=False, shuffle_buffer=0)
+        for _ in range(2):  # an evaluation set read in order: the same every time, by design
+            order(in_order.loader(image_server, num_workers=0))
     assert not caught

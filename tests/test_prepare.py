@@ -26,8 +26,7 @@ class _Jpegs:
     """A Prepare stage: a sample's number in, its JPEG out (-1: a damaged sample; -2: bytes the
     pipeline's decoder refuses; -3: the stage itself fails)."""
 
-    inputs = ("n", "label")
-    ahead = 2
+    inputs = ("n", "label")  # no ``ahead``: two runs, the default
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="test-prepare")
