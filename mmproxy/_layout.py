@@ -47,12 +47,10 @@ _POINTER = _pointer_reader()
 
 
 def _addresses(arrays: list[np.ndarray]) -> np.ndarray:
-    """Each array's data address (0 for one that owns its memory: it lies in no file)."""
+    """Each array's data address (0 for one that owns its memory: it lies in no file); the fast
+    reader for plain arrays, the interface for the others."""
     read = _POINTER
-    if read is None:
-        return np.array([0 if a.base is None else a.__array_interface__["data"][0]
-                         for a in arrays], np.int64)
-    return np.array([0 if a.base is None else read(a) if type(a) is np.ndarray
+    return np.array([0 if a.base is None else read(a) if read and type(a) is np.ndarray
                      else a.__array_interface__["data"][0] for a in arrays], np.uint64).view(np.int64)
 
 
