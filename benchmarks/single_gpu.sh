@@ -23,8 +23,7 @@
 #   PART=mixed     decoder="mixed" with TorchCodec, PyAV in the workers and PyTorch's workers, one
 #                  process a system: 1,024 clips of 596x336 and of 320x240, 96 of 1280x720 (no
 #                  PyAV); RES picks the sizes, SYSTEMS the systems, WORKER_CPUS the workers'
-#                  cores (the server's threads on the others), AHEAD the runs handed to NVDEC's
-#                  decode threads ahead of the runner
+#                  cores (the server's threads on the others)
 #   PART=damage    mmproxy on a copy of the image shards with 1% of the JPEGs damaged (KIND:
 #                  truncate or corrupt), against the same shards clean
 #   PART=remote    benchmarks/remote_bench.py (rounds interleaved) with the HTTP and S3 servers on
@@ -107,10 +106,10 @@ torchcodec)  # one system a call, as for nvdec; RES picks the sizes, SHARE the m
   done ;;
 mixed)  # decoder="mixed" (TorchCodec), PyAV in the workers, PyTorch's workers: one process a
   # system; 1,024 clips of 596x336 and of 320x240, 96 of 1280x720 without PyAV (RES picks sizes)
-  apart="${WORKER_CPUS:+--worker-cpus $WORKER_CPUS} ${AHEAD:+--prepare-ahead $AHEAD}"
+  apart="${WORKER_CPUS:+--worker-cpus $WORKER_CPUS}"
   m() { one 250 python3 benchmarks/video_bench.py --clips "$2" --resolution "$1" --workers 15 \
           --threads 8 --epochs 3 --decode-threads 12 --data-dir /tmp/vbench --systems "$3" $apart \
-          --json "$out/video-$1-$(echo "$3" | tr -c 'a-zA-Z0-9\n-' '_')${WORKER_CPUS:+-w$WORKER_CPUS}${AHEAD:+-ahead$AHEAD}-$2.json" \
+          --json "$out/video-$1-$(echo "$3" | tr -c 'a-zA-Z0-9\n-' '_')${WORKER_CPUS:+-w$WORKER_CPUS}-$2.json" \
           2>&1 | grep -a "clips/s"; }
   for res in ${RES:-596x336 320x240 1280x720}; do
     if [ "$res" = 1280x720 ]; then

@@ -162,8 +162,6 @@ def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: lis
                           decoder_options=None if isinstance(options, (float, str)) else options,
                           decode_threads=args.decode_threads, cpu_share=share,
                           nvdec_library=library)  # type: ignore[arg-type]
-    if args.prepare_ahead and pipe.prepare is not None:
-        pipe.prepare.ahead = args.prepare_ahead
     with mmproxy.DALIServer(pipe, name="video") as server:
         ds = video_label_dataset(shards, server, batch_size=args.batch_size, shuffle_buffer=64,
                                  keep_keys=False, on_error="skip")
@@ -281,9 +279,6 @@ def main() -> None:
     parser.add_argument("--stacks", action="store_true",
                         help="sample the threads' Python frames (and NVDEC's utilization) while "
                         "each system runs; the result's 'stacks' (module docstring)")
-    parser.add_argument("--prepare-ahead", type=int, default=None,
-                        help="NVDEC systems: runs handed to the decode threads ahead of the "
-                        "runner (default: the decoder's own, 2)")
     parser.add_argument("--worker-cpus", default=None,
                         help="the DataLoader workers on these cores (like 6-15), this process's "
                         "threads (DALI's, the NVDEC decode threads, the main loop) on the others")

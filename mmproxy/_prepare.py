@@ -6,7 +6,7 @@ the video pipeline's NVDEC decoder is one). The proxy then sends the stage's inp
 :class:`PreparedRuns`, which hands each sample to the stage as soon as the run is taken from the
 run table and gives the run to the runner once every sample of it is prepared::
 
-    RunTable ──next()──> PreparedRuns: up to the stage's `ahead` runs taken early, each sample
+    RunTable ──next()──> PreparedRuns: up to two runs taken early, each sample
                            Prepare.submit(sample) -> Future   [the stage's own threads]
                          the oldest run, all its samples done: inputs replaced by the prepared
                            ones (by the pipeline's input names) ──> runner: feed, outputs, finish
@@ -37,7 +37,7 @@ from mmproxy.errors import PipelineError, SampleError, with_remote_cause
 __all__ = ["DamagedSampleError", "Prepare", "PreparedRuns"]
 
 _POLL = 0.05
-_AHEAD = 2  # runs handed to a stage ahead of the runner, where the stage does not say
+_AHEAD = 2  # runs handed to the stage ahead of the one the runner takes next
 
 
 class DamagedSampleError(SampleError):
@@ -50,8 +50,6 @@ class Prepare(Protocol):
     process (e.g. encoded video decoded into GPU frames)."""
 
     inputs: tuple[str, ...]  # what the proxy sends per sample, in order
-    # optional: ``ahead``, the runs handed to the stage ahead of the one the runner takes next
-    # (at least 1; 2 where a stage does not say)
 
     def start(self) -> None:
         """Lets the stage take samples (again after :meth:`close`); the server calls it when it
@@ -80,15 +78,13 @@ class PreparedRuns:
         input_names: The pipeline's inputs, in the order the runner feeds them.
         num_outputs: The pipeline's outputs (a run whose samples all fail has empty ones).
 
-    The stage's ``ahead``, where it has one, says how many runs it is handed ahead of the one the
-    runner takes next (default 2).
+    The stage is handed the samples of up to two runs ahead of the one the runner takes next.
     """
 
     def __init__(self, table: RunTable, prepare: Prepare, input_names: Sequence[str],
                  num_outputs: int) -> None:
         self.table, self.prepare, self.input_names = table, prepare, tuple(input_names)
         self.num_outputs = num_outputs
-        self.ahead = max(1, int(getattr(prepare, "ahead", _AHEAD)))  # an optional member
         self.name = table.name
         self._pending: deque[tuple[Run, list[Future[dict[str, Any]]]]] = deque()
         self._reduced: dict[str, tuple[list[Any], list[int], dict[int, str]]] = {}
@@ -142,8 +138,8 @@ class PreparedRuns:
     # -- helpers --------------------------------------------------------------------------------
 
     def _take(self, stop: threading.Event) -> None:
-        """Starts preparing the runs that have arrived, up to ``ahead`` of the runner."""
-        while len(self._pending) < self.ahead:
+        """Starts preparing the runs that have arrived, up to two ahead of the runner."""
+        while len(self._pending) < _AHEAD:
             run = self.table.next(block=False, stop=stop)
             if run is None:
                 return

@@ -171,7 +171,6 @@ class ClipDecoder:
         self._refused_in_row = 0  # clips NVDEC refused since it last decoded one
         self._warned = False  # that PyAV decodes clips NVDEC refuses
         self.backlog = backlog
-        self.ahead = 2  # runs handed to the decode threads ahead of the runner
         self._queued = 0  # encoded clips submitted and not yet taken by a decode thread
         self.clips = {"nvdec": 0, "workers": 0}  # clips received: encoded, decoded in a worker
         self._pace = 0.0  # the decode threads' running time a clip, seconds

@@ -26,7 +26,7 @@ class _Jpegs:
     """A Prepare stage: a sample's number in, its JPEG out (-1: a damaged sample; -2: bytes the
     pipeline's decoder refuses; -3: the stage itself fails)."""
 
-    inputs = ("n", "label")  # no ``ahead``: two runs, the default
+    inputs = ("n", "label")
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="test-prepare")
@@ -135,9 +135,9 @@ class _Held(_Jpegs):
     """:class:`_Jpegs` whose samples wait until ``release`` is set; counts the samples handed
     to it."""
 
-    def __init__(self, ahead: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.ahead, self.release, self.handed = ahead, threading.Event(), 0
+        self.release, self.handed = threading.Event(), 0
 
     def submit(self, sample):
         self.handed += 1
@@ -148,20 +148,19 @@ class _Held(_Jpegs):
         return self._one(sample)
 
 
-@pytest.mark.parametrize("ahead", [1, 3])
-def test_the_stage_is_handed_as_many_runs_ahead_as_it_asks(ahead):
+def test_the_stage_is_handed_two_runs_ahead_of_the_runner_and_no_more():
     import time
 
     pipe = _decode(batch_size=8, num_threads=1, device_id=None)
-    stage = _Held(ahead)
+    stage = _Held()
     server = mmproxy.DALIServer(mmproxy.SampleSeeded(pipe, None, prepare=stage), name="prepared")
     with server:
         batches = [_batch(server, [r, r + 1], skip=False) for r in range(5)]
         deadline = time.monotonic() + 10
-        while stage.handed < 2 * ahead and time.monotonic() < deadline:
+        while stage.handed < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(0.3)  # a stage handed more than it asked for would show it by now
-        assert stage.handed == 2 * ahead  # two samples a run, none done yet
+        time.sleep(0.3)  # a stage handed more runs would show it by now
+        assert stage.handed == 4  # two runs of two samples, none done yet
         stage.release.set()
         got = [server.produce_data(b)[1].tolist() for b in batches]
     assert got == [[0, 1]] * 5
