@@ -142,15 +142,16 @@ def png_truncated(data: bytes | memoryview) -> str | None:
 
 _TIFF_TYPES = {1: 1, 3: 2, 4: 4, 16: 8}  # the integer field types a TIFF tag here may have: bytes
 _TIFF_TAGS = {256: "width", 257: "height", 258: "bits", 259: "compression", 277: "samples",
-              339: "sample_format"}
+              284: "planar", 339: "sample_format"}
 # The compression schemes DALI 2.4's CPU decoders read (on libtiff): none, CCITT (2-4), LZW,
 # old-style and new JPEG, Deflate, PackBits. LZMA and WebP fail every batch that holds one.
 _TIFF_COMPRESSIONS = frozenset({1, 2, 3, 4, 5, 6, 7, 8, 32773, 32946})
 
 
 def tiff_info(data: bytes | memoryview) -> dict[str, Any] | str:
-    """The first image's width, height, bits per sample, compression, samples per pixel and
-    sample format that a TIFF's header (classic or BigTIFF) gives, or why it cannot be read."""
+    """The first image's width, height, bits per sample, compression, samples per pixel, planar
+    configuration and sample format that a TIFF's header (classic or BigTIFF) gives, or why it
+    cannot be read."""
     n = len(data)
     if n < 16:
         return "is truncated (it ends inside its header)"
@@ -197,9 +198,11 @@ def tiff_problem(data: bytes | memoryview) -> str | None:
     decode), on a stuffed zero in a JPEG's header (:func:`jpeg_header`), and on an old-style
     JPEG TIFF whose header lists three bits-per-sample values and no samples a pixel; it raised
     on signed samples, 2- to 7-bit ones, LZMA and WebP compression and a header that points
-    outside the file. It read 1-, 8-, 12- and 16-bit samples, palettes, CMYK, CIELab, planes
-    apart, several pages (the first), CCITT, LZW, Deflate, PackBits and both JPEG schemes
-    (Pillow's and scikit-image's test images)."""
+    outside the file; its samples of more than 8 bits stored in planes apart (planar
+    configuration 2) it decoded into noise, silently, different on every run. It read 1-, 8-,
+    12- and 16-bit samples, palettes, CMYK, CIELab, 8-bit samples in planes apart, several pages
+    (the first), CCITT, LZW, Deflate, PackBits and both JPEG schemes (Pillow's and
+    scikit-image's test images)."""
     info = tiff_info(data)
     if isinstance(info, str):
         return info
@@ -216,5 +219,7 @@ def tiff_problem(data: bytes | memoryview) -> str | None:
         f"{samples} samples a pixel" if not 1 <= samples <= 16 else
         f"{'/'.join(map(str, sorted(bits)))}-bit samples" if bits - {1, *range(8, 17)} else
         "signed or floating-point samples" if int(info.get("sample_format", 1)) != 1 else
+        f"{'/'.join(map(str, sorted(bits)))}-bit samples in planes apart"
+        if int(info.get("planar", 1)) == 2 and samples > 1 and bits != {8} else
         f"compression scheme {compression}" if compression not in _TIFF_COMPRESSIONS else None)
     return Unread(f"is a TIFF variant DALI does not read ({variant})") if variant else None
