@@ -159,20 +159,32 @@ class ShardPlan(Stage):
         self.pass_, self.item, self._items = self.pass_ + 1, 0, None
 
     def _shards(self) -> list[Any]:
-        """Which shards the plan is over, in order: their count and a digest of their names."""
+        """Which shards the plan is over, in order, and the seed that orders its epochs: their
+        count, a digest of their names, the dataset's seed."""
         digest = hashlib.sha256("\n".join(self.urls).encode()).hexdigest()[:16]
-        return [len(self.urls), digest]
+        return [len(self.urls), digest, self.layout.seed]
 
     def _same_shards(self, state: Mapping[str, Any]) -> None:
-        """Refuses a state saved over other shards: its positions would point into them (a
-        state converted from the first version of states says nothing, and is trusted)."""
+        """Refuses a state saved over other shards, or with another seed: its positions would
+        point into other shards, or into another order of them and of their samples (a state
+        converted from the first version of states says nothing, and is trusted; one saved
+        before the seed was part of it is trusted on the seed)."""
         saved = state[self.SHARDS]
-        if saved is not None and list(saved) != self._shards():
+        if saved is None:
+            return
+        saved, mine = list(saved), self._shards()
+        if saved[:2] != mine[:2]:
             raise StateError(
                 f"the state was saved by a dataset over other shards ({saved[0]} of them) than "
                 f"this one's {len(self.urls)} (from {self.urls[0]!r}), or over the same ones in "
                 "another order or under other names; resume with the dataset built on the "
                 "shards it was saved with")
+        if len(saved) > 2 and saved[2] != mine[2]:
+            raise StateError(
+                f"the state was saved by a dataset of seed={saved[2]}, and this one's seed is "
+                f"{mine[2]}: its positions are in the other seed's order of shards and samples "
+                f"(resumed, some samples would come twice and others not at all); resume with "
+                f"seed={saved[2]}")
 
     def state_dict(self) -> dict[str, Any]:
         return self._pack(**{self.PASS: self.pass_, self.ITEM: self.item,

@@ -609,6 +609,18 @@ def test_two_loaders_without_workers_resume_each_their_own(shards, server, tmp_p
 
 
 @pytest.mark.parametrize("workers", [2, 3])  # the same workers (exact), others (elastic)
+def test_a_state_saved_with_another_seed_is_refused(shards, server, workers):
+    """The seed orders each epoch's shards and samples: a position saved under one seed points
+    elsewhere under another (resumed, some samples came twice and others not at all)."""
+    _, state = _epochs(_dataset(shards, server).loader(server, num_workers=2), 1, 3)
+    loader = _dataset(shards, server, seed=8).loader(server, num_workers=workers)
+    loader.load_state_dict(state)
+    with pytest.raises(mmproxy.StateError, match=r"saved by a dataset of seed=7, and this one's "
+                                                 r"seed is 8.*resume with seed=7"):
+        next(iter(loader))
+
+
+@pytest.mark.parametrize("workers", [2, 3])  # the same workers (exact), others (elastic)
 def test_a_state_of_other_shards_is_refused(shards, server, workers):
     """A saved position points into the shards it was saved over: on other shards (fewer, or
     the same under other names) it would read a mix of both sets, silently."""
