@@ -99,9 +99,11 @@ class TorchImage:
 
             return self.t(Image.open(io.BytesIO(data)).convert("RGB"))
         from torchvision.io import ImageReadMode, decode_image
+        from torchvision.transforms.v2.functional import to_dtype
 
-        return self.t(decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                                   mode=ImageReadMode.RGB))
+        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                             mode=ImageReadMode.RGB)  # a 16-bit PNG gives uint16, which flips
+        return self.t(to_dtype(image, torch.uint8, scale=True))  # do not take: 8 bits, as DALI's
 
 
 def torch_audio(data: bytes) -> torch.Tensor:
