@@ -1305,6 +1305,29 @@ def test_decoder_warnings_are_counted_and_every_other_line_goes_through(capfd):
         "  1 x Premature end of JPEG file"]
 
 
+def test_tiff_decoders_warnings_and_refusals_are_counted_apart(capfd):
+    """libtiff's warnings, and DALI's decoders refusing a TIFF before the next one read it (in
+    colour), printed hundreds of lines for a folder of real TIFFs."""
+    from mmproxy.apps.noise import DecoderWarnings
+
+    with DecoderWarnings() as noise:
+        for _ in range(2):
+            os.write(2, b'TIFFFetchNormalTag: Warning, IO error during reading of "Tag 42112"; '
+                        b'tag ignored.\n')
+            os.write(2, b"\x1b[0;31m[ERROR] \x1b[0m[libtiff_decoder] Planar TIFFs are not "
+                        b"supported\n")
+        os.write(2, b"TIFFFillStrip: Seek error at scanline 4294967295, strip 0.\n")
+        os.write(2, b"[ERROR] something else\n")
+    assert capfd.readouterr().err == "[ERROR] something else\n"
+    assert noise.summary() == [
+        "decoder warnings kept off stderr (the files decoded): 2",
+        '  2 x TIFFFetchNormalTag: Warning, IO error during reading of "Tag N"; tag ignored.',
+        "decoder errors kept off stderr (a decoder refused a file and the next was tried; a file "
+        "none reads fails its sample, by name): 3",
+        "  2 x [ERROR] [libtiff_decoder] Planar TIFFs are not supported",
+        "  1 x TIFFFillStrip: Seek error at scanline N, strip N."]
+
+
 def test_decoder_warnings_past_a_pipe_buffer_are_counted_by_kind(capfd):
     """Counts of 3,000 distinct lines filled the result pipe: the filter blocked, no counts."""
     from mmproxy.apps.noise import DecoderWarnings

@@ -1,13 +1,18 @@
 """Decoder noise: the warnings C decoders print on stderr, counted for a summary instead.
 
-libjpeg prints "Corrupt JPEG data: 2 extraneous bytes before marker 0xd9" (and libpng its
-"libpng warning: ...") straight to the process's stderr, from DALI's threads, for files that
-still decode. :class:`DecoderWarnings` sends the process's stderr (file descriptor 2, which
-DataLoader workers inherit) through a filter process: lines that are exactly such warnings are
-counted by kind (numbers read as N: "Corrupt JPEG data: N extraneous bytes before marker 0xN"),
-every other line goes on to the real stderr as it came. The filter is a process of its own, so
-whatever the decoders or a crash write last still reaches the terminal if this process dies; it
-ignores Ctrl-C, and ends when every writer has closed its end.
+libjpeg prints "Corrupt JPEG data: 2 extraneous bytes before marker 0xd9" (libpng its
+"libpng warning: ...", libtiff its "TIFFFetchNormalTag: Warning, ...", OpenCV its "[ WARN:0@4.6]
+...") straight to the process's stderr, from DALI's threads, for files that still decode; and
+where one of DALI's decoders refuses a file it prints an error ("[ERROR] [libtiff_decoder]
+Planar TIFFs are not supported", libtiff's "TIFFFillStrip: Seek error ...", OpenCV's "[ERROR:0@4.6]
+...") before it tries the next decoder; a file that no decoder reads fails its run, which names
+the sample. :class:`DecoderWarnings` sends the process's stderr (file descriptor 2, which
+DataLoader workers inherit) through a filter process: lines that are exactly such warnings or
+errors are counted by kind (numbers read as N: "Corrupt JPEG data: N extraneous bytes before
+marker 0xN"; terminal colours dropped), every other line goes on to the real stderr as it came.
+The filter is a process of its own, so whatever the decoders or a crash write last still reaches
+the terminal if this process dies; it ignores Ctrl-C, and ends when every writer has closed its
+end.
 """
 
 from __future__ import annotations
@@ -29,7 +34,11 @@ WARNING = re.compile(
     r"Corrupt JPEG data: .+|Premature end of JPEG file|Warning: unknown JFIF revision number .+|"
     r"Invalid SOS parameters for sequential JPEG|Application transferred too many scanlines|"
     r"Inconsistent progression sequence for component \d+ coefficient \d+|"
-    r"Warning: thumbnail image size does not match data length \d+|libpng warning: .+")
+    r"Warning: thumbnail image size does not match data length \d+|libpng warning: .+|"
+    r"\w+: Warning, .+|\[ WARN:\d+@[\d.]+\] global .+")  # libtiff's, OpenCV's
+# a decoder of DALI's refusing a file (the next one is tried), and libtiff's and OpenCV's errors
+REFUSED = re.compile(r"\[ERROR\] \[\w+_decoder\] .+|TIFF\w*: .+|\[ERROR:\d+@[\d.]+\] global .+")
+_COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 
 _NUMBER = re.compile(r"\b0x[0-9a-fA-F]+\b|\d+")
 _KINDS = 100  # the kinds counted apart; the warnings of any further kind are counted together
@@ -48,8 +57,8 @@ def _filter(result_fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C is for the command
     counts: Counter[str] = Counter()
     for raw in sys.stdin.buffer:
-        line = raw.decode(errors="replace").rstrip("\r\n")
-        if WARNING.fullmatch(line):
+        line = _COLOURS.sub("", raw.decode(errors="replace").rstrip("\r\n"))
+        if WARNING.fullmatch(line) or REFUSED.fullmatch(line):
             kind = _kind(line)
             counts[kind if kind in counts or len(counts) < _KINDS else _OTHER] += 1
         else:
@@ -133,12 +142,18 @@ class DecoderWarnings:
             pass  # it has reported and is ending
 
     def summary(self, limit: int = 3) -> list[str]:
-        """Lines for people: how many warnings, and the most common ones."""
-        if not self.counts:
-            return []
-        lines = [f"decoder warnings kept off stderr (the files decoded): "
-                 f"{sum(self.counts.values())}"]
-        lines += [f"  {n} x {line}" for line, n in self.counts.most_common(limit)]
-        if len(self.counts) > limit:
-            lines.append(f"  and {len(self.counts) - limit} other kinds")
+        """Lines for people: how many warnings and decoders' refusals, and the most common."""
+        refused = Counter({k: n for k, n in self.counts.items()
+                           if REFUSED.fullmatch(k) and not WARNING.fullmatch(k)})
+        warned = self.counts - refused
+        lines: list[str] = []
+        for counts, what in ((warned, "decoder warnings kept off stderr (the files decoded)"),
+                             (refused, "decoder errors kept off stderr (a decoder refused a file "
+                                       "and the next was tried; a file none reads fails its "
+                                       "sample, by name)")):
+            if counts:
+                lines.append(f"{what}: {sum(counts.values())}")
+                lines += [f"  {n} x {line}" for line, n in counts.most_common(limit)]
+                if len(counts) > limit:
+                    lines.append(f"  and {len(counts) - limit} other kinds")
         return lines
