@@ -140,7 +140,9 @@ def png_truncated(data: bytes | memoryview) -> str | None:
     return "is truncated (no IEND chunk)"
 
 
-_TIFF_TYPES = {1: 1, 3: 2, 4: 4, 16: 8}  # the integer field types a TIFF tag here may have: bytes
+# the integer field types a TIFF tag here may have (BYTE, SHORT, LONG, LONG8 and, as libtiff
+# takes them too, their signed forms): their struct codes
+_TIFF_TYPES = {1: "B", 3: "H", 4: "I", 16: "Q", 6: "b", 8: "h", 9: "i", 17: "q"}
 _TIFF_TAGS = {256: "width", 257: "height", 258: "bits", 259: "compression", 277: "samples",
               284: "planar", 339: "sample_format"}
 # The compression schemes DALI 2.4's CPU decoders read (on libtiff): none, CCITT (2-4), LZW,
@@ -174,17 +176,19 @@ def tiff_info(data: bytes | memoryview) -> dict[str, Any] | str:
         name = _TIFF_TAGS.get(tag)
         if name is None:
             continue
-        size = _TIFF_TYPES.get(kind)
+        code = _TIFF_TYPES.get(kind)
         count = struct.unpack_from(order + ("Q" if big else "I"), data, e + 4)[0]
-        if size is None or count == 0 or count > 64:
+        if code is None or count == 0 or count > 64:
             return f"has a malformed {name} field (type {kind}, {count} values)"
+        size = struct.calcsize(code)
         field = e + (12 if big else 8)
         if size * count > (8 if big else 4):  # the values lie elsewhere
             field = struct.unpack_from(order + offset, data, field)[0]
             if field + size * count > n:
                 return f"has its {name} field outside the file (damaged?)"
-        code = {1: "B", 2: "H", 4: "I", 8: "Q"}[size]
         values = struct.unpack_from(f"{order}{count}{code}", data, field)
+        if min(values) < 0:  # a signed type's
+            return f"has a malformed {name} field (the value {min(values)})"
         info[name] = values if name == "bits" else values[0]
     return info
 
@@ -215,11 +219,13 @@ def tiff_problem(data: bytes | memoryview) -> str | None:
                 "a pixel)")
     bits = set(listed)
     compression = int(info.get("compression", 1))
+    planar = int(info.get("planar", 1))
     variant = (
         f"{samples} samples a pixel" if not 1 <= samples <= 16 else
         f"{'/'.join(map(str, sorted(bits)))}-bit samples" if bits - {1, *range(8, 17)} else
         "signed or floating-point samples" if int(info.get("sample_format", 1)) != 1 else
+        f"planar configuration {planar}" if planar not in (1, 2) else
         f"{'/'.join(map(str, sorted(bits)))}-bit samples in planes apart"
-        if int(info.get("planar", 1)) == 2 and samples > 1 and bits != {8} else
+        if planar == 2 and samples > 1 and max(bits) > 8 else
         f"compression scheme {compression}" if compression not in _TIFF_COMPRESSIONS else None)
     return Unread(f"is a TIFF variant DALI does not read ({variant})") if variant else None

@@ -162,7 +162,7 @@ class ShardPlan(Stage):
         """Which shards the plan is over, in order, and the seed that orders its epochs: their
         count, a digest of their names, the dataset's seed."""
         digest = hashlib.sha256("\n".join(self.urls).encode()).hexdigest()[:16]
-        return [len(self.urls), digest, self.layout.seed]
+        return [len(self.urls), digest, int(self.layout.seed)]  # a plain int: weights_only
 
     def _same_shards(self, state: Mapping[str, Any]) -> None:
         """Refuses a state saved over other shards, or with another seed: its positions would
@@ -182,9 +182,9 @@ class ShardPlan(Stage):
         if len(saved) > 2 and saved[2] != mine[2]:
             raise StateError(
                 f"the state was saved by a dataset of seed={saved[2]}, and this one's seed is "
-                f"{mine[2]}: its positions are in the other seed's order of shards and samples "
-                f"(resumed, some samples would come twice and others not at all); resume with "
-                f"seed={saved[2]}")
+                f"{mine[2]}: its positions are in the other seed's order of shards and samples, "
+                f"where resuming could give some samples twice and others not at all; resume "
+                f"with seed={saved[2]}")
 
     def state_dict(self) -> dict[str, Any]:
         return self._pack(**{self.PASS: self.pass_, self.ITEM: self.item,

@@ -188,9 +188,10 @@ def _tiff_field(data: bytes, tag: int, value: int) -> bytes:
     raise AssertionError(f"no field {tag}")
 
 
-def _planar_tiff(bits: int, size=(6, 4)) -> bytes:
+def _planar_tiff(bits: int, size=(6, 4), planar: tuple[int, int] = (3, 2)) -> bytes:
     """An uncompressed little-endian RGB TIFF whose three samples lie in planes apart (planar
-    configuration 2), one strip a plane; Pillow writes none."""
+    configuration 2, its field of type SHORT), one strip a plane; Pillow writes none.
+    ``planar``: the field's type and value."""
     width, height = size
     plane = width * height * bits // 8
     entries = 10
@@ -198,14 +199,14 @@ def _planar_tiff(bits: int, size=(6, 4)) -> bytes:
     pixels = arrays + 6 + 12 + 12
     fields = [(256, 3, 1, width), (257, 3, 1, height), (258, 3, 3, arrays), (259, 3, 1, 1),
               (262, 3, 1, 2), (273, 4, 3, arrays + 6), (277, 3, 1, 3), (278, 3, 1, height),
-              (279, 4, 3, arrays + 18), (284, 3, 1, 2)]
+              (279, 4, 3, arrays + 18), (284, *planar[:1], 1, planar[1])]
     out = b"II*\0" + struct.pack("<IH", 8, entries)
     out += b"".join(struct.pack("<HHII", tag, kind, count, value)
                     for tag, kind, count, value in fields) + struct.pack("<I", 0)
     out += struct.pack("<3H", bits, bits, bits)
     out += struct.pack("<3I", *(pixels + k * plane for k in range(3)))
     out += struct.pack("<3I", plane, plane, plane)
-    return out + bytes(range(256)) * (3 * plane // 256) + bytes(3 * plane % 256)
+    return out + (bytes(range(256)) * (3 * plane // 256 + 1))[:3 * plane]
 
 
 @pytest.mark.parametrize("data, verdict", [
@@ -213,6 +214,11 @@ def _planar_tiff(bits: int, size=(6, 4)) -> bytes:
     (_planar_tiff(8), None),  # decoded right
     # DALI 2.4 decoded these into noise, different on every run (Pillow's planar 16-bit tests)
     (_planar_tiff(16), "is a TIFF variant DALI does not read (16-bit samples in planes apart)"),
+    (_planar_tiff(8, planar=(8, 2)), None),  # a signed type (SSHORT), which libtiff takes too
+    (_planar_tiff(16, planar=(9, 2)),  # SLONG
+     "is a TIFF variant DALI does not read (16-bit samples in planes apart)"),
+    (_planar_tiff(8, planar=(3, 3)), "is a TIFF variant DALI does not read (planar configuration 3)"),
+    (_planar_tiff(8, planar=(8, 0xFFFF)), "has a malformed planar field (the value -1)"),
     (_tiff("RGBA"), None),
     (_tiff("L"), None),
     (_tiff("1"), None),  # 1-bit

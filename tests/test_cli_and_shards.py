@@ -1317,15 +1317,34 @@ def test_tiff_decoders_warnings_and_refusals_are_counted_apart(capfd):
             os.write(2, b"\x1b[0;31m[ERROR] \x1b[0m[libtiff_decoder] Planar TIFFs are not "
                         b"supported\n")
         os.write(2, b"TIFFFillStrip: Seek error at scanline 4294967295, strip 0.\n")
-        os.write(2, b"[ERROR] something else\n")
-    assert capfd.readouterr().err == "[ERROR] something else\n"
+        os.write(2, b"[ERROR:0@4.648] global loadsave.cpp:1409 imdecode_ imdecode_(''): can't "
+                    b"read data\n")
+        os.write(2, b"[ WARN:3@4.764] global grfmt_tiff.cpp:122 TIFF_Warning TIFFReadDirectory: "
+                    b"Unknown field with tag 42112\n")
+        os.write(2, "\n".join(_NOT_NOISE).encode() + b"\n")
+    assert capfd.readouterr().err.splitlines() == _NOT_NOISE
     assert noise.summary() == [
-        "decoder warnings kept off stderr (the files decoded): 2",
+        "decoder warnings kept off stderr (the files decoded): 3",
         '  2 x TIFFFetchNormalTag: Warning, IO error during reading of "Tag N"; tag ignored.',
+        "  1 x [ WARN:N@N.N] global grfmt_tiff.cpp:N TIFF_Warning TIFFReadDirectory: Unknown field "
+        "with tag N",
         "decoder errors kept off stderr (a decoder refused a file and the next was tried; a file "
-        "none reads fails its sample, by name): 3",
+        "none reads fails its sample, by name): 4",
         "  2 x [ERROR] [libtiff_decoder] Planar TIFFs are not supported",
-        "  1 x TIFFFillStrip: Seek error at scanline N, strip N."]
+        "  1 x TIFFFillStrip: Seek error at scanline N, strip N.",
+        "  1 x [ERROR:N@N.N] global loadsave.cpp:N imdecode_ imdecode_(''): can't read data"]
+
+
+# lines like the decoders' that are not theirs: a user's log, exceptions, OpenCV reading a path,
+# a GPU decoder failing (not a file refused)
+_NOT_NOISE = [
+    "train: Warning, loss is NaN at step 120",
+    "RuntimeError: Warning, the pipeline was rebuilt",
+    "TIFF: wrote 120 pages",
+    "TIFFDecodeError: sample 000123 of shard-0003.tar",
+    "[ WARN:0@0.5] global loadsave.cpp:248 findDecoder imread_('missing.jpg'): can't open/read file",
+    "[ERROR] [nvjpeg_cuda_decoder] Could not allocate device memory",
+    "[ERROR] something else"]
 
 
 def test_decoder_warnings_past_a_pipe_buffer_are_counted_by_kind(capfd):

@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from typing import IO, Any
 
-__all__ = ["DecoderWarnings", "WARNING"]
+__all__ = ["REFUSED", "WARNING", "DecoderWarnings"]
 
 # libjpeg's warnings (jerror.h, JWRN_*: the image is decoded) and libpng's
 WARNING = re.compile(
@@ -35,14 +35,20 @@ WARNING = re.compile(
     r"Invalid SOS parameters for sequential JPEG|Application transferred too many scanlines|"
     r"Inconsistent progression sequence for component \d+ coefficient \d+|"
     r"Warning: thumbnail image size does not match data length \d+|libpng warning: .+|"
-    r"\w+: Warning, .+|\[ WARN:\d+@[\d.]+\] global .+")  # libtiff's, OpenCV's
-# a decoder of DALI's refusing a file (the next one is tried), and libtiff's and OpenCV's errors
-REFUSED = re.compile(r"\[ERROR\] \[\w+_decoder\] .+|TIFF\w*: .+|\[ERROR:\d+@[\d.]+\] global .+")
+    # libtiff's (its codecs' modules by name), OpenCV's image format readers'
+    r"(?:TIFF|JPEG|OJPEG|LZW|ZIP|Fax[34]|PackBits|LogLuv|Predictor)\w*: Warning, .+|"
+    r"\[ WARN:\d+@[\d.]+\] global grfmt_\w+\.cpp:\d+ .+")
+# A CPU decoder of DALI's refusing a file (the next one is tried), and libtiff's and OpenCV's
+# errors from its attempt (libtiff's modules by name, not a Python exception's "TIFF...Error:")
+REFUSED = re.compile(
+    r"\[ERROR\] \[(?:libtiff|opencv\w*)_decoder\] .+|"
+    r"(?:TIFF[A-Z]\w*(?<!Error)(?<!Exception)|(?:LZW|ZIP|Fax[34]|OJPEG|PackBits)Decode): .+|"
+    r"\[ERROR:\d+@[\d.]+\] global (?:loadsave\.cpp:\d+ imdecode_|grfmt_\w+\.cpp:\d+) .+")
 _COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 
-_NUMBER = re.compile(r"\b0x[0-9a-fA-F]+\b|\d+")
-_KINDS = 100  # the kinds counted apart; the warnings of any further kind are counted together
-_OTHER = "other decoder warnings"
+_NUMBER = re.compile(r"\b0x[0-9a-fA-F]+\b|(?<![A-Za-z_])\d+")  # not a name's digits (nvjpeg2k)
+_KINDS = 100  # the kinds counted apart; the lines of any further kind are counted together
+_OTHER = {"warnings": "other decoder warnings", "refusals": "other decoder errors"}
 
 
 def _kind(line: str) -> str:
@@ -55,12 +61,14 @@ def _filter(result_fd: int) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C is for the command
-    counts: Counter[str] = Counter()
+    counts: dict[str, Counter[str]] = {"warnings": Counter(), "refusals": Counter()}
     for raw in sys.stdin.buffer:
         line = _COLOURS.sub("", raw.decode(errors="replace").rstrip("\r\n"))
-        if WARNING.fullmatch(line) or REFUSED.fullmatch(line):
-            kind = _kind(line)
-            counts[kind if kind in counts or len(counts) < _KINDS else _OTHER] += 1
+        group = ("warnings" if WARNING.fullmatch(line) else
+                 "refusals" if REFUSED.fullmatch(line) else None)
+        if group is not None:
+            kinds, kind = counts[group], _kind(line)
+            kinds[kind if kind in kinds or len(kinds) < _KINDS else _OTHER[group]] += 1
         else:
             sys.stderr.buffer.write(raw)
             sys.stderr.buffer.flush()
@@ -92,10 +100,12 @@ class DecoderWarnings:
         terminal: A text stream on the real stderr (for a progress bar: ``isatty()`` tells).
         counts: After the exit, each kind of warning (its line, numbers read as N) and how many
             times it came; the kinds after the first hundred are counted together.
+        refusals: The same for the errors of a decoder refusing a file.
     """
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
+        self.refusals: Counter[str] = Counter()
         self.terminal: IO[str] = sys.stderr
         self._saved = -1
         self._result = -1
@@ -133,7 +143,9 @@ class DecoderWarnings:
         if found is None:
             return  # a process still holds the pipe: its lines still pass; no counts
         try:
-            self.counts = Counter(json.loads(found or b"{}"))
+            counts = json.loads(found or b"{}")
+            self.counts = Counter(counts.get("warnings", {}))
+            self.refusals = Counter(counts.get("refusals", {}))
         except ValueError:
             pass  # the filter died before it reported (its traceback went to the terminal)
         try:
@@ -143,14 +155,11 @@ class DecoderWarnings:
 
     def summary(self, limit: int = 3) -> list[str]:
         """Lines for people: how many warnings and decoders' refusals, and the most common."""
-        refused = Counter({k: n for k, n in self.counts.items()
-                           if REFUSED.fullmatch(k) and not WARNING.fullmatch(k)})
-        warned = self.counts - refused
         lines: list[str] = []
-        for counts, what in ((warned, "decoder warnings kept off stderr (the files decoded)"),
-                             (refused, "decoder errors kept off stderr (a decoder refused a file "
-                                       "and the next was tried; a file none reads fails its "
-                                       "sample, by name)")):
+        refused = ("decoder errors kept off stderr (a decoder refused a file and the next was "
+                   "tried; a file none reads fails its sample, by name)")
+        for counts, what in ((self.counts, "decoder warnings kept off stderr (the files decoded)"),
+                             (self.refusals, refused)):
             if counts:
                 lines.append(f"{what}: {sum(counts.values())}")
                 lines += [f"  {n} x {line}" for line, n in counts.most_common(limit)]
