@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from typing import IO, Any
 
-__all__ = ["REFUSED", "WARNING", "DecoderWarnings"]
+__all__ = ["DecoderWarnings", "REFUSED", "WARNING"]
 
 # libjpeg's warnings (jerror.h, JWRN_*: the image is decoded) and libpng's
 WARNING = re.compile(
