@@ -10,6 +10,8 @@ import ssl
 import threading
 from typing import Any
 
+from mmproxy._install import install_hint
+
 from ._answers import Permanent
 
 __all__ = ["clients", "prepare_s3", "s3_client", "scrub"]
@@ -101,7 +103,7 @@ def _make_session() -> tuple[Any, list[str]]:
     try:
         import boto3
     except ImportError:
-        raise Permanent("s3:// shards need boto3: pip install boto3 (mmproxy's [s3] extra)") from None
+        raise Permanent(f"s3:// shards need boto3: {install_hint('boto3')}") from None
     session = boto3.session.Session()
     credentials = session.get_credentials()
     secrets = [value for value in (os.environ.get("AWS_SECRET_ACCESS_KEY"),

@@ -30,11 +30,10 @@ import traceback
 from typing import Any
 
 from mmproxy._commands import build_parser
+from mmproxy._install import install_hint
 
 __all__ = ["main"]
 
-# optional package -> the extra that installs it
-_EXTRAS = {"matplotlib": "plot", "av": "video", "boto3": "s3", "botocore": "s3", "moto": "test"}
 # (command, option) -> the package it needs, checked before the command runs
 _NEEDS = {("bench", "plot"): "matplotlib", ("demo", "video"): "av"}
 
@@ -62,13 +61,6 @@ def _one_line(err: BaseException) -> str:
         return "\n".join([lines[0], *("  " + line for line in text.splitlines()[1:] if line)])
     text = " ".join(lines) or type(err).__name__
     return text if len(text) <= 500 else text[:497] + "..."
-
-
-def _missing(module: str) -> str:
-    """What to install for ``module``: the package, and the extra of mmproxy that holds it."""
-    package = module.split(".")[0]
-    extra = _EXTRAS.get(package)
-    return f"pip install {package}" + (f" (mmproxy's [{extra}] extra)" if extra else "")
 
 
 GRACE = 20.0  # seconds a command may run on after its first interrupt before the process ends
@@ -195,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     for (command, option), module in _NEEDS.items():
         if args.command == command and getattr(args, option) and not importlib.util.find_spec(module):
             command_parser.error(f"--{option} needs {module}, which is not installed: "
-                                 f"{_missing(module)}")
+                                 f"{install_hint(module)}")
     where = f"mmproxy {args.command}"
     interrupts = _Interrupts(where)
     installed = interrupts.install()
@@ -222,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             interrupts.say()
             return 130
         if isinstance(err, ModuleNotFoundError) and err.name:
-            message = f"needs {err.name}, which is not installed: {_missing(err.name)}"
+            message = f"needs {err.name}, which is not installed: {install_hint(err.name)}"
         elif isinstance(err, (MmproxyError, ValueError, OSError)):
             message = _one_line(err)
         else:  # not the user's doing

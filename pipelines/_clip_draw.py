@@ -18,6 +18,8 @@ from mmproxy.pipelines._nvdec import NVDEC_CODECS
 from mmproxy.pipelines._nvdec_session import clip_indices
 from mmproxy.pipelines._pyav import count_frames, cut_clip, decode_clip, pyav_installed
 
+from mmproxy._install import install_hint
+
 if TYPE_CHECKING:
     from mmproxy.datasets.checks import VideoInfo
 
@@ -145,4 +147,4 @@ def _need_pyav(info: VideoInfo | None, codecs: tuple[str, ...]) -> None:
     raise ValueError(
         f"{what} video: NVDEC decodes only {', '.join(_NAMES[c] for c in codecs)} in "
         f"MP4/MOV files, and the others are decoded in the workers by PyAV{hevc}, which is not "
-        "installed: pip install av (mmproxy's [video] extra)")
+        f"installed: {install_hint('av')}")

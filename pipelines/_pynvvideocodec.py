@@ -25,9 +25,11 @@ from mmproxy.pipelines._nvdec_session import (
     said,
 )
 
+from mmproxy._install import install_hint
+
 __all__ = ["PyNvSession", "load_nvdec"]
 
-_INSTALL = "pip install pynvvideocodec (mmproxy's [nvdec] extra)"
+_INSTALL = install_hint("PyNvVideoCodec")
 
 
 def load_nvdec() -> Any:

@@ -29,9 +29,11 @@ from mmproxy.pipelines._nvdec_session import (
     said,
 )
 
+from mmproxy._install import install_hint
+
 __all__ = ["TorchCodecSession", "load_torchcodec"]
 
-_INSTALL = "pip install torchcodec (mmproxy's [torchcodec] extra)"
+_INSTALL = install_hint("torchcodec")
 
 
 def load_torchcodec() -> Any:

@@ -97,6 +97,8 @@ from mmproxy.pipelines.image import (
     resize,
 )
 
+from mmproxy._install import install_hint
+
 __all__ = ["CPU_CODECS", "ClipDraw", "VideoDecoder", "clip_start", "decode_clip", "video_graph",
            "video_pipeline"]
 
@@ -199,7 +201,7 @@ def video_pipeline(*, batch_size: int, frames: int = 16, stride: int = 4, size: 
                              "or 'auto' on a machine with CUDA, or decoder='pyav' on CPU")
         load_library(nvdec_library)
     if decoder in ("pyav", "mixed") and not pyav_installed():
-        raise ImportError(f"decoder={decoder!r} needs PyAV: pip install av (mmproxy's [video] extra)")
+        raise ImportError(f"decoder={decoder!r} needs PyAV: {install_hint('av')}")
     _check_resize_size(size, resize_size)
     if frames < 1 or stride < 1 or size < 1:
         raise ValueError(f"frames, stride and size must be at least 1, got {frames}, {stride} "
