@@ -10,7 +10,8 @@ error texts are read here too (:func:`summary`, :func:`named_sample`).
 
 Private DALI attributes used, all on ``nvidia.dali.Pipeline`` (DALI 2.x): ``_py_graph_built``,
 ``_build_graph``, ``_ops`` / ``op._op`` (to find the inputs), ``_deserialized``, ``_run_once``,
-``_shutdown`` / ``_built`` / ``_backend_prepared`` (to rebuild from the same graph), and
+``_shutdown`` / ``_built`` / ``_backend_prepared`` (to rebuild from the same graph, and to
+build copies of it with their own seed and threads: :meth:`Pipe.copy`), and
 ``Pipeline._pipes`` / ``_pipe`` (every live pipeline and its native part: a forked child keeps
 the parent's from shutting down, :func:`_keep_inherited_pipelines`).
 """
@@ -74,7 +75,7 @@ class Pipe:
         name: The server's name, for messages.
     """
 
-    def __init__(self, pipeline: Any, name: str) -> None:
+    def __init__(self, pipeline: Any, name: str, *, seed: int | None = None) -> None:
         from nvidia.dali.pipeline import Pipeline
 
         self.name = name
@@ -89,10 +90,13 @@ class Pipe:
             raise ValueError(f"server {name!r}: the pipeline has no fn.external_source input "
                              "without a source; the proxy would have nothing to send")
         self.encoded_inputs = _encoded_inputs(pipeline, self.input_names)
+        if seed is not None and not pipeline._built:
+            pipeline._seed = seed
         pipeline.build()
         self.pipeline = pipeline
         self.num_outputs: int = pipeline.num_outputs
         self.max_batch_size: int = pipeline.max_batch_size
+        self.num_threads: int = pipeline.num_threads
         self.device_id: int | None = (pipeline.device_id if pipeline.device_id is not None
                                       and pipeline.device_id >= 0 else None)
         depth = pipeline.prefetch_queue_depth
@@ -101,6 +105,26 @@ class Pipe:
             # The classic synchronous executor accepts one outstanding run after its first
             # outputs(); a second _run_once would block forever.
             self.queue_depth = 1
+
+    @property
+    def seed(self) -> int | None:
+        """The seed DALI's random operators draw from (None: a random one of DALI's)."""
+        return self.pipeline.seed
+
+    def copy(self, index: int) -> Pipe:
+        """Another instance of this pipeline, with its own DALI threads and seed (this one's
+        seed + ``index``, or a random one when this one's is): built by the function that built
+        this one, else from the same Python graph (Python operators included; DALI's
+        serialization cannot hold them)."""
+        seed = None if self.seed is None else (self.seed + index) % 2**31
+        if self._factory is not None:
+            other = Pipe(self._factory, self.name, seed=seed)
+            if other.input_names != self.input_names:
+                raise ServerStateError(f"server {self.name!r}: the pipeline function built a "
+                                       f"pipeline with inputs {other.input_names}, not "
+                                       f"{self.input_names}")
+            return other
+        return Pipe(_clone(self.pipeline, seed), self.name)
 
     @property
     def survives_errors(self) -> bool:
@@ -156,6 +180,27 @@ class Pipe:
         pipe._built = False
         pipe._backend_prepared = False
         pipe.build()
+
+
+def _clone(pipeline: Any, seed: int | None) -> Any:
+    """An unbuilt copy of a built pipeline that shares its Python graph (operators and their
+    specs, read-only once built) and has its own backend, seed and state; registered as DALI
+    registers every pipeline, so that it is shut down at exit and kept inert in forked children."""
+    import copy
+    import weakref
+
+    from nvidia.dali.pipeline import Pipeline
+
+    other = copy.copy(pipeline)
+    for key, value in vars(pipeline).items():
+        if isinstance(value, (dict, list, set)):  # the graph's tables the backend's build pops
+            setattr(other, key, copy.copy(value))
+    other._pipe = None
+    other._built = other._backend_prepared = other._py_pool_started = False
+    other._first_iter, other._batches_to_consume, other._consumer_iter = True, 0, 0
+    other._seed = seed
+    Pipeline._pipes.add(weakref.ref(other))
+    return other
 
 
 def _tensor_list(arrays: Sequence[Any]) -> Any:

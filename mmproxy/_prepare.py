@@ -31,7 +31,7 @@ from concurrent.futures import Future, wait
 from typing import Any, Protocol
 
 from mmproxy import _context
-from mmproxy._runs import Run, RunTable
+from mmproxy._runs import Run, RunSource
 from mmproxy.errors import PipelineError, SampleError, with_remote_cause
 
 __all__ = ["DamagedSampleError", "Prepare", "PreparedRuns"]
@@ -73,7 +73,8 @@ class PreparedRuns:
     :class:`~mmproxy._runs.RunSource`).
 
     Args:
-        table: The server's run table.
+        table: The server's run table (the lane of the pipeline this runner feeds: a server of
+            several pipelines has one of these a pipeline, all handing samples to one stage).
         prepare: The stage.
         input_names: The pipeline's inputs, in the order the runner feeds them.
         num_outputs: The pipeline's outputs (a run whose samples all fail has empty ones).
@@ -81,7 +82,7 @@ class PreparedRuns:
     The stage is handed the samples of up to two runs ahead of the one the runner takes next.
     """
 
-    def __init__(self, table: RunTable, prepare: Prepare, input_names: Sequence[str],
+    def __init__(self, table: RunSource, prepare: Prepare, input_names: Sequence[str],
                  num_outputs: int) -> None:
         self.table, self.prepare, self.input_names = table, prepare, tuple(input_names)
         self.num_outputs = num_outputs

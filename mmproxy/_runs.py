@@ -10,7 +10,8 @@ proxy (same process),  :meth:`accept` (a run's inputs arrived)               wor
 listener thread                                                              listener
 loader                 :meth:`begin_epoch`, :meth:`claim`                    main loop
 resolver               :meth:`wait`, :meth:`release`                         main loop
-runner thread          :meth:`next`, :meth:`finish`, :meth:`fail_run`        runner
+runner thread          :meth:`next`, :meth:`finish`, :meth:`fail_run`        runner (one a
+                       (through its :meth:`lane`)                            pipeline)
 server lifecycle       :meth:`set_state`, :meth:`fail`, :meth:`clear`        caller of start/stop
 =====================  ====================================================  ==================
 
@@ -46,7 +47,7 @@ from mmproxy.errors import (
     fresh_copy,
 )
 
-__all__ = ["Request", "Run", "RunSource", "RunState", "RunTable", "ServerState"]
+__all__ = ["Lane", "Request", "Run", "RunSource", "RunState", "RunTable", "ServerState"]
 
 _POLL = 0.05
 _DONE_KEPT = 8  # released runs kept (a batch's other outputs of the same run may follow)
@@ -62,10 +63,11 @@ class RunTable:
         deterministic: Schedule runs in the order :meth:`claim` gives (the main loop's order).
         timeout: Seconds :meth:`wait` waits for one run; None: as long as the server runs.
         device: The server's CUDA device (outputs are on it), or None.
+        lanes: The server's pipelines, each with a runner that takes runs as one :meth:`lane`.
     """
 
     def __init__(self, name: str, max_batch_size: int, *, deterministic: bool,
-                 timeout: float | None, device: Any = None) -> None:
+                 timeout: float | None, device: Any = None, lanes: int = 1) -> None:
         self.name = name
         self.max_batch_size = max_batch_size
         self.deterministic = deterministic
@@ -76,12 +78,12 @@ class RunTable:
         self.error: BaseException | None = None  # why the server failed
         self.runs: dict[str, Run] = {}
         self._epochs = Epochs()
-        self._schedule = Schedule(deterministic, self._epochs)
+        self._schedule = Schedule(deterministic, self._epochs, lanes)
         self._done: OrderedDict[str, Run] = OrderedDict()
         self._dropped: OrderedDict[str, str] = OrderedDict()  # run id -> why
         self.samples = 0  # samples produced
         self.wait_seconds = 0.0  # main-loop time spent in wait()
-        self.starved_seconds = 0.0  # runner time spent waiting for inputs in next()
+        self.starved_seconds = 0.0  # runners' time spent waiting for inputs in next(), summed
 
     # -- server lifecycle -----------------------------------------------------------------------
 
@@ -241,8 +243,13 @@ class RunTable:
 
     # -- the runner thread ----------------------------------------------------------------------
 
-    def next(self, block: bool, stop: threading.Event) -> Run | None:
-        """The next run to feed (now SCHEDULED), or None (nothing yet, or ``stop`` set).
+    def lane(self, index: int) -> Lane:
+        """The run table as pipeline ``index`` of the server's runs it."""
+        return Lane(self, index)
+
+    def next(self, block: bool, stop: threading.Event, lane: int = 0) -> Run | None:
+        """The next run for pipeline ``lane`` to feed (now SCHEDULED), or None (nothing yet, or
+        ``stop`` set).
 
         In the :mod:`schedule's <mmproxy._schedule>` order.
         """
@@ -250,7 +257,7 @@ class RunTable:
         try:
             with self.cond:
                 while not stop.is_set():
-                    run = self._schedule.take()
+                    run = self._schedule.take(lane)
                     if run is not None:
                         run.move(RunState.SCHEDULED, self.name)
                         return run
@@ -290,3 +297,24 @@ class RunTable:
         self._dropped[run_id] = why
         while len(self._dropped) > _DROPPED_KEPT:
             self._dropped.popitem(last=False)
+
+
+class Lane:
+    """The run table as one of a server's pipelines (its runner) uses it: a
+    :class:`~mmproxy._run.RunSource` whose :meth:`next` takes that pipeline's runs."""
+
+    def __init__(self, table: RunTable, index: int) -> None:
+        self.table, self.index, self.name = table, index, table.name
+
+    def next(self, block: bool, stop: threading.Event) -> Run | None:
+        return self.table.next(block, stop, self.index)
+
+    def finish(self, run: Run, outputs: tuple[Any, ...], event: Any, *, kept: list[int] | None = None,
+               dropped: dict[int, str] | None = None) -> None:
+        self.table.finish(run, outputs, event, kept=kept, dropped=dropped)
+
+    def fail_run(self, run: Run, error: BaseException) -> None:
+        self.table.fail_run(run, error)
+
+    def fail(self, error: BaseException) -> None:
+        self.table.fail(error)

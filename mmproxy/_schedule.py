@@ -3,7 +3,9 @@
 Without ``deterministic``, the oldest arrival goes first, except that the current epoch's runs
 go before the next epoch's early first batches (:mod:`mmproxy._epochs`). With it, runs go in the
 order the main loop claims them (the order it consumes batches), each once its inputs are here,
-so a seeded pipeline gives the same outputs run after run. It is guarded by the run table's lock.
+so a seeded pipeline gives the same outputs run after run; a server of several pipelines then
+deals them to its pipelines in turn (the k-th run to pipeline ``k % lanes``), so each pipeline's
+own random stream sees the same runs every time. It is guarded by the run table's lock.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ class Schedule:
     Args:
         deterministic: Take runs in claimed order.
         epochs: The server's loaders' epochs (to put early runs last).
+        lanes: The server's pipelines (each takes runs as its lane).
     """
 
-    def __init__(self, deterministic: bool, epochs: Epochs) -> None:
+    def __init__(self, deterministic: bool, epochs: Epochs, lanes: int = 1) -> None:
         self.deterministic = deterministic
         self._epochs = epochs
+        self.lanes = lanes
+        self._turn = 0  # deterministic: the lane whose turn it is
         self._arrived: OrderedDict[str, Run] = OrderedDict()  # inputs here, not yet scheduled
         self._claims: deque[str] = deque()  # the main loop's order
 
@@ -48,11 +53,14 @@ class Schedule:
     def clear(self) -> None:
         self._arrived.clear()
         self._claims.clear()
+        self._turn = 0
 
-    def take(self) -> Run | None:
-        """The run to feed next, taken off the schedule, or None when none may go yet."""
+    def take(self, lane: int = 0) -> Run | None:
+        """The run for ``lane`` to feed next, taken off the schedule, or None when none may go
+        yet (deterministic: nor while it is another lane's turn)."""
         if self.deterministic:
-            if self._claims and self._claims[0] in self._arrived:
+            if self._turn == lane and self._claims and self._claims[0] in self._arrived:
+                self._turn = (self._turn + 1) % self.lanes
                 return self._arrived.pop(self._claims.popleft())
             return None
         if not self._arrived:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from typing import Any
+from typing import Any, Literal
 
 from mmproxy import _process, _transport
 from mmproxy._dali import Pipe
@@ -71,6 +71,18 @@ class DALIServer:
         pad: Pad outputs whose shape differs between samples into a
             :class:`~mmproxy.refs.PaddedBatch` instead of returning a list of tensors. ``True``
             pads every output; a collection of output indices pads only those.
+        pipelines: How many instances of the pipeline the server runs side by side, each with
+            its own DALI threads (the pipeline's ``num_threads``), seed (the pipeline's + its
+            index) and runner thread; a run goes to a free one. One DALI executor tops out
+            below what the GPU can do (BENCHMARKS.md, "Several pipelines a server"). Copies are
+            built by the function given as ``pipeline``, else from the built pipeline's own
+            graph. ``"auto"``: one on a CPU; on a GPU, as many as the process's CPU cores hold
+            at the pipeline's ``num_threads`` (at least one core each), at most
+            :data:`AUTO_PIPELINES_MAX`. Outputs do not depend on which pipeline ran a batch
+            when the pipeline's randomness is drawn per sample (``SampleSeeded``); with
+            ``deterministic``, runs are dealt to the pipelines in turn, so pipelines with random
+            operators of their own give the same outputs run after run too. A ``Prepare``
+            stage (the NVDEC decoder) is shared by all of them.
         timeout: Seconds to wait for one run's outputs before raising
             :class:`~mmproxy.errors.WaitTimeoutError`. A run's inputs are already on their way
             when the main loop asks for it, so the wait is bounded by the pipeline's own time;
@@ -102,11 +114,15 @@ class DALIServer:
 
     def __init__(self, pipeline: Any, deterministic: bool = False, *, name: str | None = None,
                  pad: bool | tuple[int, ...] | list[int] = False,
+                 pipelines: int | Literal["auto"] = 1,
                  timeout: float | None = 300.0) -> None:
         self.name = name or f"server{next(_names)}"
         self.uid = os.urandom(8).hex()
+        _check_pipelines(pipelines, self.name)
         seeded = pipeline if isinstance(pipeline, SampleSeeded) else SampleSeeded(pipeline, None)
         self._pipe = Pipe(seeded.pipeline, self.name)
+        count = _auto_pipelines(self._pipe) if pipelines == "auto" else int(pipelines)
+        self._pipes = [self._pipe] + [self._pipe.copy(k) for k in range(1, count)]
         self._pad = set(range(self._pipe.num_outputs)) if pad is True else set(pad or ())
         device = None
         if self._pipe.device_id is not None:
@@ -114,7 +130,8 @@ class DALIServer:
 
             device = torch.device("cuda", self._pipe.device_id)
         self.table = RunTable(self.name, self._pipe.max_batch_size,
-                              deterministic=bool(deterministic), timeout=timeout, device=device)
+                              deterministic=bool(deterministic), timeout=timeout, device=device,
+                              lanes=count)
         self._owner_pid = os.getpid()
         # a pipeline with a Prepare stage takes what the stage makes; the proxy sends the stage's
         self._prepare = seeded.prepare
@@ -142,6 +159,11 @@ class DALIServer:
     @property
     def input_names(self) -> tuple[str, ...]:
         return self._pipe.input_names
+
+    @property
+    def pipelines(self) -> int:
+        """How many instances of the pipeline the server runs side by side."""
+        return len(self._pipes)
 
     @property
     def max_batch_size(self) -> int:
@@ -198,17 +220,18 @@ class DALIServer:
                                    "not make for this server") from None
         self._stop = threading.Event()  # this start's: a thread of an earlier start stays stopped
         self.table.set_state(ServerState.RUNNING)
-        runs: RunSource = self.table
         if self._prepare is not None:
             self._prepare.start()
-            runs = PreparedRuns(self.table, self._prepare, self._pipe.input_names,
-                                self._pipe.num_outputs)
-        runner = Runner(self._pipe, runs, self._pad, self.table.device, self._stop)
-        self._threads = [
-            threading.Thread(target=self._listen, args=(self._listener, self._stop),
-                             name=f"mmproxy-{self.name}-listen", daemon=True),
-            threading.Thread(target=runner, name=f"mmproxy-{self.name}-run", daemon=True),
-        ]
+        self._threads = [threading.Thread(target=self._listen, args=(self._listener, self._stop),
+                                          name=f"mmproxy-{self.name}-listen", daemon=True)]
+        for k, pipe in enumerate(self._pipes):
+            runs: RunSource = self.table.lane(k)
+            if self._prepare is not None:
+                runs = PreparedRuns(runs, self._prepare, pipe.input_names, pipe.num_outputs)
+            runner = Runner(pipe, runs, self._pad, self.table.device, self._stop)
+            suffix = "" if len(self._pipes) == 1 else f"_{k}"
+            self._threads.append(threading.Thread(target=runner, name=f"mmproxy-{self.name}-run{suffix}",
+                                                  daemon=True))
         for t in self._threads:
             t.start()
 
@@ -266,9 +289,30 @@ class DALIServer:
                 return  # a forked child never touches a server it inherited
             if self.table.state is ServerState.RUNNING:
                 self.stop_thread()
-            self._pipe.close()  # now, not when the collector (maybe in a forked child) finds it
+            for pipe in self._pipes:
+                pipe.close()  # now, not when the collector (maybe in a forked child) finds it
         except Exception:  # noqa: BLE001 - a silent safety net only
             pass
+
+
+AUTO_PIPELINES_MAX = 3  # past three pipelines a server, no workload measured gained
+
+
+def _check_pipelines(pipelines: Any, name: str) -> None:
+    if pipelines == "auto":
+        return
+    if isinstance(pipelines, bool) or not isinstance(pipelines, int) or pipelines < 1:
+        raise ValueError(f"server {name!r}: pipelines must be a whole number >= 1 or 'auto', "
+                         f"got {pipelines!r}")
+
+
+def _auto_pipelines(pipe: Pipe) -> int:
+    """``pipelines="auto"``: one on a CPU (the pipelines would share its few cores); on a GPU, as
+    many as the process's cores hold at the pipeline's threads, from one to the maximum."""
+    if pipe.device_id is None:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(AUTO_PIPELINES_MAX, cores // max(1, pipe.num_threads)))
 
 
 def _after_fork_in_child() -> None:
