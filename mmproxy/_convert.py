@@ -39,6 +39,50 @@ def _gpu(tensor: Any, stream: Any) -> torch.Tensor:
     return out
 
 
+def _gpu_samples(tensor_list: Any, stream: Any) -> tuple[torch.Tensor, list[list[int]]]:
+    """A GPU output of samples of different shapes copied in one go: the samples back to back
+    in one flat tensor, and their shapes."""
+    import ctypes
+
+    from nvidia.dali import types
+    from nvidia.dali.plugin.pytorch import to_torch_type
+
+    shapes = [list(s) for s in tensor_list.shape()]
+    total = sum(_numel(s) for s in shapes)
+    flat = torch.empty(total, dtype=to_torch_type[tensor_list.dtype],
+                       device=torch.device("cuda", tensor_list.device_id()))
+    if total:
+        tensor_list.copy_to_external(ctypes.c_void_p(flat.data_ptr()),
+                                     types._raw_cuda_stream_ptr(stream), non_blocking=stream is not None)
+    return flat, shapes
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _gpu_ragged(tensor_list: Any, stream: Any, want_pad: bool) -> Output:
+    """A GPU output whose samples differ in shape: one copy, then views of it (or, padded, one
+    scatter for 1-D samples such as audio, a copy a sample otherwise)."""
+    flat, shapes = _gpu_samples(tensor_list, stream)
+    if not shapes:
+        return pad([]) if want_pad else []
+    if want_pad and all(len(s) == 1 for s in shapes):
+        lengths = torch.tensor([s[0] for s in shapes], dtype=torch.int64)
+        longest = int(lengths.max())
+        on_gpu = lengths.to(flat.device, non_blocking=True)
+        mask = torch.arange(longest, device=flat.device) < on_gpu[:, None]
+        data = flat.new_zeros((len(shapes), longest))
+        data[mask] = flat
+        return PaddedBatch(data, lengths)
+    samples = [part.view(shape) for part, shape in
+               zip(torch.split(flat, [_numel(s) for s in shapes]), shapes)]
+    return pad(samples) if want_pad else samples
+
+
 def to_torch(tensor_list: Any, *, copy: bool, want_pad: bool, stream: Any = None) -> Output:
     """Converts one DALI output (a TensorList) to torch.
 
@@ -47,7 +91,9 @@ def to_torch(tensor_list: Any, *, copy: bool, want_pad: bool, stream: Any = None
 
     CPU outputs of a dynamic-executor pipeline are wrapped without a copy (DLPack; DALI does not
     reuse memory that is still referenced). GPU outputs are copied into tensors of PyTorch's
-    caching allocator on ``stream``, so their lifetime follows PyTorch's stream rules.
+    caching allocator on ``stream``, so their lifetime follows PyTorch's stream rules: all of an
+    output's samples in one copy (samples of different shapes are views of it, or padded from it
+    on the GPU), as padding inside DALI costs.
     """
     from nvidia.dali.backend import TensorListGPU
 
@@ -59,7 +105,9 @@ def to_torch(tensor_list: Any, *, copy: bool, want_pad: bool, stream: Any = None
             return dense
         shapes = torch.tensor(dense.shape[1:], dtype=torch.int64).repeat(dense.shape[0], 1)
         return PaddedBatch(dense, shapes[:, 0].clone() if dense.dim() == 2 else shapes)
-    samples = [(_gpu(t, stream) if gpu else _cpu(t, copy)) for t in tensor_list]
+    if gpu:
+        return _gpu_ragged(tensor_list, stream, want_pad)
+    samples = [_cpu(t, copy) for t in tensor_list]
     return pad(samples) if want_pad else samples
 
 
