@@ -1,8 +1,9 @@
 """Source files: what :func:`~mmproxy.datasets.make_shards` finds in a source folder, and what each
 file holds.
 
-:func:`plan` walks the folder in name order and pairs each media file of the kind with its
-caption (the ``.txt`` beside it, else its class folder's name) and its class; :func:`sniff` tells
+:func:`plan` walks the folder in name order, following symbolic links as torchvision's
+``ImageFolder`` does, and pairs each media file of the kind with its caption (the ``.txt`` beside
+it, else its class folder's name) and its class; :func:`sniff` tells
 the format a file holds from its first bytes (a PNG named ``.jpg`` is a PNG) and checks its
 header. Files that cannot be written are returned as :class:`~mmproxy.datasets.writer.LeftOut`
 with their reason.
@@ -10,6 +11,9 @@ with their reason.
 
 from __future__ import annotations
 
+import os
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -49,10 +53,64 @@ class Planned(NamedTuple):
     origin: str | None  # "txt" | "folder" | None (audio)
 
 
-def _caption(path: Path, class_name: str | None) -> tuple[str | None, str, Reason | None]:
-    """(caption, origin "txt" | "folder", None), or (None, why there is none, the reason)."""
-    txt = path.with_suffix(".txt")
-    if txt.is_file():
+_Entry = tuple[Path, LeftOut | None]  # an entry of the source, and why it is left out, if it is
+
+
+def _walk(source: Path) -> Iterator[_Entry]:
+    """Every entry under ``source``, in name order, with symbolic links followed as torchvision's
+    ``ImageFolder`` follows them: ``(path, None)`` for a file, ``(path, why it is left out)`` for
+    a link to nothing, a folder that leads back to one holding it (a loop: not entered), and
+    anything that is neither a file nor a folder (a FIFO, a socket, a device)."""
+
+    def entries(folder: Path, holders: dict[tuple[int, int], str]) -> Iterator[_Entry]:
+        """The entries under ``folder``; ``holders``: the folders on its way from ``source``
+        (itself included), ``(st_dev, st_ino) -> path relative to source``."""
+        with os.scandir(folder) as listing:
+            names = sorted(entry.name for entry in listing)
+        for name in names:
+            path = folder / name
+            rel = path.relative_to(source).as_posix()
+            try:
+                info = path.stat()  # through the link, if it is one
+            except OSError as err:
+                if not path.is_symlink():
+                    raise
+                target = os.readlink(path)
+                why = (f"a symbolic link to {target}, which does not exist"
+                       if isinstance(err, FileNotFoundError) else
+                       f"a symbolic link to {target}, which cannot be followed ({err.strerror})")
+                yield path, LeftOut(rel, why, Reason.DANGLING_LINK)
+                continue
+            if stat.S_ISDIR(info.st_mode):
+                folder_id = (info.st_dev, info.st_ino)
+                held_by = holders.get(folder_id)
+                if held_by is None:
+                    yield from entries(path, {**holders, folder_id: rel})
+                else:
+                    where = "the source folder" if held_by == "." else f"the folder {held_by}"
+                    yield path, LeftOut(rel, f"leads back to {where}, which holds it: not "
+                                        "entered (a loop)", Reason.LINK_LOOP)
+            elif stat.S_ISREG(info.st_mode):
+                yield path, None
+            else:
+                yield path, LeftOut(rel, Reason.NOT_A_FILE.value, Reason.NOT_A_FILE)
+
+    top = source.stat()
+    yield from entries(source, {(top.st_dev, top.st_ino): "."})
+
+
+def _is_caption(path: Path) -> bool:
+    """Whether ``path`` is named as a caption: ``.txt``, in any case."""
+    return path.suffix.lower() == ".txt"
+
+
+def _caption(caption: _Entry | None, class_name: str | None) -> tuple[str | None, str, Reason | None]:
+    """(caption, origin "txt" | "folder", None), or (None, why there is none, the reason), from
+    the ``caption`` beside a file (with why it cannot be read, if it cannot)."""
+    if caption is not None:
+        txt, broken = caption
+        if broken is not None:
+            return None, f"its caption {txt.name} is {broken.why}", Reason.CAPTION
         try:
             text = txt.read_text(encoding="utf-8-sig").strip()  # a BOM is no part of a caption
         except UnicodeDecodeError:
@@ -66,46 +124,60 @@ def _caption(path: Path, class_name: str | None) -> tuple[str | None, str, Reaso
 
 
 def plan(source: Path, output: Path, kind: str, left_out: list[LeftOut]) -> list[Planned]:
-    """The files to write, in name order; the others go to ``left_out`` with the reason."""
+    """The files to write, in name order; the others go to ``left_out`` with the reason.
+
+    Symbolic links are followed (to files and folders, as torchvision's ``ImageFolder`` does: a
+    linked class folder is a class); links to nothing and loops are left out. A caption is the
+    file of the same name with ``.txt``.
+    """
     suffixes, media, captioned = KINDS[kind]
     what = {"image": "an image", "audio": "an audio", "video": "a video"}[media]
     out_dir = output.resolve()
-    planned: list[Planned] = []
-    captions: list[Path] = []
-    stems: set[Path] = set()  # of every media file found, written or not
+    found: list[tuple[Path, str]] = []  # media files of the kind
+    captions: dict[Path, list[_Entry]] = {}  # by the path less its suffix
     inside: list[str] = []  # source files in the output folder (it lies inside the source)
-    for path in sorted(source.rglob("*")):
-        if not path.is_file():
-            continue
+    for path, broken in _walk(source):
         rel = path.relative_to(source)
         suffix = path.suffix.lower()
-        if out_dir in path.resolve().parents:
+        lies = path.resolve() if broken is None else path.parent.resolve() / path.name
+        if out_dir in lies.parents:
             if suffix in suffixes:
                 inside.append(rel.as_posix())
             continue
-        class_name = rel.parts[0] if len(rel.parts) > 1 else None  # ImageFolder: top folder
         if any(part.startswith(".") for part in rel.parts):
             left_out.append(LeftOut(rel.as_posix(), Reason.HIDDEN.value, Reason.HIDDEN))
+        elif broken is not None:
+            left_out.append(broken)
+            if captioned and _is_caption(path) and broken.reason is not Reason.LINK_LOOP:
+                captions.setdefault(path.with_suffix(""), []).append((path, broken))
         elif suffix in suffixes:
-            stems.add(path.with_suffix(""))
-            caption, origin, reason = (_caption(path, class_name) if captioned
-                                       else (None, None, None))
-            if reason is not None:
-                left_out.append(LeftOut(rel.as_posix(), str(origin), reason))
-            elif not captioned and class_name is None:
-                left_out.append(LeftOut(rel.as_posix(), Reason.NO_LABEL.value, Reason.NO_LABEL))
-            else:
-                planned.append(Planned(path, rel.as_posix(), suffixes[suffix], class_name,
-                                        caption, origin))
-        elif captioned and suffix == ".txt":
-            captions.append(path)
+            found.append((path, suffix))
+        elif captioned and _is_caption(path):
+            captions.setdefault(path.with_suffix(""), []).append((path, None))
         else:
             left_out.append(LeftOut(rel.as_posix(), f"not {what} file this writer reads "
                                     f"({suffix or 'no suffix'})", Reason.FORMAT))
-    for path in captions:
-        if path.with_suffix("") not in stems:
-            left_out.append(LeftOut(path.relative_to(source).as_posix(),
-                                    f"a caption with no {media} beside it", Reason.LONE_CAPTION))
+    planned: list[Planned] = []
+    for path, suffix in found:
+        rel = path.relative_to(source)
+        class_name = rel.parts[0] if len(rel.parts) > 1 else None  # ImageFolder: top folder
+        txt = next((entry for entry in captions.get(path.with_suffix(""), [])
+                    if entry[0].suffix == ".txt"), None)
+        caption, origin, reason = (_caption(txt, class_name) if captioned
+                                   else (None, None, None))
+        if reason is not None:
+            left_out.append(LeftOut(rel.as_posix(), str(origin), reason))
+        elif not captioned and class_name is None:
+            left_out.append(LeftOut(rel.as_posix(), Reason.NO_LABEL.value, Reason.NO_LABEL))
+        else:
+            planned.append(Planned(path, rel.as_posix(), suffixes[suffix], class_name, caption,
+                                   origin))
+    stems = {path.with_suffix("") for path, _ in found}  # of every media file found
+    for stem, beside in captions.items():
+        if stem not in stems:
+            left_out.extend(LeftOut(path.relative_to(source).as_posix(),
+                                    f"a caption with no {media} beside it", Reason.LONE_CAPTION)
+                            for path, broken in beside if broken is None)
     left_out.sort(key=lambda item: item.path)
     if inside:
         raise ValueError(
@@ -146,12 +218,14 @@ def sniff(item: Planned, media: str, data: bytes) -> tuple[str, LeftOut | None]:
 def other_kind(source: Path, media: str) -> str | None:
     """A kind whose files ``source`` holds instead of ``media`` ones: for files in class folders
     with no caption beside them, the label kind."""
-    files = {p.relative_to(source) for p in source.rglob("*") if p.is_file()}
+    files = [path.relative_to(source) for path, broken in _walk(source) if broken is None]
+    captioned_stems = {f.with_suffix("") for f in files if f.suffix == ".txt"}
     for kind, (suffixes, other, captioned) in KINDS.items():
         found = [f for f in files if f.suffix.lower() in suffixes]
         if other == media or not found:
             continue
-        labelled = all(len(f.parts) > 1 and f.with_suffix(".txt") not in files for f in found)
+        labelled = all(len(f.parts) > 1 and f.with_suffix("") not in captioned_stems
+                       for f in found)
         if not (captioned and labelled and f"{other}-label" in KINDS):
             return kind
     return None

@@ -25,6 +25,9 @@ class Reason(enum.Enum):
     NO_LABEL = "no label: not in a class folder"
     LONE_CAPTION = "a caption with no file beside it"
     HIDDEN = "hidden file or folder"
+    DANGLING_LINK = "a symbolic link to nothing"
+    LINK_LOOP = "a link back to a folder that holds it (a loop: not entered)"
+    NOT_A_FILE = "neither a file nor a folder (a FIFO, a socket or a device)"
 
 
 class LeftOut(NamedTuple):

@@ -128,6 +128,9 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     ``video-text`` and ``video-label``: the same for videos (mp4, mov, webm, mkv, avi). All write
     ``cls`` (the class index, classes sorted by name) for files in class folders, ``src`` (the
     path relative to ``source``), and ``classes.json`` and ``manifest.jsonl`` beside the shards.
+    Symbolic links are followed as torchvision's ``ImageFolder`` follows them (a linked class
+    folder is a class, with the label ``ImageFolder`` gives it); a link to nothing, and a folder
+    that leads back to one that holds it (a loop, not entered), are left out.
     A file is stored under the extension of its content (a PNG named ``.jpg`` as ``png``).
     Files of other formats or content, empty files, empty or unreadable captions, and files whose
     header :func:`~mmproxy.datasets.check_header` rejects are left out: the summary gives them by
