@@ -3,7 +3,7 @@ file holds.
 
 :func:`plan` walks the folder in name order, following symbolic links as torchvision's
 ``ImageFolder`` does, and pairs each media file of the kind with its caption (the ``.txt`` beside
-it, else its class folder's name) and its class; :func:`sniff` tells
+it, in any case, else its class folder's name) and its class; :func:`sniff` tells
 the format a file holds from its first bytes (a PNG named ``.jpg`` is a PNG) and checks its
 header. Files that cannot be written are returned as :class:`~mmproxy.datasets.writer.LeftOut`
 with their reason.
@@ -104,11 +104,14 @@ def _is_caption(path: Path) -> bool:
     return path.suffix.lower() == ".txt"
 
 
-def _caption(caption: _Entry | None, class_name: str | None) -> tuple[str | None, str, Reason | None]:
+def _caption(captions: list[_Entry], class_name: str | None) -> tuple[str | None, str, Reason | None]:
     """(caption, origin "txt" | "folder", None), or (None, why there is none, the reason), from
-    the ``caption`` beside a file (with why it cannot be read, if it cannot)."""
-    if caption is not None:
-        txt, broken = caption
+    the ``captions`` beside a file (each with why it cannot be read, if it cannot)."""
+    if len(captions) > 1:
+        names = ", ".join(path.name for path, _ in captions)
+        return None, f"it has {len(captions)} captions beside it ({names}): keep one", Reason.CAPTION
+    if captions:
+        txt, broken = captions[0]
         if broken is not None:
             return None, f"its caption {txt.name} is {broken.why}", Reason.CAPTION
         try:
@@ -128,7 +131,8 @@ def plan(source: Path, output: Path, kind: str, left_out: list[LeftOut]) -> list
 
     Symbolic links are followed (to files and folders, as torchvision's ``ImageFolder`` does: a
     linked class folder is a class); links to nothing and loops are left out. A caption is the
-    file of the same name with ``.txt``.
+    file of the same name with ``.txt`` in any case (``.txt``, ``.TXT``), as media suffixes are
+    read in any case.
     """
     suffixes, media, captioned = KINDS[kind]
     what = {"image": "an image", "audio": "an audio", "video": "a video"}[media]
@@ -161,10 +165,8 @@ def plan(source: Path, output: Path, kind: str, left_out: list[LeftOut]) -> list
     for path, suffix in found:
         rel = path.relative_to(source)
         class_name = rel.parts[0] if len(rel.parts) > 1 else None  # ImageFolder: top folder
-        txt = next((entry for entry in captions.get(path.with_suffix(""), [])
-                    if entry[0].suffix == ".txt"), None)
-        caption, origin, reason = (_caption(txt, class_name) if captioned
-                                   else (None, None, None))
+        caption, origin, reason = (_caption(captions.get(path.with_suffix(""), []), class_name)
+                                   if captioned else (None, None, None))
         if reason is not None:
             left_out.append(LeftOut(rel.as_posix(), str(origin), reason))
         elif not captioned and class_name is None:
@@ -219,7 +221,7 @@ def other_kind(source: Path, media: str) -> str | None:
     """A kind whose files ``source`` holds instead of ``media`` ones: for files in class folders
     with no caption beside them, the label kind."""
     files = [path.relative_to(source) for path, broken in _walk(source) if broken is None]
-    captioned_stems = {f.with_suffix("") for f in files if f.suffix == ".txt"}
+    captioned_stems = {f.with_suffix("") for f in files if _is_caption(f)}
     for kind, (suffixes, other, captioned) in KINDS.items():
         found = [f for f in files if f.suffix.lower() in suffixes]
         if other == media or not found:

@@ -130,7 +130,8 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     path relative to ``source``), and ``classes.json`` and ``manifest.jsonl`` beside the shards.
     Symbolic links are followed as torchvision's ``ImageFolder`` follows them (a linked class
     folder is a class, with the label ``ImageFolder`` gives it); a link to nothing, and a folder
-    that leads back to one that holds it (a loop, not entered), are left out.
+    that leads back to one that holds it (a loop, not entered), are left out. Suffixes are read
+    in any case (``x.JPEG`` with its caption ``x.TXT``).
     A file is stored under the extension of its content (a PNG named ``.jpg`` as ``png``).
     Files of other formats or content, empty files, empty or unreadable captions, and files whose
     header :func:`~mmproxy.datasets.check_header` rejects are left out: the summary gives them by

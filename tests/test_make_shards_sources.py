@@ -1,6 +1,6 @@
 """make-shards' source folders as other tools write them: symbolic links (to folders, to files, to
-nothing, back to a folder that holds them) and special files, against torchvision's ImageFolder
-on the same tree."""
+nothing, back to a folder that holds them), special files, and suffixes in any case, against
+torchvision's ImageFolder on the same tree."""
 
 from __future__ import annotations
 
@@ -133,10 +133,44 @@ def test_links_to_nothing_loops_and_special_files_are_left_out_by_reason(tmp_pat
     assert f"    2 x {Reason.NOT_A_FILE.value}" in lines
 
 
-def test_img2dataset_folders_linked_and_a_caption_link_to_nothing(tmp_path):
+@pytest.mark.parametrize("caption", ["upper.TXT", "upper.Txt"])
+@pytest.mark.parametrize("folder", ["", "ant/"], ids=["flat", "class-folder"])
+def test_a_caption_is_paired_whatever_the_case_of_its_suffix(tmp_path, caption, folder):
+    """``upper.JPEG`` + ``upper.TXT`` was left out as "no caption" (in a class folder: captioned
+    with the folder's name), its caption unreported."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    jpeg(src / folder / "upper.JPEG", 3)
+    (src / folder / caption).write_text("an upper-case caption")
+    jpeg(src / "lower.Png.jpg", 4)
+    (src / "lower.Png.txt").write_text("a caption of its own")
+    (src / "NOTES.TXT").write_text("no image beside me")
+    result = make_shards(src, out)
+    assert written(out)[f"{folder}upper.JPEG"]["txt"] == "an upper-case caption"
+    assert written(out)["lower.Png.jpg"]["txt"] == "a caption of its own"
+    assert result.captions_from_txt == 2 and result.captions_from_folder == 0
+    assert result.left_out == [("NOTES.TXT", "a caption with no image beside it")]
+    rows = [json.loads(line) for line in Path(result.manifest).read_text().splitlines()]
+    assert {row["source"]: row["caption_from"] for row in rows} == {
+        f"{folder}upper.JPEG": "txt", "lower.Png.jpg": "txt"}
+
+
+def test_captions_that_differ_only_in_case_leave_their_image_out_naming_both(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    jpeg(src / "a.jpg", 5)
+    (src / "a.txt").write_text("one caption")
+    (src / "a.TXT").write_text("another caption")
+    jpeg(src / "b.jpg", 6)
+    (src / "b.txt").write_text("b's caption")
+    result = make_shards(src, out)
+    assert set(written(out)) == {"b.jpg"}
+    assert [tuple(item) for item in result.files_left_out] == [
+        ("a.jpg", "it has 2 captions beside it (a.TXT, a.txt): keep one", Reason.CAPTION)]
+
+
+def test_img2dataset_folders_linked_with_upper_case_and_dangling_captions(tmp_path):
     """img2dataset's layout (``00000/000000001.jpg`` + ``.txt`` + ``.json``), one shard folder
-    a link: a caption that is a link to nothing leaves its image out instead of captioning it
-    with the folder's name."""
+    a link whose caption is a ``.TXT``: a caption that is a link to nothing leaves its image out
+    instead of captioning it with the folder's name."""
     src, out = tmp_path / "src", tmp_path / "out"
     for folder, key in (("00000", "000000000"), ("00000", "000000001"), ("moved", "000010000")):
         where = (src / folder) if folder != "moved" else tmp_path / folder
@@ -144,7 +178,7 @@ def test_img2dataset_folders_linked_and_a_caption_link_to_nothing(tmp_path):
         (where / f"{key}.json").write_text(json.dumps({"key": key}))
     (src / "00000" / "000000000.txt").write_text("the first caption")
     (src / "00000" / "000000001.txt").symlink_to(tmp_path / "captions" / "000000001.txt")
-    (tmp_path / "moved" / "000010000.txt").write_text("a moved caption")
+    (tmp_path / "moved" / "000010000.TXT").write_text("a moved caption")
     (src / "00001").symlink_to(tmp_path / "moved", target_is_directory=True)
     result = make_shards(src, out)
     assert written(out) == {"00000/000000000.jpg": {"txt": "the first caption", "cls": "0"},
@@ -159,12 +193,13 @@ def test_img2dataset_folders_linked_and_a_caption_link_to_nothing(tmp_path):
         f"its caption 000000001.txt is a symbolic link to {missing}, which does not exist")
 
 
-def test_the_kind_hint_sees_linked_folders(tmp_path):
-    """Which kind a folder holds instead: files through a linked folder were not seen (no hint)."""
+def test_the_kind_hint_sees_linked_folders_and_upper_case_captions(tmp_path):
+    """Which kind a folder holds instead: files through a linked folder were not seen (no hint),
+    and videos with ``.TXT`` captions were taken for labelled ones (video-label)."""
     src = tmp_path / "src"
     (tmp_path / "clips").mkdir()
     (tmp_path / "clips" / "a.mp4").write_bytes(b"\0\0\0\x18ftypmp42")  # the hint reads names only
-    (tmp_path / "clips" / "a.txt").write_text("a clip's caption")
+    (tmp_path / "clips" / "a.TXT").write_text("a clip's caption")
     src.mkdir()
     (src / "walks").symlink_to(tmp_path / "clips", target_is_directory=True)
     with pytest.raises(NoMediaError) as caught:
