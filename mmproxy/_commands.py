@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 
-__all__ = ["build_parser"]
+__all__ = ["build_parser", "unrecognized"]
 
 
 def _app(name: str) -> Callable[[argparse.Namespace], int]:
@@ -36,6 +37,19 @@ def _at_least(low: int) -> Callable[[str], int]:
 
     parse.__name__ = f"at_least_{low}"
     return parse
+
+
+def _pipelines(text: str) -> int | str:
+    """``--pipelines``: a whole number >= 1, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or auto, got {text!r}")
+    return value
 
 
 def _number(low: float, high: float | None = None, low_included: bool = True) -> Callable[[str], float]:
@@ -171,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "clips, 32 video clips on a GPU; 64, 32 and 8 on CPU")
     bench.add_argument("--workers", type=_COUNT, default=2, help="DataLoader workers (default 2)")
     bench.add_argument("--threads", type=_POSITIVE, default=2, help="DALI threads per pipeline")
+    bench.add_argument("--pipelines", type=_pipelines, default="auto",
+                       help="mmproxy and dali-graph: pipelines a server runs side by side, a number "
+                       "or auto (default; one on a CPU)")
     bench.add_argument("--epochs", type=_POSITIVE, default=3,
                        help="epochs per run: the first (warm-up) is reported apart; the best one "
                        "and the sustained rate over the rest count (use 5 or more for figures)")
@@ -206,3 +223,81 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run mmproxy this many epochs and record RSS and shared memory")
     bench.set_defaults(func=_app("bench"), command_parser=bench)
     return parser
+
+
+def unrecognized(parser: argparse.ArgumentParser, tokens: Sequence[str], extra: Sequence[str]) -> str:
+    """The error for the ``extra`` words a command's ``parser`` left over from its command line
+    (``tokens``). More words after an option of one value than it takes, or more than the
+    command's own paths, are most often a pattern the shell expanded (``--data dir/*.tar``
+    unquoted): said so, with what to write instead. Anything else is argparse's "unrecognized
+    arguments"."""
+    plain = "unrecognized arguments: " + " ".join(extra)
+    if any(word.startswith("-") for word in extra):
+        return plain
+    options = {name: action for action in parser._actions for name in action.option_strings}
+    positionals = [action for action in parser._actions if not action.option_strings]
+    command = parser.prog.split()[-1]
+    i = tokens.index(command) + 1 if command in tokens else 0
+    free: list[str] = []  # the words no option took: the command's own paths
+    while i < len(tokens):
+        action = _option(options, tokens[i])
+        if action is None:
+            free.append(tokens[i])
+        elif action.nargs is None and "=" not in tokens[i]:  # an option of one value
+            run = _words(tokens, i + 1)
+            if not positionals and len(run) > 1 and all(map(os.path.lexists, run)):
+                return _expanded(action.option_strings[-1], run)
+            free += run[1:]  # the command's own paths may follow an option's value
+            i += len(run)
+        i += 1
+    expanded = free[:len(free) - len(positionals) + 1]  # the first path's, most likely
+    if positionals and len(free) > len(positionals) and all(map(os.path.lexists, expanded)):
+        names = " and ".join(a.dest.upper() for a in positionals)
+        return (f"the command takes {len(positionals)} paths, {names}; got {len(free)} (the "
+                f"shell expanded a pattern?): name the folder, {parser.prog} {_folder(expanded)} "
+                + " ".join(free[len(expanded):]))
+    return plain
+
+
+def _expanded(option: str, paths: list[str]) -> str:
+    """What to say of an option of one value followed by several existing ``paths``."""
+    folder = f", or name the folder, {option} {_folder(paths)}" if option == "--data" else ""
+    return (f"{option} takes one argument; got {len(paths)} paths after it (the shell expanded a "
+            f"pattern?): quote it, {option} '{_pattern(paths)}'{folder}")
+
+
+def _words(tokens: Sequence[str], start: int) -> list[str]:
+    """The words from ``start`` up to the next option."""
+    end = next((i for i in range(start, len(tokens)) if tokens[i].startswith("-")), len(tokens))
+    return list(tokens[start:end])
+
+
+def _option(options: dict[str, argparse.Action], token: str) -> argparse.Action | None:
+    """The option ``token`` names (``--name``, ``--name=value`` or a unique abbreviation)."""
+    if not token.startswith("-") or token == "-":
+        return None
+    name = token.split("=", 1)[0]
+    if name in options:
+        return options[name]
+    matches = {options[o] for o in options if o.startswith(name) and o.startswith("--")}
+    return matches.pop() if len(matches) == 1 else None
+
+
+def _folder(paths: Sequence[str]) -> str:
+    """The folder that holds every one of ``paths`` (``FOLDER`` when they share none)."""
+    try:
+        return os.path.commonpath([os.path.dirname(p) or "." for p in paths]) or "."
+    except ValueError:  # absolute and relative paths mixed
+        return "FOLDER"
+
+
+def _pattern(paths: Sequence[str]) -> str:
+    """A glob for ``paths``: their folder, and the start and end their names share (without the
+    digits of a shard's number), ``shard-*.tar`` for ``shard-000.tar shard-001.tar``."""
+    names = [os.path.basename(p) for p in paths]
+    start = os.path.commonprefix(names).rstrip("0123456789")
+    end = os.path.commonprefix([n[::-1] for n in names])[::-1].lstrip("0123456789")
+    if len(start) + len(end) > min(map(len, names)):  # the two overlap
+        end = ""
+    folder = _folder(paths)
+    return f"{start}*{end}" if folder == "." else os.path.join(folder, f"{start}*{end}")

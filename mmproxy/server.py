@@ -49,7 +49,7 @@ from mmproxy._runs import Run, RunSource, RunState, RunTable, ServerState
 from mmproxy.errors import ServerFailedError, ServerStateError, with_remote_cause
 from mmproxy.proxy import DALIProxy, SampleSeeded
 
-__all__ = ["DALIServer", "RunState", "ServerState"]
+__all__ = ["AUTO_PIPELINES_MAX", "DALIServer", "RunState", "ServerState", "auto_pipelines"]
 
 _names = itertools.count()
 _JOIN_TIMEOUT = 5.0
@@ -121,7 +121,8 @@ class DALIServer:
         _check_pipelines(pipelines, self.name)
         seeded = pipeline if isinstance(pipeline, SampleSeeded) else SampleSeeded(pipeline, None)
         self._pipe = Pipe(seeded.pipeline, self.name)
-        count = _auto_pipelines(self._pipe) if pipelines == "auto" else int(pipelines)
+        count = (auto_pipelines(self._pipe.device_id, self._pipe.num_threads)
+                 if pipelines == "auto" else int(pipelines))
         self._pipes = [self._pipe] + [self._pipe.copy(k) for k in range(1, count)]
         self._pad = set(range(self._pipe.num_outputs)) if pad is True else set(pad or ())
         device = None
@@ -306,13 +307,15 @@ def _check_pipelines(pipelines: Any, name: str) -> None:
                          f"got {pipelines!r}")
 
 
-def _auto_pipelines(pipe: Pipe) -> int:
-    """``pipelines="auto"``: one on a CPU (the pipelines would share its few cores); on a GPU, as
-    many as the process's cores hold at the pipeline's threads, from one to the maximum."""
-    if pipe.device_id is None:
+def auto_pipelines(device_id: int | None, num_threads: int) -> int:
+    """What ``pipelines="auto"`` gives a pipeline on ``device_id`` (None: the CPU) with
+    ``num_threads`` DALI threads: one on a CPU (the pipelines would share its cores); on a GPU,
+    as many as the process's cores hold at ``num_threads`` each, from one to
+    :data:`AUTO_PIPELINES_MAX`."""
+    if device_id is None:
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(AUTO_PIPELINES_MAX, cores // max(1, pipe.num_threads)))
+    return max(1, min(AUTO_PIPELINES_MAX, cores // max(1, num_threads)))
 
 
 def _after_fork_in_child() -> None:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mmproxy.apps.bench.systems import Setup
 
-__all__ = ["FRAMES", "RESIZE", "SIZE", "STRIDE", "proxied_pipeline", "reader_pipeline"]
+__all__ = ["FRAMES", "RESIZE", "SIZE", "STRIDE", "proxied_pipeline", "reader_pipeline",
+           "recipe_pipeline"]
 
 FRAMES, STRIDE, SIZE, RESIZE = 8, 4, 112, 128  # the video workload's clips
 
@@ -48,6 +49,21 @@ def proxied_pipeline(setup: Setup, prefetch: int | None = None) -> Any:
     return external_pipeline(_graph(setup), input_name="data", batch_size=setup.batch,
                              num_threads=setup.args.threads, device_id=setup.device_id,
                              prefetch_queue_depth=depth)
+
+
+def recipe_pipeline(setup: Setup) -> tuple[Any, list[int]]:
+    """mmproxy's pipeline as the README's recipes build it, and the outputs the server pads:
+    for audio, ``audio_pipeline`` with clips of their own lengths padded by the server
+    (``pad=[0]``); for the other workloads, :func:`proxied_pipeline`."""
+    if setup.modality != "audio" or setup.workload == "machinery":
+        return proxied_pipeline(setup), []
+    from mmproxy.pipelines import audio_pipeline
+
+    pipe = audio_pipeline(batch_size=setup.batch, sample_rate=16000,
+                          device="gpu" if setup.gpu else "cpu", device_id=setup.device_id,
+                          num_threads=setup.args.threads, prefetch_queue_depth=setup.args.prefetch,
+                          input_name="data")
+    return pipe, [0]
 
 
 def reader_pipeline(setup: Setup, prefetch: int = 2) -> Any:

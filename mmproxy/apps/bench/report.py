@@ -121,9 +121,12 @@ def system_line(result: dict[str, Any]) -> str:
             if len(epochs) > 1 else "")
     skipped = result.get("skipped") or {}
     lost = ", ".join(f"{skipped[k]} {k}" for k in ("samples", "shards") if skipped.get(k))
+    pipes = (f"; {_count(result['pipelines'], 'pipeline')}" if result.get("pipelines") else "")
+    memory = result.get("gpu_memory_mib")
     return (f"{result['samples_per_s']:10.1f} samples/s (best epoch{each}); "
             f"{_count(result.get('samples', 0), 'sample')} in "
-            f"{_count(result.get('batches', 0), 'batch')} an epoch"
+            f"{_count(result.get('batches', 0), 'batch')} an epoch" + pipes
+            + (f"; GPU memory {memory:+.0f} MiB" if memory is not None else "")
             + (f"; skipped {lost}" if lost else ""))
 
 

@@ -17,6 +17,10 @@ dali-proxy-seed    DALI's proxy with its documentation's        image, audio, ma
                    setting: prefetch_queue_depth=2*workers
 dali-reader        fn.readers.webdataset, no Python (video:     image, audio, image-text,
                    fn.decoders.video, on a GPU only)            video
+dali-graph         mmproxy's pipeline with no loader: the       image, audio, image-text
+                   heavy fields read into memory once, fed to
+                   ``--pipelines`` copies from a thread each
+                   (the limit the loaders run against)
 spdl               SPDL's thread pipeline: webdataset's tar     image, audio
                    reader, spdl.io's FFmpeg decode and filters
                    (:mod:`~mmproxy.apps.bench.spdl_loader`),
@@ -43,7 +47,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from mmproxy.apps.bench.pipes import FRAMES, RESIZE, SIZE, STRIDE, proxied_pipeline, reader_pipeline
+from mmproxy.apps.bench.pipes import (
+    FRAMES,
+    RESIZE,
+    SIZE,
+    STRIDE,
+    proxied_pipeline,
+    reader_pipeline,
+    recipe_pipeline,
+)
 from mmproxy.apps.bench.shards import write_shards
 from mmproxy.apps.bench.timing import time_epochs
 from mmproxy.apps.bench.workers import (
@@ -180,7 +192,90 @@ def _dali_reader(setup: Setup, prefetch: int = 2) -> dict[str, Any]:
     if setup.modality == "video" and not setup.gpu:
         return {"error": "not run: DALI decodes H.264 on a GPU only (its CPU video decoder has "
                 "no H.264)"}
-    return time_epochs(reader_batches(setup, prefetch), setup.args.epochs, setup.gpu)
+    before = gpu_memory_used(setup)
+    result = time_epochs(reader_batches(setup, prefetch), setup.args.epochs, setup.gpu)
+    result["pipelines"] = 1  # as DALI's users run the reader
+    result["gpu_memory_mib"] = _grown(before, gpu_memory_used(setup))
+    return result
+
+
+def _dali_graph(setup: Setup) -> dict[str, Any]:
+    import queue
+    import tarfile
+    import threading
+
+    import numpy as np
+
+    from mmproxy.server import auto_pipelines
+
+    a = setup.args
+    before = gpu_memory_used(setup)
+    count = auto_pipelines(setup.device_id, a.threads) if a.pipelines == "auto" else a.pipelines
+    pipes = [recipe_pipeline(setup)[0] for _ in range(count)]
+    for pipe in pipes:
+        pipe.build()
+    data = []
+    for path in setup.paths:
+        with tarfile.open(path) as tar:
+            data += [np.frombuffer(tar.extractfile(m).read(), np.uint8)  # type: ignore[union-attr]
+                     for m in tar if m.isfile() and m.name.rsplit(".", 1)[-1] == setup.ext]
+    batches = [data[i:i + setup.batch] for i in range(0, len(data), setup.batch)]
+    started = [False] * count
+
+    depth = pipes[0].prefetch_queue_depth
+    if len(batches) < count * depth:
+        return {"error": f"not run: {len(batches)} batches fill fewer than {count} pipelines' "
+                f"first runs of {depth}"}
+
+    def feed(k: int, done: queue.Queue[Any]) -> None:
+        """Pipeline ``k``'s share of an epoch's batches, ``depth`` of them in flight."""
+        pipe, pending = pipes[k], []
+        try:
+            for batch in batches[k::count]:
+                pipe.feed_input("data", batch)
+                pending.append(len(batch))
+                if not started[k]:  # DALI's first run takes a whole queue's inputs
+                    if len(pending) == depth:
+                        pipe.schedule_run()
+                        started[k] = True
+                    continue
+                if len(pending) > depth:
+                    pipe.outputs()
+                    done.put(pending.pop(0))
+                pipe.schedule_run()
+            while pending:
+                pipe.outputs()
+                done.put(pending.pop(0))
+        except BaseException as err:  # noqa: BLE001 - raised in the main thread
+            done.put(err)
+        finally:
+            done.put(None)
+
+    def epoch() -> Any:
+        done: queue.Queue[Any] = queue.Queue()
+        threads = [threading.Thread(target=feed, args=(k, done), daemon=True) for k in range(count)]
+        for t in threads:
+            t.start()
+        ended = 0
+        while ended < count:
+            item = done.get()
+            if item is None:
+                ended += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield np.empty((item, 0))
+        for t in threads:
+            t.join()
+
+    try:
+        result = time_epochs(epoch, a.epochs, setup.gpu)
+        result["pipelines"] = count
+        result["gpu_memory_mib"] = _grown(before, gpu_memory_used(setup))
+        return result
+    finally:
+        for pipe in pipes:
+            pipe._shutdown()  # now, not when the collector finds them
 
 
 def _dali_proxy(setup: Setup, seed_setting: bool = False) -> dict[str, Any]:
@@ -217,7 +312,9 @@ def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[s
     from mmproxy.errors import SkipLimitError
 
     a = setup.args
-    server = mmproxy.DALIServer(proxied_pipeline(setup), name=setup.workload)
+    before = gpu_memory_used(setup)
+    pipe, pad = recipe_pipeline(setup)
+    server = mmproxy.DALIServer(pipe, name=setup.workload, pad=pad, pipelines=a.pipelines)
     with server:
         loader: Any
         if setup.workload == "machinery":
@@ -243,7 +340,23 @@ def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[s
             return {"error": error_line(err), "damaged": err.counted}
         report = loader.skipped  # the last epoch's: what bad data cost, next to the rate
         result["skipped"] = {"samples": report.samples_skipped, "shards": report.shards}
+        result["pipelines"] = server.pipelines
+        result["gpu_memory_mib"] = _grown(before, gpu_memory_used(setup))
         return result
+
+
+def gpu_memory_used(setup: Setup) -> float | None:
+    """MiB in use on the bench's GPU (DALI's pools, PyTorch's and the contexts), or None."""
+    if not setup.gpu:
+        return None
+    import torch
+
+    free, total = torch.cuda.mem_get_info(setup.device_id)
+    return (total - free) / 2**20
+
+
+def _grown(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else round(after - before, 1)
 
 
 def _mmproxy_damaged(setup: Setup) -> dict[str, Any]:
@@ -279,6 +392,8 @@ SYSTEMS: dict[str, System] = {system.name: system for system in (
     System("dali-proxy-seed", frozenset({"image", "audio", "machinery"}),
            partial(_dali_proxy, seed_setting=True), dali_without_checks=True),
     System("dali-reader", frozenset({"image", "audio", "image-text", "video"}), _dali_reader,
+           has_workers=False, dali_without_checks=True),
+    System("dali-graph", frozenset({"image", "audio", "image-text"}), _dali_graph,
            has_workers=False, dali_without_checks=True),
     System("spdl", frozenset({"image", "audio"}), _spdl, has_workers=False),
     System("spdl-gpu", frozenset({"image"}), partial(_spdl, gpu_decode=True), has_workers=False),
