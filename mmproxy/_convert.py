@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from mmproxy.refs import PaddedBatch
@@ -18,10 +19,15 @@ def pad(samples: list[torch.Tensor]) -> PaddedBatch:
     ndim = samples[0].dim()
     shapes = torch.tensor([list(s.shape) for s in samples], dtype=torch.int64).reshape(len(samples), ndim)
     size = shapes.max(dim=0).values.tolist()
-    data = samples[0].new_zeros((len(samples), *size))
+    if samples[0].is_cuda or samples[0].dtype == torch.bfloat16:  # (numpy has no bfloat16)
+        data = samples[0].new_zeros((len(samples), *size))
+        target: Any = data
+    else:  # numpy's copies: a server thread's torch copies would wake the intra-op thread pool
+        target = np.zeros((len(samples), *size), dtype=samples[0].numpy().dtype)
+        data = torch.from_numpy(target)
     for i, s in enumerate(samples):
         region: Any = (i, *(slice(0, n) for n in s.shape))
-        data[region] = s
+        target[region] = s if s.is_cuda else s.numpy()
     return PaddedBatch(data, shapes[:, 0].clone() if ndim == 1 else shapes)
 
 
