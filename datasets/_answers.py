@@ -1,6 +1,17 @@
 """Answers: what one GET of a remote shard gives (a :class:`Response`) or raises
 (:class:`Transient`, :class:`Permanent`), and what the HTTP and S3 GETs share: the range and ETag
-checks, a stdlib body's reads, failures in words."""
+checks, a stdlib body's reads, failures in words, and texts fit to show.
+
+Secrets are masked by where they stand, never by searching a text for their values (a short
+access key such as ``x`` would mask every ``x`` of the text): a URL's user info (``***@host``),
+the value of a query parameter, or of a ``name=value`` pair or a quoted field of a message, whose
+name says it is one (``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``,
+``Signature``, ``AWSAccessKeyId``: a name that ends in signature, credential, token, secret,
+password, auth or key), and the value of an ``Authorization``, ``Proxy-Authorization``,
+``Cookie`` or ``X-Amz-Security-Token`` header. :func:`redact` masks one URL, :func:`masked` a
+message and every URL in it; :class:`Transient` and :class:`Permanent` mask their own text, so a
+GET's failure reads safe wherever it goes.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +19,82 @@ import http.client
 import re
 import socket
 from typing import Any, Protocol
+from urllib.parse import unquote_plus
 
 __all__ = ["Permanent", "Response", "StdlibBody", "Transient", "changed", "content_range",
-           "in_words", "no_answer", "retried"]
+           "in_words", "masked", "no_answer", "redact", "retried"]
 
 _RETRY_HTTP = frozenset({408, 425, 429})  # statuses worth a retry (besides 5xx)
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
+# the name of a parameter or field that holds a secret: one that ends in a secret's word
+_SECRET_NAME = re.compile(r"[\w.-]*?(?:signature|sig|credentials?|token|secret|password|passwd"
+                          r"|auth|authorization|key|keyid)", re.I)
+# a query's or fragment's name=value pair (after "?", "#", "&" or ";")
+_QUERY_PAIR = re.compile(r"(?<![^?#&;])([^=?#&;]+)=([^#&;]*)")
+# what a message may hold a secret in: a URL, a secret header's value, a quoted field's value,
+# a name=value pair
+_SHOWN = re.compile(r"""
+    (?P<url> \b[a-z][a-z0-9+.-]*://[^\s"'<>]+ )
+  | (?P<header> \b(?:(?:proxy-)?authorization|x-amz-security-token|cookie)\s*:\s* )
+    [^\s"'][^\r\n"']*
+  | (?P<field> (?P<open>["'])(?P<field_name>[\w.-]+)(?P=open)\s*:\s*b?(?P<quote>["']) )
+    (?P<field_value> .*? )(?P=quote)
+  | (?<![\w.%-])(?P<pair> (?P<pair_name>[\w.-]+)= )[^\s&#"'<>,;]*
+""", re.I | re.X)
 
-class Transient(Exception):
+
+def _secret(name: str) -> bool:
+    return _SECRET_NAME.fullmatch(name.strip()) is not None
+
+
+def redact(url: str) -> str:
+    """``url`` fit for messages and logs: its user info and the values of its query's and
+    fragment's secret parameters masked (module docstring), the rest as it was (a local path,
+    with no ``://``, all of it)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    cut = next((i for i, c in enumerate(rest) if c in "/?#"), len(rest))
+    authority, tail = rest[:cut], rest[cut:]
+    if "@" in authority:
+        authority = "***@" + authority.rpartition("@")[2]
+    cut = next((i for i, c in enumerate(tail) if c in "?#"), len(tail))
+    query = _QUERY_PAIR.sub(lambda m: f"{m[1]}=***" if _secret(unquote_plus(m[1])) else m[0],
+                            tail[cut:])
+    return f"{scheme}://{authority}{tail[:cut]}{query}"
+
+
+def masked(text: str) -> str:
+    """``text`` (a message, another library's too) fit to show: every URL in it
+    :func:`redact`-ed, and the values of secret headers, quoted fields and ``name=value`` pairs
+    masked (module docstring)."""
+    return _SHOWN.sub(_shown, text)
+
+
+def _shown(match: re.Match[str]) -> str:
+    if match["url"]:
+        return redact(match["url"])
+    if match["header"]:
+        return match["header"] + "***"
+    if match["field"]:
+        value = "***" if _secret(match["field_name"]) else masked(match["field_value"])
+        return match["field"] + value + match["quote"]
+    return match["pair"] + "***" if _secret(match["pair_name"]) else match[0]
+
+
+class _Failure(Exception):
+    """A GET's failure; its text is :func:`masked`."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(masked(text))
+
+
+class Transient(_Failure):
     """A failure worth a retry."""
 
 
-class Permanent(Exception):
+class Permanent(_Failure):
     """A failure no retry mends."""
 
 

@@ -36,7 +36,7 @@ from ._answers import (
     no_answer,
     retried,
 )
-from ._s3_clients import clients, s3_client, scrub
+from ._s3_clients import clients, s3_client
 
 __all__ = ["list_s3", "s3_get"]
 
@@ -58,7 +58,7 @@ def list_s3(url: str, timeout: float) -> tuple[list[str], int]:
     deeper prefixes, as a local folder's ``*.tar``), for a glob the keys it matches (``*``,
     ``?`` and ``[...]`` within one level of ``/``, as :mod:`glob` does). Raises
     :class:`Permanent` when S3 refuses the listing."""
-    client, secrets = s3_client(timeout)  # Permanent without boto3
+    client = s3_client(timeout)  # Permanent without boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, _, pattern = url[5:].partition("/")  # not urlsplit: "?" is a wildcard here
@@ -71,22 +71,22 @@ def list_s3(url: str, timeout: float) -> tuple[list[str], int]:
         keys = [item["Key"] for page in client.get_paginator("list_objects_v2").paginate(**ask)
                 for item in page.get("Contents", [])]
     except ClientError as err:
-        raise Permanent(_answer(err, secrets)[2]) from None
+        raise Permanent(_answer(err)[2]) from None
     except BotoCoreError as err:
-        raise Permanent(scrub(f"{type(err).__name__}: {err}", secrets)) from None
+        raise Permanent(f"{type(err).__name__}: {err}") from None
     levels = pattern.split("/")
     return [f"s3://{bucket}/{key}" for key in sorted(keys)
             if len(key.split("/")) == len(levels)
             and all(map(fnmatch.fnmatchcase, key.split("/"), levels))], len(keys)
 
 
-def _answer(err: Any, secrets: list[str]) -> tuple[str, int, str]:
-    """A botocore ``ClientError``'s S3 code, HTTP status and text (scrubbed of ``secrets``)."""
+def _answer(err: Any) -> tuple[str, int, str]:
+    """A botocore ``ClientError``'s S3 code, HTTP status and text."""
     error = err.response.get("Error", {})
     code = str(error.get("Code", "?"))
     status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
     text = f"S3 {code} (HTTP {status}): {error.get('Message', '')}".rstrip(": ")
-    return code, status, scrub(text, secrets)
+    return code, status, text
 
 
 def s3_get(url: str, start: int, etag: str | None, read_timeout: float,
@@ -95,7 +95,7 @@ def s3_get(url: str, start: int, etag: str | None, read_timeout: float,
     bucket, key = _bucket_key(url)
     # boto3 has one read timeout, for the answer and the body alike: the shorter one, so that
     # a server that does not answer is told apart as fast as on the presigned path
-    client, secrets = s3_client(connect_timeout)
+    client = s3_client(connect_timeout)
     where = (client.meta.endpoint_url, bucket)
     if where not in clients.slow and not _proxied(client.meta.endpoint_url):
         try:
@@ -104,7 +104,7 @@ def s3_get(url: str, start: int, etag: str | None, read_timeout: float,
         except _AskBoto3 as ask:
             if ask.bucket:
                 clients.slow.add(where)
-    return _S3Body(client, secrets, bucket, key, start, etag)
+    return _S3Body(client, bucket, key, start, etag)
 
 
 def _proxied(endpoint: str) -> bool:
@@ -135,7 +135,7 @@ class _PresignedBody(StdlibBody):
         try:  # credentials, parameters, CA bundle: boto3's own call then fails and words it
             url = urlsplit(client.generate_presigned_url(
                 "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=900))
-            context = (clients.ssl_context(clients.session()[0]) if url.scheme == "https"
+            context = (clients.ssl_context(clients.session()) if url.scheme == "https"
                        else None)
         except Exception:  # noqa: BLE001
             raise _AskBoto3 from None
@@ -208,11 +208,10 @@ class _PresignedBody(StdlibBody):
 
 
 class _S3Body:
-    def __init__(self, client: Any, secrets: list[str], bucket: str, key: str, start: int,
+    def __init__(self, client: Any, bucket: str, key: str, start: int,
                  etag: str | None) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        self._secrets = secrets
         ask: dict[str, Any] = {"Bucket": bucket, "Key": key}
         if start:
             ask["Range"] = f"bytes={start}-"
@@ -221,7 +220,7 @@ class _S3Body:
         try:
             answer = client.get_object(**ask)
         except ClientError as err:
-            code, status, text = _answer(err, secrets)
+            code, status, text = _answer(err)
             if status == 412:
                 raise Permanent("the shard changed on the server while it was read") from None
             if status >= 500 or status == 429 or code in _RETRY_S3:
@@ -235,14 +234,11 @@ class _S3Body:
         self.size = (int(answer["ContentLength"]) if not start
                      else content_range(answer.get("ContentRange"), start))
 
-    def _text(self, text: str) -> str:
-        return scrub(text, self._secrets)
-
     def _sorted(self, err: Exception) -> Exception:
         """A botocore error as Transient (network) or Permanent (configuration, checksum)."""
         from botocore.exceptions import HTTPClientError, IncompleteReadError
 
-        text = self._text(f"{type(err).__name__}: {err}")
+        text = f"{type(err).__name__}: {err}"
         if isinstance(err, (HTTPClientError, IncompleteReadError, OSError)):
             return Transient(text)
         return Permanent(text)
@@ -255,7 +251,7 @@ class _S3Body:
         except (BotoCoreError, OSError) as err:
             raise self._sorted(err) from None
         except Exception as err:  # noqa: BLE001 - urllib3's own errors, should any slip through
-            raise Transient(self._text(f"{type(err).__name__}: {err}")) from None
+            raise Transient(f"{type(err).__name__}: {err}") from None
 
     def close(self) -> None:
         self._body.close()

@@ -14,7 +14,7 @@ from mmproxy._install import install_hint
 
 from ._answers import Permanent
 
-__all__ = ["clients", "prepare_s3", "s3_client", "scrub"]
+__all__ = ["clients", "prepare_s3", "s3_client"]
 
 
 class _Clients:
@@ -26,14 +26,14 @@ class _Clients:
     def __init__(self) -> None:
         self.pid = -1
         self.lock = threading.Lock()
-        self.sessions: dict[tuple[Any, ...], tuple[Any, list[str]]] = {}
-        self.clients: dict[tuple[Any, ...], tuple[Any, list[str]]] = {}
+        self.sessions: dict[tuple[Any, ...], Any] = {}
+        self.clients: dict[tuple[Any, ...], Any] = {}
         self.contexts: dict[int, ssl.SSLContext] = {}  # a session's TLS settings
         self.idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}  # kept alive
         self.slow: set[tuple[str | None, str]] = set()  # (endpoint, bucket) asked via get_object
 
-    def session(self) -> tuple[Any, list[str]]:
-        """(boto3 session of this AWS environment, secrets never to show in a message)."""
+    def session(self) -> Any:
+        """The boto3 session of this AWS environment."""
         if self.pid != os.getpid():  # connections are not shared with a forked parent
             self.pid, self.lock, self.clients, self.idle = os.getpid(), threading.Lock(), {}, {}
         env = tuple(sorted(kv for kv in os.environ.items() if kv[0].startswith("AWS_")))
@@ -42,9 +42,9 @@ class _Clients:
                 self.sessions[env] = _make_session()
             return self.sessions[env]
 
-    def get(self, read_timeout: float, connect_timeout: float) -> tuple[Any, list[str]]:
-        """(client, secrets never to show in a message)."""
-        session, secrets = self.session()
+    def get(self, read_timeout: float, connect_timeout: float) -> Any:
+        """The S3 client of this AWS environment with these timeouts."""
+        session = self.session()
         import botocore.config
 
         with self.lock:
@@ -55,8 +55,7 @@ class _Clients:
                                                 retries={"total_max_attempts": 1},
                                                 signature_version="s3v4")
                 self.clients[key] = session.client("s3", config=config)
-            return self.clients[key], secrets
-
+            return self.clients[key]
 
     def ssl_context(self, session: Any) -> ssl.SSLContext:
         """The TLS settings of presigned GETs: verified as boto3 would (its ``ca_bundle``
@@ -99,20 +98,15 @@ class _Clients:
         conn.close()
 
 
-def _make_session() -> tuple[Any, list[str]]:
+def _make_session() -> Any:
     try:
         import boto3
     except ImportError:
         raise Permanent(f"s3:// shards need boto3: {install_hint('boto3')}") from None
     session = boto3.session.Session()
-    credentials = session.get_credentials()
-    secrets = [value for value in (os.environ.get("AWS_SECRET_ACCESS_KEY"),
-                                   os.environ.get("AWS_SESSION_TOKEN")) if value]
-    if credentials is not None:
-        frozen = credentials.get_frozen_credentials()
-        secrets += [value for value in (frozen.secret_key, frozen.token) if value]
+    session.get_credentials()  # found once, here
     session.client("s3")  # loads the service model into the session's cache
-    return session, secrets
+    return session
 
 
 def prepare_s3() -> None:
@@ -127,20 +121,12 @@ def prepare_s3() -> None:
 clients = _Clients()
 
 
-def s3_client(timeout: float) -> tuple[Any, list[str]]:
-    """(this process's S3 client, secrets never to show); Permanent when boto3 refuses the AWS
-    environment (a profile, region or endpoint) or is missing."""
+def s3_client(timeout: float) -> Any:
+    """This process's S3 client; Permanent when boto3 refuses the AWS environment (a profile,
+    region or endpoint) or is missing."""
     try:
         return clients.get(timeout, timeout)
     except Permanent:
         raise
     except Exception as err:  # noqa: BLE001 - a profile, region or endpoint boto3 refuses
-        secrets = [v for k, v in os.environ.items() if k.startswith("AWS_") and v
-                   and ("SECRET" in k or "TOKEN" in k)]
-        raise Permanent(scrub(f"{type(err).__name__}: {err}", secrets)) from None
-
-
-def scrub(text: str, secrets: list[str]) -> str:
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
+        raise Permanent(f"{type(err).__name__}: {err}") from None

@@ -29,29 +29,31 @@ that brings bytes. After the last one (with the defaults, within
 once for a missing shard or refused credentials, :class:`RemoteError` names the reason;
 :class:`~mmproxy.datasets.MultiModalDataset` records it in ``__skipped__`` (skip mode) or raises
 :class:`~mmproxy.errors.ShardError` with the URL (raise mode). URLs in messages and logs are
-:func:`redact`-ed, and S3 credentials come only from the AWS environment and config files.
+:func:`redact`-ed and other texts masked likewise, secrets by where they stand (a URL's user
+info, a signed URL's signature, credential and token, an ``Authorization`` header), and S3
+credentials come only from the AWS environment and config files.
 
 Memory: a streamed (uncached) shard is anonymous shared memory until the worker and the server
 let go of its mapping (the transport keeps the last few mappings of each); with large shards,
 set a ``cache_dir`` so that shards live in the page cache, which the kernel can reclaim.
 
 Modules: this one (options, opening a shard from the cache or the network), ``_download`` (the
-thread and the retry policy), ``_sources`` (one GET per scheme, failures sorted), ``_cache``
-(the node cache, and what a download does with it).
+thread and the retry policy), ``_sources`` (one GET per scheme, failures sorted; texts masked
+in ``_answers``), ``_cache`` (the node cache, and what a download does with it).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from mmproxy import worker
 
+from ._answers import redact
 from ._cache import Finish, NodeCache, reserve, unusable
 from ._download import MAX_BACKOFF, Attempts, Download, RemoteError, Waiting
 from ._sources import Response, prepare_s3
@@ -60,7 +62,6 @@ __all__ = ["RemoteError", "RemoteOptions", "RemoteShard", "is_remote", "open_rem
            "redact"]
 
 SCHEMES = ("http", "https", "s3")
-_SECRET_PARAM = re.compile(r"sig|token|credential|secret|password|key", re.I)
 
 
 def _env_bytes() -> int | None:
@@ -123,17 +124,6 @@ def prepare(urls: list[str]) -> None:
     shards, boto3 is loaded with the S3 model and the credentials (ImportError without boto3)."""
     if any(url[:5].lower() == "s3://" for url in urls):
         prepare_s3()
-
-
-def redact(url: str) -> str:
-    """``url`` fit for messages and logs: no user info, no signature or token in the query."""
-    if "://" not in url:
-        return url
-    parts = urlsplit(url)
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    query = urlencode([(k, "***" if _SECRET_PARAM.search(k) else v)
-                       for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 class RemoteShard:
