@@ -1,6 +1,7 @@
 """Answers: what one GET of a remote shard gives (a :class:`Response`) or raises
 (:class:`Transient`, :class:`Permanent`), and what the HTTP and S3 GETs share: the range and ETag
-checks, a stdlib body's reads, failures in words, and texts fit to show.
+checks, a stdlib body's reads, failures in words, the TLS failures no retry mends, and texts fit
+to show.
 
 Secrets are masked by where they stand, never by searching a text for their values (a short
 access key such as ``x`` would mask every ``x`` of the text): a URL's user info (``***@host``),
@@ -18,11 +19,13 @@ from __future__ import annotations
 import http.client
 import re
 import socket
+import ssl
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 from urllib.parse import unquote_plus
 
 __all__ = ["Permanent", "Response", "StdlibBody", "Transient", "changed", "content_range",
-           "in_words", "masked", "no_answer", "redact", "retried"]
+           "in_words", "masked", "no_answer", "redact", "retried", "tls_refusal"]
 
 _RETRY_HTTP = frozenset({408, 425, 429})  # statuses worth a retry (besides 5xx)
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
@@ -158,3 +161,55 @@ def in_words(err: object) -> str:
     if isinstance(err, http.client.HTTPException):  # its text may quote the request (a signed URL)
         return f"bad answer ({type(err).__name__})"
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+# TLS failures a retry may mend: the connection cut or closed during the handshake, or the
+# server's own error; any other failure of a handshake fails the same way again
+_TLS_CUT = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError, ssl.SSLWantReadError,
+            ssl.SSLWantWriteError)
+_TLS_SERVER_ERROR = "TLSV1_ALERT_INTERNAL_ERROR"
+_MISMATCH = frozenset({62, 63, 64})  # X509_V_ERR_{HOSTNAME,EMAIL,IP_ADDRESS}_MISMATCH
+_OUT_OF_DATE = frozenset({9, 10})  # X509_V_ERR_CERT_NOT_YET_VALID, X509_V_ERR_CERT_HAS_EXPIRED
+
+
+def tls_refusal(err: BaseException, server: str, trust: Callable[[], str]) -> Permanent | None:
+    """:class:`Permanent` for a TLS failure in ``err`` (or in what it wraps: urllib's and
+    botocore's errors) that no retry mends: the certificate of ``server`` (words such as "the
+    server") did not verify, said with why and what to do (``trust()``: how this process is
+    made to trust it, asked only then), or the handshake was refused (no TLS version or cipher
+    in common, no TLS on that port). None for anything else, a cut or reset connection
+    included (retried)."""
+    tls = next((e for e in _wrapped(err) if isinstance(e, ssl.SSLError)), None)
+    if tls is None or isinstance(tls, _TLS_CUT) or tls.reason == _TLS_SERVER_ERROR:
+        return None
+    if isinstance(tls, ssl.SSLCertVerificationError):
+        why = str(tls.verify_message or tls.reason).rstrip(".")
+        if tls.verify_code in _MISMATCH:
+            fix = "the shard's URL must name a host the certificate is for"
+        elif tls.verify_code in _OUT_OF_DATE:
+            fix = "the server needs a certificate in date (or this machine's clock is wrong)"
+        else:
+            fix = trust()
+        return Permanent(f"TLS: the certificate of {server} did not verify ({why}): {fix}")
+    why = re.sub(r"^\[[^]]*\]\s*|\s*\(_ssl\.c:\d+\)$", "", tls.strerror or str(tls))
+    if tls.reason == "WRONG_VERSION_NUMBER":
+        return Permanent(f"TLS: {server} does not speak TLS on that port ({why}: an http:// "
+                         "server?)")
+    return Permanent(f"TLS: the handshake with {server} failed ({why})")
+
+
+def _wrapped(err: BaseException) -> Iterator[BaseException]:
+    """``err`` and the errors it wraps: explicit causes, an error's arguments, urllib's
+    ``reason``, botocore's ``kwargs``; each once. Not contexts: an error raised while another
+    was handled (a reconnection after a failed read) is not that error."""
+    seen: set[int] = set()
+    todo: list[object] = [err]
+    while todo:
+        item = todo.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield item
+        kwargs = getattr(item, "kwargs", None)
+        todo += [item.__cause__, getattr(item, "reason", None), *item.args,
+                 *(kwargs.values() if isinstance(kwargs, dict) else ())]

@@ -1,15 +1,32 @@
 """HTTP: one GET of an ``http(s)://`` shard through ``urllib`` (proxies from the environment,
-redirects), with a timeout for the answer apart from the body's (:mod:`._sources`)."""
+redirects), with a timeout for the answer apart from the body's (:mod:`._sources`).
+
+``https://`` servers are verified with Python's default TLS settings, made for each connection:
+the CA certificates of ``SSL_CERT_FILE`` (a file) and ``SSL_CERT_DIR`` (a folder) when set, else
+the system's. A certificate that does not verify, or a refused handshake, fails at once
+(:func:`~._answers.tls_refusal`), saying what to set.
+"""
 
 from __future__ import annotations
 
 import http.client
 import socket
+import ssl
 import urllib.error
 import urllib.request
 from typing import Any
 
-from ._answers import Permanent, StdlibBody, Transient, changed, content_range, in_words, no_answer, retried
+from ._answers import (
+    Permanent,
+    StdlibBody,
+    Transient,
+    changed,
+    content_range,
+    in_words,
+    no_answer,
+    retried,
+    tls_refusal,
+)
 
 __all__ = ["HttpBody"]
 
@@ -71,6 +88,26 @@ class _HttpsHandler(_Handler, urllib.request.HTTPSHandler):
     pass
 
 
+def _failed(err: OSError | http.client.HTTPException, connect_timeout: float) -> Exception:
+    """A GET that got no answer: Permanent for a TLS refusal, else Transient."""
+    refusal = tls_refusal(err, "the server", _trust)
+    if refusal is not None:
+        return refusal
+    if isinstance(err, urllib.error.URLError):
+        if isinstance(err.reason, (TimeoutError, socket.timeout)):  # while connecting
+            return Transient(f"cannot connect within {connect_timeout:g} s")
+        return Transient(in_words(err.reason))
+    return Transient(in_words(err))
+
+
+def _trust() -> str:
+    """How to make this process trust a server's certificate, and what it trusts now."""
+    now = ssl.get_default_verify_paths()
+    trusted = ", ".join(path for path in (now.cafile, now.capath) if path) or "nothing"
+    return (f"to trust it, set SSL_CERT_FILE=/path/ca.pem, a file of the CA certificates to "
+            f"trust (or SSL_CERT_DIR, a folder of them); trusted now: {trusted}")
+
+
 class HttpBody(StdlibBody):
     def __init__(self, url: str, start: int, etag: str | None, read_timeout: float,
                  connect_timeout: float) -> None:
@@ -90,12 +127,8 @@ class HttpBody(StdlibBody):
             if retried(err.code):
                 raise Transient(text) from None
             raise Permanent(text) from None
-        except urllib.error.URLError as err:
-            if isinstance(err.reason, (TimeoutError, socket.timeout)):  # while connecting
-                raise Transient(f"cannot connect within {connect_timeout:g} s") from None
-            raise Transient(in_words(err.reason)) from None
-        except (OSError, http.client.HTTPException) as err:
-            raise Transient(in_words(err)) from None
+        except (OSError, http.client.HTTPException) as err:  # urllib's URLError among them
+            raise _failed(err, connect_timeout) from None
         try:
             self.etag = self._resp.headers.get("ETag")
             changed(etag, self.etag)

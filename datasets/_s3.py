@@ -35,8 +35,9 @@ from ._answers import (
     in_words,
     no_answer,
     retried,
+    tls_refusal,
 )
-from ._s3_clients import clients, s3_client
+from ._s3_clients import clients, s3_client, tls_trust
 
 __all__ = ["list_s3", "s3_get"]
 
@@ -168,7 +169,8 @@ class _PresignedBody(StdlibBody):
                 conn.close()
                 if reused and not isinstance(err, (TimeoutError, socket.timeout)):
                     continue  # an idle connection that died before answering: a fresh one
-                raise Transient(in_words(err)) from None
+                raise (_tls_refusal(err, f"{url.scheme}://{url.netloc}")
+                       or Transient(in_words(err))) from None
         self._conn: http.client.HTTPConnection | None = conn
         status = self._resp.status
         if status not in (200, 206):
@@ -207,6 +209,11 @@ class _PresignedBody(StdlibBody):
             conn.close()
 
 
+def _tls_refusal(err: BaseException, endpoint: str) -> Permanent | None:
+    """A TLS failure no retry mends, in words that name the endpoint and AWS_CA_BUNDLE."""
+    return tls_refusal(err, f"the S3 endpoint {endpoint}", tls_trust)
+
+
 class _S3Body:
     def __init__(self, client: Any, bucket: str, key: str, start: int,
                  etag: str | None) -> None:
@@ -227,7 +234,7 @@ class _S3Body:
                 raise Transient(text) from None
             raise Permanent(text) from None
         except BotoCoreError as err:
-            raise self._sorted(err) from None
+            raise (_tls_refusal(err, client.meta.endpoint_url) or self._sorted(err)) from None
         self._body = answer["Body"]
         self.etag = answer.get("ETag")
         changed(etag, self.etag)

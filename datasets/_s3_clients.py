@@ -1,5 +1,10 @@
 """S3 clients: this process's boto3 sessions and clients (one per AWS environment and timeout),
-TLS settings and kept-alive connections for presigned GETs, all made again after a fork."""
+TLS settings and kept-alive connections for presigned GETs, all made again after a fork.
+
+TLS is verified as boto3 verifies it, presigned GETs and boto3's own alike: with the CA bundle
+of ``AWS_CA_BUNDLE`` (or ``ca_bundle`` in the AWS config file) when set, else botocore's default
+(certifi's); ``SSL_CERT_FILE`` is not boto3's setting, so it is not this one's either.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from mmproxy._install import install_hint
 
 from ._answers import Permanent
 
-__all__ = ["clients", "prepare_s3", "s3_client"]
+__all__ = ["clients", "prepare_s3", "s3_client", "tls_trust"]
 
 
 class _Clients:
@@ -58,18 +63,12 @@ class _Clients:
             return self.clients[key]
 
     def ssl_context(self, session: Any) -> ssl.SSLContext:
-        """The TLS settings of presigned GETs: verified as boto3 would (its ``ca_bundle``
-        setting or ``AWS_CA_BUNDLE``, else its default bundle)."""
-        import botocore.httpsession
-        import botocore.session
-
+        """The TLS settings of presigned GETs: verified as boto3 would (:func:`_ca_bundle`)."""
         with self.lock:
             context = self.contexts.get(id(session))
             if context is None:  # the same environment and files as the session's
-                bundle = (botocore.session.get_session().get_config_variable("ca_bundle")
-                          or botocore.httpsession.get_cert_path(True))
                 context = self.contexts[id(session)] = ssl.create_default_context(
-                    cafile=bundle if isinstance(bundle, str) else None)
+                    cafile=_ca_bundle())
             return context
 
     def connection(self, scheme: str, netloc: str, context: ssl.SSLContext | None,
@@ -107,6 +106,25 @@ def _make_session() -> Any:
     session.get_credentials()  # found once, here
     session.client("s3")  # loads the service model into the session's cache
     return session
+
+
+def _ca_bundle() -> str | None:
+    """The CA bundle boto3 verifies S3 endpoints with: ``AWS_CA_BUNDLE`` (or ``ca_bundle`` in
+    the AWS config file), else botocore's default."""
+    import botocore.httpsession
+    import botocore.session
+
+    bundle = (botocore.session.get_session().get_config_variable("ca_bundle")
+              or botocore.httpsession.get_cert_path(True))
+    return bundle if isinstance(bundle, str) else None
+
+
+def tls_trust() -> str:
+    """How to make boto3 (and so this process's S3 GETs) trust an endpoint's certificate, and
+    what it trusts now."""
+    return (f"to trust it, set AWS_CA_BUNDLE=/path/ca.pem, a file of the CA certificates to "
+            f"trust (or ca_bundle in the AWS config file); trusted now: "
+            f"{_ca_bundle() or 'the system CA certificates'}")
 
 
 def prepare_s3() -> None:

@@ -26,16 +26,27 @@ where the bytes stopped (a ``Range`` request, checked against the shard's ETag);
 warning on the ``mmproxy.datasets.remote`` logger, and the count starts again after every answer
 that brings bytes. After the last one (with the defaults, within
 :attr:`RemoteOptions.give_up_after`: under two minutes for a server that stops answering), or at
-once for a missing shard or refused credentials, :class:`RemoteError` names the reason;
+once for a missing shard, refused credentials or a TLS failure no retry mends (a certificate that
+does not verify, a refused handshake), :class:`RemoteError` names the reason;
 :class:`~mmproxy.datasets.MultiModalDataset` records it in ``__skipped__`` (skip mode) or raises
 :class:`~mmproxy.errors.ShardError` with the URL (raise mode). URLs in messages and logs are
 :func:`redact`-ed and other texts masked likewise, secrets by where they stand (a URL's user
 info, a signed URL's signature, credential and token, an ``Authorization`` header), and S3
 credentials come only from the AWS environment and config files.
 
+TLS: ``https://`` servers are verified with Python's default settings (``SSL_CERT_FILE`` or
+``SSL_CERT_DIR`` when set, else the system's CA certificates), S3 endpoints as boto3 verifies
+them (``AWS_CA_BUNDLE``, else botocore's bundle); a certificate that does not verify fails at
+once, saying which variable to set.
+
 Memory: a streamed (uncached) shard is anonymous shared memory until the worker and the server
 let go of its mapping (the transport keeps the last few mappings of each); with large shards,
 set a ``cache_dir`` so that shards live in the page cache, which the kernel can reclaim.
+
+Gzip: a shard whose first bytes are gzip's is downloaded the same way (into the memfd or the
+cache, compressed) and decompressed as its bytes arrive into a memfd of its own, read once the
+stream ends (:func:`~mmproxy.datasets.shards.read_remote_tar`); streamed, the two are in memory
+together until the decompression ends.
 
 Modules: this one (options, opening a shard from the cache or the network), ``_download`` (the
 thread and the retry policy), ``_sources`` (one GET per scheme, failures sorted; texts masked

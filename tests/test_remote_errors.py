@@ -1,17 +1,29 @@
-"""What remote shards' failures say, against real servers started here: secrets are masked by
-where they stand (a signed URL's query, a URL's user info, a header), so a short credential
-such as moto's ``x`` leaves the words of a message alone."""
+"""What remote shards' failures say, against real servers started here: TLS failures that no
+retry mends fail at once and say what to set (``SSL_CERT_FILE``, ``AWS_CA_BUNDLE``); secrets
+are masked by where they stand (a signed URL's query, a URL's user info, a header), so a short
+credential such as moto's ``x`` leaves the words of a message alone."""
 # ruff: noqa: F811 - the fixtures imported from test_remote are the tests' parameters
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import logging
+import re
+import socket
+import ssl
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from mmproxy.datasets import MultiModalDataset
 from mmproxy.datasets.remote import RemoteError, RemoteOptions, redact
 from mmproxy.datasets.shards import expand
@@ -19,6 +31,7 @@ from test_remote import (  # noqa: F401 - fixtures
     SECRET,
     aws,
     fresh_s3_state,
+    http,
     image_server,
     local,
     read_whole,
@@ -33,6 +46,186 @@ from mmproxy.apps.bench.remote import ShardServer
 pytestmark = pytest.mark.timeout(120)
 
 LOOPBACK = "127.0.0.1"
+
+
+def certificate(folder: Path, name: str, *, ip: str = LOOPBACK, expired: bool = False):
+    """A self-signed certificate for ``ip`` (an IP SAN) and its key, written as
+    ``NAME.pem`` and ``NAME.key``; ``expired``: valid until an hour ago."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"mmproxy test {name}")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = ((now - datetime.timedelta(days=2), now - datetime.timedelta(hours=1))
+                  if expired else (now - datetime.timedelta(hours=1), now + datetime.timedelta(days=1)))
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
+                                         content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False,
+                                         crl_sign=False, encipher_only=False,
+                                         decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    pem, private = folder / f"{name}.pem", folder / f"{name}.key"
+    pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                          serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    return pem, private
+
+
+@contextlib.contextmanager
+def https_server(root: Path, pem: Path, private: Path):
+    """The tests' shard server (:class:`ShardServer`) of ``root`` behind TLS with this
+    certificate; yields its ``https://`` URL and the server (its request counts)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pem, private)
+    server = ShardServer(root)
+    server._httpd.socket = context.wrap_socket(server._httpd.socket, server_side=True)
+    with server:
+        yield server.url.replace("http://", "https://", 1), server
+
+
+@pytest.fixture
+def trust(monkeypatch):
+    """This process's TLS trust, as a test sets it: nothing of the machine's SSL_CERT_* or
+    AWS_CA_BUNDLE; ``trust(pem)`` makes SSL_CERT_FILE that file."""
+    for name in ("SSL_CERT_FILE", "SSL_CERT_DIR", "AWS_CA_BUNDLE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def use(pem: Path) -> None:
+        monkeypatch.setenv("SSL_CERT_FILE", str(pem))
+
+    return use
+
+
+def timed_failure(url: str, **options) -> tuple[str, float]:
+    start = time.monotonic()
+    with pytest.raises(RemoteError) as raised:
+        read_whole(url, **options)
+    return str(raised.value), time.monotonic() - start
+
+
+UNTRUSTED = (r"TLS: the certificate of the server did not verify \(self-signed certificate\): "
+             r"to trust it, set SSL_CERT_FILE=/path/ca\.pem, a file of the CA certificates to "
+             r"trust \(or SSL_CERT_DIR, a folder of them\); trusted now: ")
+
+
+def test_an_https_certificate_that_does_not_verify_fails_at_once_and_ssl_cert_file_trusts_it(
+        shard_dir, local, image_server, trust, tmp_path, caplog):
+    """A self-signed certificate: no retry (the defaults would take about 14 s), a message that
+    says why and how to trust it, a ShardError naming the shard (redacted); with SSL_CERT_FILE
+    at the certificate, urllib's default settings trust it and the shard is read."""
+    pem, private = certificate(tmp_path, "self")
+    with https_server(shard_dir, pem, private) as (url, server):
+        text, took = timed_failure(f"{url}/r-0.tar")
+        assert took < 1.0 and re.match(UNTRUSTED, text), (took, text)
+        shard = f"{url}/r-0.tar?X-Amz-Signature={SECRET}"
+        ds = MultiModalDataset([shard], {"image": ("jpg", image_server.proxy)}, batch_size=4,
+                               remote=RemoteOptions())
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING), pytest.raises(mmproxy.ShardError) as raised:
+            list(ds.loader(image_server, num_workers=0))
+        assert time.monotonic() - start < 1.0
+        assert re.match(rf"shard {re.escape(url)}/r-0\.tar\?X-Amz-Signature=\*\*\*: cannot be "
+                        rf"read: RemoteError: {UNTRUSTED}", str(raised.value)), str(raised.value)
+        assert SECRET not in str(raised.value) and not caplog.records  # no retry warned of
+        assert server.requests["r-0.tar"] == 0  # no GET went out unverified
+        trust(pem)
+        assert read_whole(f"{url}/r-0.tar") == Path(local[0]).read_bytes()
+
+
+@pytest.mark.parametrize("kind, why, fix", [
+    ("other-host", r"IP address mismatch, certificate is not valid for '127\.0\.0\.1'",
+     r"the shard's URL must name a host the certificate is for"),
+    ("expired", r"certificate has expired",
+     r"the server needs a certificate in date \(or this machine's clock is wrong\)"),
+])
+def test_a_trusted_certificate_for_another_host_or_out_of_date_fails_at_once(
+        shard_dir, trust, tmp_path, kind, why, fix):
+    """Trusted (SSL_CERT_FILE) but not valid for this host or this time: said so at once, with
+    what mends it (not SSL_CERT_FILE)."""
+    pem, private = certificate(tmp_path, kind, ip="127.0.0.2" if kind == "other-host" else LOOPBACK,
+                               expired=kind == "expired")
+    trust(pem)
+    with https_server(shard_dir, pem, private) as (url, _):
+        text, took = timed_failure(f"{url}/r-0.tar")
+    assert took < 1.0
+    assert re.fullmatch(rf"TLS: the certificate of the server did not verify \({why}\): {fix}",
+                        text), text
+
+
+@contextlib.contextmanager
+def closing_server():
+    """A server on 127.0.0.1 that closes each connection as soon as it takes it (a handshake
+    cut short); yields its port."""
+    listener = socket.create_server((LOOPBACK, 0))
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                listener.accept()[0].close()
+
+    thread = threading.Thread(target=accept, name="closing-server", daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        listener.close()
+
+
+def test_a_refused_handshake_fails_at_once_and_a_cut_one_is_retried(http, caplog):
+    """https:// to a plain HTTP server: the handshake cannot succeed (wrong version number),
+    said at once; a connection closed during the handshake may be a passing failure: retried."""
+    url = http.url.replace("http://", "https://", 1)
+    text, took = timed_failure(f"{url}/r-0.tar")
+    assert took < 1.0
+    assert re.fullmatch(r"TLS: the server does not speak TLS on that port \(wrong version number: "
+                        r"an http:// server\?\)", text), text
+    with closing_server() as port, caplog.at_level(logging.WARNING):
+        text, _ = timed_failure(f"https://{LOOPBACK}:{port}/r-0.tar", retries=2, backoff=0.01)
+    assert text.endswith("(gave up after 3 attempts)") and "TLS:" not in text, text
+    assert len([r for r in caplog.records if "retry" in r.getMessage()]) == 2
+
+
+def test_an_s3_endpoint_whose_certificate_does_not_verify_names_aws_ca_bundle(
+        shard_dir, local, aws, trust, tmp_path):
+    """S3 trusts what boto3 trusts: SSL_CERT_FILE is not its setting, AWS_CA_BUNDLE is. Both
+    ways of GETting (presigned, and boto3's own get_object) fail at once naming the endpoint and
+    AWS_CA_BUNDLE, and read the shard once it is set."""
+    from mmproxy.datasets import _s3_clients
+
+    pem, private = certificate(tmp_path, "s3")
+    with https_server(shard_dir.parent, pem, private) as (url, server):
+        aws({"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "AKIA-TEST",
+             "AWS_DEFAULT_REGION": "us-east-1"})
+        trust(pem)  # Python's setting, not boto3's
+        expected = (rf"TLS: the certificate of the S3 endpoint {re.escape(url)} did not verify "
+                    r"\(self-signed certificate\): to trust it, set AWS_CA_BUNDLE=/path/ca\.pem, "
+                    r"a file of the CA certificates to trust \(or ca_bundle in the AWS config "
+                    r"file\); trusted now: \S+")
+        for through_boto3 in (False, True):
+            if through_boto3:
+                _s3_clients.clients.slow.add((url, "bucket"))
+            text, took = timed_failure("s3://bucket/r-0.tar")
+            assert took < 1.0 and re.fullmatch(expected, text), (through_boto3, took, text)
+        assert not server.requests
+        aws({"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "AKIA-TEST",
+             "AWS_DEFAULT_REGION": "us-east-1", "AWS_CA_BUNDLE": str(pem)})
+        for through_boto3 in (True, False):
+            if not through_boto3:
+                _s3_clients.clients.slow.clear()
+            assert read_whole("s3://bucket/r-0.tar") == Path(local[0]).read_bytes()
+        queries = [query for _, query in server.queries]
+    assert ["X-Amz-Signature=" in query for query in queries] == [False, True]
 
 
 # -- secrets masked by where they stand ------------------------------------------------------------
