@@ -37,6 +37,7 @@ from ._answers import (
     retried,
     tls_refusal,
 )
+from ._compressed import SUFFIXES
 from ._s3_clients import clients, s3_client, tls_trust
 
 __all__ = ["list_s3", "s3_get"]
@@ -55,16 +56,17 @@ def _bucket_key(url: str) -> tuple[str, str]:
 
 def list_s3(url: str, timeout: float) -> tuple[list[str], int]:
     """The shards an ``s3://`` prefix or glob names, sorted, and how many objects the listing
-    saw: for ``s3://BUCKET/PREFIX/`` (or ``s3://BUCKET``) its ``.tar`` objects (not those under
-    deeper prefixes, as a local folder's ``*.tar``), for a glob the keys it matches (``*``,
-    ``?`` and ``[...]`` within one level of ``/``, as :mod:`glob` does). Raises
+    saw: for ``s3://BUCKET/PREFIX/`` (or ``s3://BUCKET``) its ``.tar``, ``.tar.gz`` and ``.tgz``
+    objects (not those under deeper prefixes, as a local folder's shards), for a glob the keys it
+    matches (``*``, ``?`` and ``[...]`` within one level of ``/``, as :mod:`glob` does). Raises
     :class:`Permanent` when S3 refuses the listing."""
     client = s3_client(timeout)  # Permanent without boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, _, pattern = url[5:].partition("/")  # not urlsplit: "?" is a wildcard here
-    if not pattern or pattern.endswith("/"):
-        pattern += "*.tar"
+    patterns = ([pattern + "*" + suffix for suffix in SUFFIXES]
+                if not pattern or pattern.endswith("/") else [pattern])
+    pattern = patterns[0]  # the same up to the wildcard as the others
     wild = min((i for i, c in enumerate(pattern) if c in "*?["), default=len(pattern))
     deep = "/" in pattern[wild:]  # a pattern with levels below its first wildcard
     ask = {"Bucket": bucket, "Prefix": pattern[:wild], **({} if deep else {"Delimiter": "/"})}
@@ -75,10 +77,11 @@ def list_s3(url: str, timeout: float) -> tuple[list[str], int]:
         raise Permanent(_answer(err)[2]) from None
     except BotoCoreError as err:
         raise Permanent(f"{type(err).__name__}: {err}") from None
-    levels = pattern.split("/")
+    every = [p.split("/") for p in patterns]
     return [f"s3://{bucket}/{key}" for key in sorted(keys)
-            if len(key.split("/")) == len(levels)
-            and all(map(fnmatch.fnmatchcase, key.split("/"), levels))], len(keys)
+            if any(len(key.split("/")) == len(levels)
+                   and all(map(fnmatch.fnmatchcase, key.split("/"), levels)) for levels in every)
+            ], len(keys)
 
 
 def _answer(err: Any) -> tuple[str, int, str]:

@@ -1,9 +1,9 @@
 """Shard reader: the raw samples of the work items a shard plan gives, each with its address.
 
-:class:`TarReader` reads one work item: local and remote shards mapped (zero copy), others
-through webdataset; a shard that cannot be read, or holds nothing, becomes one
-:class:`~mmproxy.skips.SkippedSample` record (``on_error="skip"``) or a
-:class:`~mmproxy.errors.ShardError`. This is where a shard's skip record is made.
+:class:`TarReader` reads one work item: local and remote shards mapped (zero copy; a gzip one
+decompressed into memory first), others through webdataset; a shard that cannot be read, or
+holds nothing, becomes one :class:`~mmproxy.skips.SkippedSample` record (``on_error="skip"``)
+or a :class:`~mmproxy.errors.ShardError`. This is where a shard's skip record is made.
 :class:`ShardReader` is the stage: one source's samples for one worker, item after item, with the
 next sample index as its state; a resumed reader opens its item again from that index, passing
 over the samples before it without processing them.

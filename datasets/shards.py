@@ -11,7 +11,9 @@ pays only for parsing the headers, and the members then travel to the server by 
 shard's descriptor and offsets), not copied (what a worker spends per sample:
 ``benchmarks/worker_cost.py``; what mapping gave: benchmarks/HISTORY.md, "What moved the figures").
 ``http(s)://`` and ``s3://`` shards are read the same way from memory or the node cache as they
-stream in (:mod:`mmproxy.datasets.remote`).
+stream in (:mod:`mmproxy.datasets.remote`). A gzip shard (``.tar.gz``, ``.tgz``, or any shard whose
+bytes start with gzip's signature) is decompressed into an anonymous memory file and read from
+there the same way (:mod:`mmproxy.datasets._compressed`: what it costs).
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ import webdataset as wds
 from mmproxy import worker
 from mmproxy.errors import ShardError
 
+from ._compressed import HEAD, SUFFIXES, Decompressed, compression, decompress
 from ._sources import Permanent, list_s3
 from ._tar import members, streamed_members
 from .remote import RemoteOptions, RemoteShard, is_remote, open_remote, redact
 
-__all__ = ["current_epoch", "expand", "is_local", "is_remote", "local_glob", "read_local_tar",
-           "read_remote_tar", "require_files", "worker_info"]
+__all__ = ["current_epoch", "expand", "folder_shards", "is_local", "is_remote", "local_glob",
+           "read_local_tar", "read_remote_tar", "require_files", "worker_info"]
 
 
 def expand(urls: str | Sequence[str]) -> list[str]:
@@ -71,18 +74,34 @@ def require_files(shards: Sequence[str], named_by: str) -> None:
     if not missing:
         return
     folders = [s for s in missing if os.path.isdir(s)]
-    hint = (f"; {folders[0]} is a folder: name its shards, e.g. {os.path.join(folders[0], '*.tar')}"
+    hint = (f"; {folders[0]} is a folder: name its shards, e.g. {_folder_glob(folders[0])}"
             if folders else "")
     more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
     raise FileNotFoundError(f"no shard at {', '.join(missing[:3])}{more} ({len(missing)} of the "
                             f"{len(shards)} that {named_by} names){hint}")
 
 
+def folder_shards(folder: str) -> list[str]:
+    """The shards of a local folder: its files named ``*.tar``, ``*.tar.gz`` or ``*.tgz`` (not
+    those of its subfolders), sorted."""
+    return sorted(path for suffix in SUFFIXES
+                  for path in local_glob(os.path.join(folder, "*" + suffix)))
+
+
+def _folder_glob(folder: str) -> str:
+    """A pattern that names the shards of ``folder``: ``*.tar``, or the suffixes its shards have
+    (``*.tar.gz``; ``*.{tar,tgz}``, a brace pattern :func:`expand` takes)."""
+    found = folder_shards(folder)
+    have = [suffix[1:] for suffix in SUFFIXES if any(p.endswith(suffix) for p in found)] or ["tar"]
+    return os.path.join(folder, f"*.{have[0]}" if len(have) == 1 else f"*.{{{','.join(have)}}}")
+
+
 def _expand_remote(url: str) -> list[str]:
     """The shards a remote URL names: itself, or for an ``s3://`` prefix ending in ``/`` (or a
-    bucket) its ``.tar`` objects and for an ``s3://`` glob the objects it matches, listed with
-    boto3 (``_sources.list_s3``). HTTP cannot list a folder: an ``http(s)://`` URL ending in
-    ``/`` or holding ``*`` or ``[`` is refused. Raises :class:`~mmproxy.errors.ShardError`."""
+    bucket) its ``.tar``, ``.tar.gz`` and ``.tgz`` objects and for an ``s3://`` glob the objects
+    it matches, listed with boto3 (``_sources.list_s3``). HTTP cannot list a folder: an
+    ``http(s)://`` URL ending in ``/`` or holding ``*`` or ``[`` is refused. Raises
+    :class:`~mmproxy.errors.ShardError`."""
     path = urlsplit(url).path
     if url[:5].lower() != "s3://":
         if path.endswith("/") or any(c in path for c in "*["):
@@ -99,7 +118,8 @@ def _expand_remote(url: str) -> list[str]:
         raise ShardError(f"cannot list {url}: {err}") from None
     if not found:
         seen = f"{listed} object(s) listed, none matching" if listed else "nothing listed"
-        rule = "; a prefix ending in / names its .tar objects" if not key or key.endswith("/") else ""
+        rule = ("; a prefix ending in / names its .tar, .tar.gz and .tgz objects"
+                if not key or key.endswith("/") else "")
         raise ShardError(f"no shard matches {url} ({seen}{rule})")
     return found
 
@@ -121,8 +141,8 @@ def _why_none(pattern: str) -> str:
     its folder does not exist."""
     folders = [p for p in glob.glob(pattern) if os.path.isdir(p)]
     if folders:
-        return (f"it matches {len(folders)} folder(s), e.g. {folders[0]}; a shard is a .tar file: "
-                "add /*.tar")
+        return (f"it matches {len(folders)} folder(s), e.g. {folders[0]}; a shard is a .tar, "
+                ".tar.gz or .tgz file: add /*.tar")
     folder = os.path.dirname(pattern)
     if folder and not any(c in folder for c in "*?[") and not os.path.isdir(folder):
         return f"there is no folder {folder}"
@@ -151,8 +171,10 @@ def is_local(url: str) -> bool:
 def read_local_tar(url: str, name: str | None = None, *,
                    register: bool = True) -> Iterator[dict[str, Any]]:
     """Samples of a local tar, grouped by key like webdataset's; fields are memoryviews of a
-    read-only mapping of the file (no copy). Raises ``tarfile.ReadError`` for a damaged shard.
-    ``name`` is the shard's ``__url__`` (default: ``url``).
+    read-only mapping of the file (no copy), or of the tar a gzip shard holds (decompressed
+    into memory first). Raises ``tarfile.ReadError`` for a damaged shard, or a gzip stream cut
+    short or corrupt (after the samples before that point). ``name`` is the shard's ``__url__``
+    (default: ``url``).
 
     The mapping is registered with the transport (unless ``register`` is False) while the shard
     is read, so a worker sends the server the shard's descriptor and the members' offsets instead
@@ -163,18 +185,53 @@ def read_local_tar(url: str, name: str | None = None, *,
             raise tarfile.ReadError("the file is 0 bytes long (not a tar; an empty tar is 1,024 "
                                     "zero bytes)")
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if register:
+        kind = compression(mapping[:HEAD])
+        if register and kind is None:
             worker.register_file_mapping(mapping, f.fileno())
-    yield from _grouped(memoryview(mapping), name or url)
+    if kind is None:
+        yield from _grouped(memoryview(mapping), name or url)
+        return
+    shard = decompress(memoryview(mapping), kind)
+    del mapping  # the compressed bytes go once decompressed
+    yield from _decompressed(shard, name or url, register)
 
 
 def read_remote_tar(url: str, options: RemoteOptions) -> Iterator[dict[str, Any]]:
     """Samples of an ``http(s)://`` or ``s3://`` shard, like :func:`read_local_tar`'s: streamed
     (each sample as soon as its bytes are in), or from the node cache (see
-    :mod:`mmproxy.datasets.remote`). Raises :class:`~mmproxy.datasets.remote.RemoteError` for a
-    shard that cannot be fetched."""
-    with open_remote(url, options) as shard:
-        yield from _grouped(shard.view, url, shard)
+    :mod:`mmproxy.datasets.remote`); a gzip shard decompressed as it streams in, and read once
+    whole. Raises :class:`~mmproxy.datasets.remote.RemoteError` for a shard that cannot be
+    fetched."""
+    with open_remote(url, options) as remote:
+        remote.wait(min(HEAD, len(remote.view)))
+        kind = compression(bytes(remote.view[:HEAD]))
+        if kind is None:
+            yield from _grouped(remote.view, url, remote)
+            return
+        shard = decompress(remote.members, kind)
+        del remote  # its compressed bytes go before the tar is read
+    yield from _decompressed(shard, url, register=True)
+
+
+def _decompressed(shard: Decompressed, url: str, register: bool) -> Iterator[dict[str, Any]]:
+    """The samples of a decompressed shard's tar (:func:`_grouped`), its mapping registered
+    while it is read (``register``); then the error of a stream cut short or corrupt, in place
+    of the tar's own error at the end of what was decompressed."""
+    try:
+        if register:
+            worker.register_file_mapping(shard.mapping, shard.fd)
+    finally:
+        os.close(shard.fd)
+    try:
+        yield from _grouped(memoryview(shard.mapping), url)
+    except tarfile.ReadError:
+        if shard.error is None:
+            raise
+    finally:
+        if register:  # memory: its samples still held are copied when sent, as a streamed shard's
+            worker.release_file_mapping(shard.mapping)
+    if shard.error is not None:
+        raise shard.error
 
 
 DUPLICATES = "__duplicates__"  # a raw sample's extensions that more than one member holds

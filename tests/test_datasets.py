@@ -299,7 +299,8 @@ def test_a_glob_keeps_regular_files_and_a_literal_bracket_in_a_name_is_taken_as_
     assert expand(str(tmp_path / "b[0].tar")) == [str(tmp_path / "b[0].tar")]
     assert expand(str(tmp_path / "[bs]-0.tar")) == [str(tmp_path / "s-0.tar")]
     with pytest.raises(mmproxy.ShardError, match=r"no shard matches .*/sub\* \(it matches "
-                       r"1 folder\(s\), e\.g\. .*/sub\.tar; a shard is a \.tar file: add /\*\.tar\)$"):
+                       r"1 folder\(s\), e\.g\. .*/sub\.tar; a shard is a \.tar, \.tar\.gz or \.tgz "
+                       r"file: add /\*\.tar\)$"):
         expand(str(tmp_path / "sub*"))
 
 

@@ -464,7 +464,8 @@ def test_an_s3_prefix_or_glob_is_listed_and_an_http_one_is_refused(s3, aws, imag
                        r"\(nothing listed\)$"):
         expand("s3://bench/q-*.tar")
     with pytest.raises(mmproxy.ShardError, match=r"^no shard matches s3://bench/r-0\.tar/ "
-                       r"\(nothing listed; a prefix ending in / names its \.tar objects\)$"):
+                       r"\(nothing listed; a prefix ending in / names its \.tar, \.tar\.gz and "
+                       r"\.tgz objects\)$"):
         expand("s3://bench/r-0.tar/")
     with pytest.raises(mmproxy.ShardError, match=r"^cannot list s3://nowhere/: S3 NoSuchBucket "
                        r"\(HTTP 404\)"):

@@ -11,17 +11,19 @@ __all__ = ["expand_data", "first_sample_fields"]
 
 
 def expand_data(data: str) -> list[str]:
-    """The shards ``--data`` names: a folder of ``.tar`` files, or anything the datasets take
-    (:func:`~mmproxy.datasets.shards.expand`: a path, a brace pattern, a glob of local paths,
-    URLs), or ``::``-separated lists of them."""
-    from mmproxy.datasets.shards import expand, local_glob
+    """The shards ``--data`` names: a folder of shards (its ``.tar``, ``.tar.gz`` and ``.tgz``
+    files, what the datasets read: :func:`~mmproxy.datasets.shards.folder_shards`), or anything
+    the datasets take (:func:`~mmproxy.datasets.shards.expand`: a path, a brace pattern, a glob
+    of local paths, URLs), or ``::``-separated lists of them."""
+    from mmproxy.datasets.shards import expand, folder_shards
 
     shards = []
     for item in data.split("::"):  # a folder may be one of several
         if os.path.isdir(item):
-            found = local_glob(os.path.join(item, "*.tar"))
+            found = folder_shards(item)
             if not found:
-                raise FileNotFoundError(f"no .tar shard in the folder {item}")
+                raise FileNotFoundError(f"no shard (.tar, .tar.gz or .tgz file) in the folder "
+                                        f"{item}")
             shards += found
         else:
             shards += expand(item)

@@ -1,0 +1,57 @@
+"""``--data`` of ``mmproxy demo`` (and ``bench``) on shards other tools wrote: a folder of gzip
+shards taken as the datasets take it."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from test_cli_and_shards import run_cli
+from test_gzip_shards import write_tarfile_gz, write_webdataset
+
+from mmproxy.apps.data import expand_data, first_sample_fields
+from mmproxy.testing import image_bytes, write_tar
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def sample(i):
+    return {"__key__": f"k{i:02d}", "jpg": image_bytes(np.full((24, 32, 3), 20 + 9 * i, np.uint8),
+                                                       "JPEG"),
+            "txt": f"a caption {i}".encode(), "cls": str(i % 3).encode()}
+
+
+def gzip_folder(folder):
+    """A .tar.gz by webdataset's TarWriter, a .tgz by tarfile, a plain .tar: 12 samples."""
+    folder.mkdir()
+    write_webdataset(folder / "a.tar.gz", [sample(i) for i in range(4)])
+    write_tarfile_gz(folder / "b.tgz", [sample(i) for i in range(4, 8)])
+    write_tar(folder / "c.tar", [sample(i) for i in range(8, 12)])
+    return [str(folder / n) for n in ("a.tar.gz", "b.tgz", "c.tar")]
+
+
+def test_data_folder_takes_the_shards_the_datasets_read(tmp_path):
+    shards = gzip_folder(tmp_path / "data")
+    assert expand_data(str(tmp_path / "data")) == shards
+    first, exts = first_sample_fields(shards)
+    assert first == shards[0] and sorted(exts) == ["cls", "jpg", "txt"]
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "x.tgz").write_bytes((tmp_path / "data" / "b.tgz").read_bytes())
+    assert expand_data(f"{tmp_path / 'gz'}::{shards[2]}") == [str(tmp_path / "gz" / "x.tgz"),
+                                                             shards[2]]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("not a shard")
+    with pytest.raises(FileNotFoundError, match=r"^no shard \(\.tar, \.tar\.gz or \.tgz file\) "
+                       r"in the folder \S+/empty$"):
+        expand_data(str(tmp_path / "empty"))
+
+
+def test_demo_reads_every_sample_of_a_folder_of_gzip_shards(tmp_path):
+    gzip_folder(tmp_path / "data")
+    proc = run_cli(["demo", "--data", str(tmp_path / "data"), "--batch-size", "4",
+                    "--workers", "2", "--device", "cpu"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    counts = dict(re.findall(r"^  (\w+) +(\d+) samples +[\d.]+ samples/s", proc.stdout, re.M))
+    assert counts == {"image": "12", "text": "12", "label": "12"}, proc.stdout
+    assert "3 shard(s)" in proc.stdout and "skipped 0 samples" in proc.stdout, proc.stdout
