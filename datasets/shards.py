@@ -22,7 +22,7 @@ import glob
 import mmap
 import os
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -37,7 +37,7 @@ from ._tar import members, streamed_members
 from .remote import RemoteOptions, RemoteShard, is_remote, open_remote, redact
 
 __all__ = ["current_epoch", "expand", "folder_shards", "is_local", "is_remote", "local_glob",
-           "read_local_tar", "read_remote_tar", "require_files", "worker_info"]
+           "read_local_tar", "read_remote_tar", "require_files", "split_reason", "worker_info"]
 
 
 def expand(urls: str | Sequence[str]) -> list[str]:
@@ -237,6 +237,21 @@ def _decompressed(shard: Decompressed, url: str, register: bool) -> Iterator[dic
 DUPLICATES = "__duplicates__"  # a raw sample's extensions that more than one member holds
 SPLIT = "__split__"  # in a raw sample whose key named members earlier in the tar, others between
 KEY_RUNS = "__key_runs__"  # in a raw sample of a whole shard: its _KeyRuns, asked on a missing field
+
+
+def split_reason(sample: Mapping[str, Any]) -> str | None:
+    """Why a raw sample cannot be read, if its key names members apart in its tar (other
+    samples' members between): the datasets' "split sample" reason. None when its members follow
+    each other, or when that is not known (its shard still streaming in, not yet at the key's
+    later members)."""
+    runs = sample.get(KEY_RUNS)
+    if SPLIT not in sample and not (runs is not None and runs.split(sample["__key__"])):
+        return None
+    here = ", ".join(repr(k) for k in sorted(k for k in sample if not k.startswith("__")))
+    return (f"split sample: its {here} file(s) lie apart from its other files in the tar, other "
+            "samples' files between them; a sample's files must follow each other (write the tar "
+            "sorted by name, e.g. GNU tar --sort=name -cf SHARD.tar -C FOLDER ., or with mmproxy "
+            "make-shards)")
 
 
 def _key_ext(name: str) -> tuple[str | None, str]:

@@ -1,12 +1,16 @@
 """``--data`` of ``mmproxy demo`` (and ``bench``) on shards other tools wrote: a folder of gzip
-shards taken as the datasets take it."""
+shards taken as the datasets take it, and a tar not sorted by name (a sample's files apart, as GNU
+tar writes ``*.jpg *.txt``) refused with the datasets' own diagnosis."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import tarfile
 
 import numpy as np
 import pytest
+from mmproxy.datasets import MultiModalDataset
 from test_cli_and_shards import run_cli
 from test_gzip_shards import write_tarfile_gz, write_webdataset
 
@@ -20,6 +24,50 @@ def sample(i):
     return {"__key__": f"k{i:02d}", "jpg": image_bytes(np.full((24, 32, 3), 20 + 9 * i, np.uint8),
                                                        "JPEG"),
             "txt": f"a caption {i}".encode(), "cls": str(i % 3).encode()}
+
+
+def unsorted_shard(folder, name, count=4):
+    """A shard as ``tar -cf NAME *.jpg *.txt`` writes it in ``folder``: every image, then every
+    caption (``-z`` for a name ending in .gz)."""
+    files = folder / "files"
+    files.mkdir()
+    for i in range(count):
+        item = sample(i)
+        (files / f"{item['__key__']}.jpg").write_bytes(item["jpg"])
+        (files / f"{item['__key__']}.txt").write_bytes(item["txt"])
+    flags = "-czf" if name.endswith(".gz") else "-cf"
+    subprocess.run(f"tar {flags} ../{name} *.jpg *.txt", shell=True, cwd=files, check=True)
+    return folder / name
+
+
+@pytest.mark.parametrize("name", ["shard.tar", "shard.tar.gz"])
+def test_a_first_sample_split_by_an_unsorted_tar_gets_the_datasets_diagnosis(tmp_path, name):
+    """The probe refuses the first sample with the reason the datasets give the same sample
+    (not its fields as if whole: "no image field, only txt" or a run of split samples)."""
+    shard = str(unsorted_shard(tmp_path, name))
+    with tarfile.open(shard) as tar:
+        assert tar.getnames()[:2] == ["k00.jpg", "k01.jpg"]  # a sample's files apart
+    dataset = MultiModalDataset(shard, {"image": ("jpg", bytes), "text": ("txt", bytes)},
+                                batch_size=2, on_error="skip", max_skipped=None)
+    records = [r for batch in dataset for r in batch["__skipped__"]]
+    first = next(r for r in records if r.key == "k00")
+    assert first.reason.startswith("split sample: its 'jpg' file(s) lie apart")
+    with pytest.raises(ValueError) as err:
+        first_sample_fields([shard])
+    assert str(err.value) == f"the first sample of {shard}, 'k00', cannot be read: {first.reason}"
+
+
+def test_demo_on_an_unsorted_tar_says_to_write_it_sorted_by_name(tmp_path):
+    (tmp_path / "data").mkdir()
+    unsorted_shard(tmp_path / "data", "shard.tar")
+    proc = run_cli(["demo", "--data", str(tmp_path / "data"), "--quiet"], tmp_path)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    first = proc.stderr.strip().splitlines()[0]
+    assert re.fullmatch(r"mmproxy demo: error: the first sample of \S+/shard\.tar, 'k00', cannot "
+                        r"be read: split sample: its 'jpg' file\(s\) lie apart from its other "
+                        r"files in the tar, .*\(write the tar sorted by name, e\.g\. GNU tar "
+                        r"--sort=name .*", first), first
+    assert "has no image" not in proc.stderr
 
 
 def gzip_folder(folder):

@@ -60,8 +60,9 @@ def first_sample_fields(shards: list[str]) -> tuple[str, list[str]]:
     """The shard the fields were read from and the extensions (fields) of its first sample: the
     first shard that has a sample. A damaged or empty local shard is passed over (the run reports
     it), up to 8 of them; a remote or ``pipe:`` shard that cannot be read stops the search (its
-    retries would only be repeated)."""
-    from mmproxy.datasets.shards import is_local, require_files
+    retries would only be repeated). A first sample whose files lie apart in its shard (a tar
+    not sorted by name) is refused with the datasets' reason: its fields are not the sample's."""
+    from mmproxy.datasets.shards import is_local, require_files, split_reason
 
     require_files(shards, "--data")  # all of them, so no run (or comparison) goes on with part
     problems = []
@@ -74,6 +75,10 @@ def first_sample_fields(shards: list[str]) -> tuple[str, list[str]]:
             raise ValueError(f"cannot read the first sample of {shard}: {err}") from err
         else:
             exts = [k.lower() for k in sample if not k.startswith("__")]
+            split = split_reason(sample) if exts else None
+            if split:
+                raise ValueError(f"the first sample of {shard}, {sample['__key__']!r}, cannot be "
+                                 f"read: {split}")
             if exts:
                 return shard, exts
             problems.append(f"{shard} holds no samples (no tar members named KEY.EXT)")
