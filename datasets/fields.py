@@ -2,12 +2,14 @@
 
 A field names the sample's extensions to read (the first one present is used) and a function.
 A *server* field's function is a server's proxy: its bytes first pass the header checks
-(:func:`~mmproxy.datasets.check_header`) and reach the proxy as a uint8 array that travels to the
-server without a copy. Any other field's function gets ``bytes`` and runs in the worker (text,
-labels). :func:`process` turns one raw sample into the dict of its fields, or raises :class:`Skip`
-with the reason: this is where a sample's skip record is made. :class:`FieldStage` is the stage of
-the worker's chain that applies it to every sample the source mixer gives, and reports the record
-or raises :class:`~mmproxy.errors.SampleError`, according to the dataset's ``on_error``.
+(:func:`~mmproxy.datasets.check_header`: an empty file is a bad sample) and reach the proxy as a
+uint8 array that travels to the server without a copy. Any other field's function gets
+``bytes``, as the shard holds them (``b""`` for an empty member: an empty caption is the
+function's to handle), and runs in the worker (text, labels). :func:`process` turns one raw
+sample into the dict of its fields, or raises :class:`Skip` with the reason: this is where a
+sample's skip record is made. :class:`FieldStage` is the stage of the worker's chain that applies
+it to every sample the source mixer gives, and reports the record or raises
+:class:`~mmproxy.errors.SampleError`, according to the dataset's ``on_error``.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ class Field(NamedTuple):
         fn: What to do with the field's bytes.
         server: ``fn`` is a server's proxy: the bytes pass the header checks
             (:func:`~mmproxy.datasets.check_header`) and reach ``fn`` as a uint8 array that
-            travels to the server without a copy. Otherwise ``fn`` gets ``bytes`` and runs in the
-            worker (text, labels).
+            travels to the server without a copy. Otherwise ``fn`` gets ``bytes`` (``b""`` too)
+            and runs in the worker (text, labels).
     """
 
     exts: str
@@ -160,13 +162,14 @@ def _fields(sample: dict[str, Any], plan: _Plan, sample_id: SampleId, keep_keys:
                 raise Skip(url, key, f"duplicate field {ext!r}: the shard holds more than one "
                                      f"{ext!r} member for this sample", SkipKind.DUPLICATE_FIELD)
             data = sample[ext]
-            try:
-                problem = (None if data else "is empty") if route is _Route.WORKER else (
-                    check_header(ext, data, max_pixels))
-            except Exception as err:  # a header no check foresaw: the sample is bad, not the run
-                problem = f"cannot be read ({type(err).__name__}: {err})"
-            if problem:
-                raise Skip(url, key, f"bad header: field {ext!r} {problem}", SkipKind.BAD_HEADER)
+            if route is not _Route.WORKER:  # a worker field's bytes, empty ones too, are its own
+                try:
+                    problem = check_header(ext, data, max_pixels)
+                except Exception as err:  # a header no check foresaw: the sample is bad, not the run
+                    problem = f"cannot be read ({type(err).__name__}: {err})"
+                if problem:
+                    raise Skip(url, key, f"bad header: field {ext!r} {problem}",
+                               SkipKind.BAD_HEADER)
             try:
                 if route is _Route.BATCHED:
                     out[name] = fn.sample_inputs(np.frombuffer(data, np.uint8))  # type: ignore[attr-defined]

@@ -12,8 +12,9 @@ DataLoader worker::
     -> Batcher (composite collate, one run per such field, batch transform, skip records)
     -> PositionStamp (each item with the worker's state, for the loader)
 
-Bad samples: a sample with a missing, empty or corrupt field (header checks), or a field function
-that raises, never reaches a server; a sample that passes the checks but that a server's pipeline
+Bad samples: a sample with a missing field, an empty or corrupt server field (header checks), or
+a field function that raises, never reaches a server (a plain function's field reaches it as it
+is, ``b""`` too); a sample that passes the checks but that a server's pipeline
 cannot process (damage inside the compressed data) is found by the server (see
 :class:`~mmproxy.DALIServer`). With ``on_error="raise"`` either raises, naming the shard and the
 key (:class:`~mmproxy.errors.SampleError`, :class:`~mmproxy.errors.PipelineError`); a shard that

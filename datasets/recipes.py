@@ -9,6 +9,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import torch
+
 from mmproxy.server import DALIServer
 
 from .multimodal import MultiModalDataset
@@ -161,6 +163,10 @@ def _load_file(path: str) -> Any:
 class Tokenize:
     """Batch transform: tokenizes the batch's ``text`` list in the worker, padded together.
 
+    An empty caption is a row of the tokenizer's special tokens, or of padding alone (attention
+    mask 0) for a tokenizer that adds none; ``input_ids`` has at least one column, also when
+    every caption of a batch is empty.
+
     Args:
         tokenizer: A ``transformers`` tokenizer, or a folder / name for ``AutoTokenizer``.
         max_length: Longest sequence kept (longer captions are truncated).
@@ -178,8 +184,11 @@ class Tokenize:
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         enc = self.tokenizer(list(batch.pop("text")), padding=self.padding, truncation=True,
                              max_length=self.max_length, return_tensors="pt")
-        batch["input_ids"] = enc["input_ids"]
-        batch["attention_mask"] = enc["attention_mask"]
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        if ids.shape[-1] == 0:  # only empty captions, and no special tokens: one padding column
+            ids = torch.full((len(ids), 1), self.tokenizer.pad_token_id, dtype=torch.int64)
+            mask = torch.zeros_like(ids)
+        batch["input_ids"], batch["attention_mask"] = ids, mask
         return batch
 
 
@@ -196,8 +205,9 @@ def image_text_dataset(urls: str | Sequence[str], image_server: DALIServer, toke
 
     Batches are dicts: ``image`` (the server's output), ``input_ids`` and ``attention_mask``
     (int64, padded with the tokenizer's pad id to the batch's longest caption or to
-    ``max_length``), ``__key__``, ``__url__`` and ``__skipped__``. Other keyword arguments go to
-    :class:`MultiModalDataset`.
+    ``max_length``), ``__key__``, ``__url__`` and ``__skipped__``. An empty caption is kept (a row
+    of padding, or of the tokenizer's special tokens: :class:`Tokenize`); an empty image is a bad
+    sample. Other keyword arguments go to :class:`MultiModalDataset`.
     """
     if padding not in ("longest", "max_length"):
         raise ValueError(f"padding must be 'longest' or 'max_length', got {padding!r}")
