@@ -30,8 +30,10 @@ nothing, or skips more than ``max_skipped``, raises in the main loop (:mod:`mmpr
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from types import FrameType
 from typing import Any, Literal
 
 import torch.utils.data
@@ -219,22 +221,31 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             raise TypeError("the number of batches is known only with epoch_length set")
         return self.epoch_length
 
-    def loader(self, servers: Any, *, num_workers: int = 2, **kwargs: Any) -> Any:
-        """An :class:`mmproxy.DataLoader` over this dataset (batching stays in the workers)."""
+    def loader(self, servers: Any = (), *, num_workers: int = 2, **kwargs: Any) -> Any:
+        """An :class:`mmproxy.DataLoader` over this dataset (batching stays in the workers), with
+        the servers its fields send to (none for a dataset of plain functions only)."""
         from mmproxy.loader import DataLoader
 
         return DataLoader(servers, self, batch_size=None, num_workers=num_workers, **kwargs)
 
     def check_loader(self, loader: Any) -> None:
         """Called by :class:`mmproxy.DataLoader` when it is made: mistakes that would otherwise
-        show up only later (a torch batch size on batches, batches larger than a server's
-        pipeline takes, ranks or workers left without shards when every rank must yield
-        ``epoch_length`` batches) raise now, before any batch."""
+        show up only later (a torch batch size on batches, a server field whose server the
+        loader was not given, batches larger than a server's pipeline takes, ranks or workers
+        left without shards when every rank must yield ``epoch_length`` batches) raise now,
+        before any batch."""
         if loader.batch_size is not None:
             raise ValueError(
                 f"MultiModalDataset makes its own batches (batch_size={self.batch_size}); give the "
                 f"loader batch_size=None (it got batch_size={loader.batch_size}), or use "
                 "dataset.loader(servers, ...)")
+        given = {server.uid for server in loader.servers}
+        for name, field in ((n, f) for s in self.sources for n, f in s.fields.items()):
+            if field.server and isinstance(field.fn, Proxy) and field.fn.server_uid not in given:
+                raise ValueError(
+                    f"field {name!r} goes through server {field.fn.server_name!r}, which the "
+                    f"loader was not given (it has {sorted(s.name for s in loader.servers)}): "
+                    "give it every server the fields use, dataset.loader([server, ...])")
         # with its own collate a run holds one batch's calls; a collate of the user's may split it
         mine = {f.fn.server_uid for s in self.sources for f in s.fields.values()
                 if f.server and isinstance(f.fn, Proxy)} if self._own_collate else set()
@@ -308,6 +319,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                                world=world, workers=workers, epoch_length=self.epoch_length)
 
     def __iter__(self) -> Iterator[Any]:
+        _refuse_plain_loader(sys._getframe(1))  # the frame that asked for the first batch
         epoch = current_epoch(self._epoch)
         point = worker.resume_state(epoch)
         prefetched = self._next_epoch.take(epoch)
@@ -317,3 +329,25 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         # for the next epoch, numbered one more (see _next_epoch)
         if self.prefetch_next_epoch and self._epoch is None and worker.in_persistent_worker():
             self._next_epoch.prepare(epoch + 1, self._resumed(epoch + 1, None))
+
+
+_TORCH_DATA = "torch.utils.data."  # torch's DataLoader asks for items from a module under it
+
+
+def _refuse_plain_loader(caller: FrameType | None) -> None:
+    """Raises when a DataLoader other than :class:`mmproxy.DataLoader` iterates the dataset (its
+    items asked for from torch's own data code, outside an mmproxy loader's workers or main
+    loop): the batches would reach the training loop unresolved, the records the workers send
+    apart from the batches would arrive as batches holding only ``"__skipped__"`` and
+    ``"__shards_tried__"``, and no epoch would be judged against ``max_skipped``. Iterating the
+    dataset directly gives those items as they are (a worker's view)."""
+    if worker.wants_state() or caller is None:
+        return
+    if str(caller.f_globals.get("__name__", "")).startswith(_TORCH_DATA):
+        raise TypeError(
+            "a MultiModalDataset is read by mmproxy.DataLoader, not torch.utils.data.DataLoader "
+            "(which would hand over the server fields' references unresolved, the skip records "
+            "sent apart from the batches as batches of their own, and judge no max_skipped): "
+            "use dataset.loader(servers, num_workers=...), dataset.loader(num_workers=...) for "
+            "fields that are all plain functions, or mmproxy.DataLoader(servers, dataset, "
+            "batch_size=None)")

@@ -1,6 +1,7 @@
 """Loader: a torch ``DataLoader`` that swaps every server's batch references for real data.
 
-It takes one server, a sequence of servers, or a name-to-server mapping. It starts the servers on
+It takes one server, a sequence of servers, or a name-to-server mapping (empty for a dataset whose
+fields are all plain functions: its batches pass through as they are). It starts the servers on
 iteration, tags every run with (loader, epoch) so that a new epoch drops the runs of an abandoned
 one, and in deterministic mode claims the next batch's runs one batch ahead so that the servers
 work while the training step runs.
@@ -72,8 +73,6 @@ def _as_servers(servers: Servers) -> dict[str, DALIServer]:
     for s in items:
         if not isinstance(s, DALIServer):
             raise TypeError(f"DataLoader expects DALIServer objects, got {type(s).__name__}")
-    if not items:
-        raise ValueError("DataLoader needs at least one server")
     return {s.uid: s for s in items}
 
 
@@ -95,7 +94,8 @@ class DataLoader(torch.utils.data.DataLoader):
     """``torch.utils.data.DataLoader`` that returns batches with real data from DALI servers.
 
     Args:
-        dali_server: One server, a sequence of servers, or a mapping of name to server.
+        dali_server: One server, a sequence of servers, or a mapping of name to server; an
+            empty sequence for a dataset that sends nothing to a server (text, labels).
         *args: Passed to ``torch.utils.data.DataLoader``.
         freeze_gc: On the first iteration of the first loader in the process that has it (before
             that loader's workers start), run ``gc.collect()`` once and then ``gc.freeze()``
@@ -117,7 +117,8 @@ class DataLoader(torch.utils.data.DataLoader):
         if isinstance(dali_server, torch.utils.data.Dataset):
             raise TypeError("mmproxy.DataLoader's first argument is the server (or servers), then "
                             "the dataset: mmproxy.DataLoader(server, dataset, ...), or "
-                            "dataset.loader(server, ...) for a MultiModalDataset")
+                            "dataset.loader(server, ...) for a MultiModalDataset; a dataset "
+                            "with no server field: mmproxy.DataLoader([], dataset, ...)")
         bound = _SIGNATURE.bind(None, *args, **kwargs)
         arguments = dict(bound.arguments)
         arguments.pop("self")

@@ -1,5 +1,5 @@
 """Fields of plain functions: an empty caption reaches its function (and the recipes' tokenizer),
-where an empty file of a server field is a bad sample."""
+and a dataset of text and labels only is read by mmproxy.DataLoader with no server."""
 
 from __future__ import annotations
 
@@ -101,3 +101,67 @@ def test_empty_bytes_reach_a_function_but_an_empty_server_field_is_a_bad_sample(
                                batch_size=6)
     with pytest.raises(mmproxy.SampleError, match="sample 'k4': bad header: field 'jpg' is empty"):
         list(strict.loader(image_server, num_workers=0))
+
+
+def _labels(b: bytes) -> int:
+    return int(b)
+
+
+@pytest.fixture(scope="module")
+def text_only(tmp_path_factory):
+    """Text and labels, no server field: 2 shards of 6 samples; sample 7's label is no number."""
+    root = tmp_path_factory.mktemp("text")
+    for s in range(2):
+        write_tar(root / f"t-{s:03d}.tar", [
+            {"__key__": f"t{i:02d}", "txt": f"line {i}", "cls": "seven" if i == 7 else str(i)}
+            for i in range(6 * s, 6 * s + 6)])
+    return str(root / "t-{000..001}.tar")
+
+
+def _text_dataset(urls, **kw):
+    return MultiModalDataset(urls, {"text": ("txt", bytes.decode), "label": ("cls", _labels)},
+                             batch_size=4, on_error="skip", max_skipped=None, **kw)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_with_no_server_field_is_read_by_mmproxy_dataloader(text_only, workers):
+    """mmproxy.DataLoader refused a dataset whose fields are all plain functions ("needs at least
+    one server"); with no server it yields the batches with their keys and reports the skips."""
+    for loader in (_text_dataset(text_only, shuffle_buffer=4).loader(num_workers=workers),
+                   mmproxy.DataLoader([], _text_dataset(text_only), batch_size=None,
+                                      num_workers=workers)):
+        for _ in range(2):  # two epochs
+            batches = list(loader)
+            keys = sorted(k for b in batches for k in b["__key__"])
+            assert keys == [f"t{i:02d}" for i in range(12) if i != 7]
+            for b in batches:
+                assert b["text"] == [f"line {int(k[1:])}" for k in b["__key__"]]
+                assert b["label"].tolist() == [int(k[1:]) for k in b["__key__"]]
+            assert [r.key for r in loader.skipped.records] == ["t07"]
+            assert "field function failed: field 'cls': ValueError" in loader.skipped.records[0].reason
+    assert loader.servers == []
+
+
+def test_a_loader_without_the_server_of_a_field_is_refused_when_made(text_only, image_server):
+    ds = MultiModalDataset(text_only, {"image": ("txt", image_server.proxy)}, batch_size=4)
+    with pytest.raises(ValueError, match=r"field 'image' goes through server 'image', which the "
+                                         r"loader was not given \(it has \[\]\)"):
+        ds.loader(num_workers=0)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("batch_size", [None, 1])
+def test_a_plain_torch_dataloader_is_told_to_use_mmproxy_dataloader(text_only, workers, batch_size):
+    """A plain torch DataLoader yielded the worker's records as batches of their own (holding
+    only "__skipped__" and "__shards_tried__": KeyError on "__key__") and judged no skip limit:
+    it raises at its first batch, saying which loader reads the dataset. Iterating the dataset
+    itself still gives a worker's items."""
+    ds = _text_dataset(text_only, shuffle_shards=False)
+    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers)
+    with pytest.raises(TypeError, match=r"MultiModalDataset is read by mmproxy\.DataLoader, not "
+                                        r"torch\.utils\.data\.DataLoader .*dataset\.loader\("):
+        next(iter(loader))
+    items = list(ds)
+    assert [k for item in items for k in item.get("__key__", [])] == [
+        f"t{i:02d}" for i in range(12) if i != 7]
+    assert [r.key for item in items for r in item["__skipped__"]] == ["t07"]
