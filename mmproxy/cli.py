@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any
 
-from mmproxy._commands import build_parser
+from mmproxy._commands import build_parser, unrecognized
 from mmproxy._install import install_hint
 
 __all__ = ["main"]
@@ -182,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     args, extra = build_parser().parse_known_args(argv)
     command_parser = args.__dict__.pop("command_parser")  # not a setting (bench writes them out)
-    if extra:  # a mistyped option: the command's own usage, not the top level's
-        command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # a mistyped option, a pattern the shell expanded: the command's own usage
+        command_parser.error(unrecognized(command_parser, sys.argv[1:] if argv is None else argv,
+                                          extra))
     for (command, option), module in _NEEDS.items():
         if args.command == command and getattr(args, option) and not importlib.util.find_spec(module):
             command_parser.error(f"--{option} needs {module}, which is not installed: "
