@@ -13,7 +13,8 @@ import contextlib
 import time
 from typing import Any
 
-from mmproxy.apps.data import expand_data, first_sample_fields
+from mmproxy._install import install_hint
+from mmproxy.apps.data import _first_sample, expand_data, first_sample_fields
 from mmproxy.apps.noise import DecoderWarnings
 
 __all__ = ["run"]
@@ -30,9 +31,12 @@ def run(args: argparse.Namespace) -> int:
               f"label{', video' if args.video else ''}) to {where}; later runs reuse them",
               flush=True)
 
+    pyav_missing = _pyav_missing()
     if args.data:
         urls = expand_data(args.data)
     else:
+        if args.video and pyav_missing:  # the clips are written with PyAV
+            raise ValueError(f"--video needs av, which {pyav_missing}: {install_hint('av')}")
         urls = expand_data(demo_shards(args.samples,
                                         max(1, min(64, args.samples // (2 * max(1, args.workers)))),
                                         video=args.video, on_write=writing))
@@ -49,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
           + (", ".join(f"{n} (no {read[n]})" for n in wanted if n not in used) or "none")
           + f" (from the first sample of {first})")
     gpu, _ = resolve_device(args.device)
+    if "video" in used and not gpu and pyav_missing:
+        _without_pyav(first, wanted["video"], pyav_missing)
     workers = min(args.workers, len(urls))  # every worker needs a shard of its own
     print(f"mmproxy demo: {'GPU' if gpu else 'CPU'} pipelines, {workers} worker{'' if workers == 1 else 's'}"
           + (f" (one per shard, not {args.workers})" if workers < args.workers else "") + ", "
@@ -67,6 +73,36 @@ def run(args: argparse.Namespace) -> int:
     for line in noise.summary():
         print("  " + line)
     return 0
+
+
+def _pyav_missing() -> str | None:
+    """Why PyAV cannot be imported (worded after "which"), or None when it can."""
+    try:
+        import av  # noqa: F401
+    except ImportError as err:
+        return "is not installed" if err.name == "av" else f"cannot be imported ({err})"
+    return None
+
+
+def _without_pyav(first: str, exts: str, missing: str) -> None:
+    """On CPU without PyAV the video server decodes with DALI's CPU decoder
+    (``video_pipeline``'s ``"auto"``), which reads a few codecs only: shards whose first video is
+    of another codec are refused (every sample would fail), saying what to install; else the
+    demo says which codecs its server reads."""
+    from mmproxy.datasets.checks import video_info
+    from mmproxy.pipelines.video import CPU_CODECS
+
+    sample = _first_sample(first)
+    data = next((sample[ext] for ext in exts.split(";") if ext in sample), b"")
+    info = video_info(memoryview(data)) if data else None
+    codecs = ", ".join(codec.upper() for codec in CPU_CODECS)
+    if info is not None and info.codec is not None and info.codec not in CPU_CODECS:
+        raise ValueError(f"the first video of {first} is {info.codec.upper()}, which DALI's CPU "
+                         f"video decoder does not read (it reads {codecs}); the demo decodes the "
+                         f"others on CPU with PyAV, which {missing}: {install_hint('av')}; or run "
+                         "on a GPU")
+    print(f"mmproxy demo: videos decoded by DALI's CPU decoder, which reads {codecs} only; PyAV, "
+          f"for the others, {missing}: {install_hint('av')}")
 
 
 def _servers(args: argparse.Namespace, used: list[str]) -> dict[str, Any]:
