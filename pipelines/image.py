@@ -7,6 +7,10 @@ reader (``fn.readers.webdataset``, ``fn.readers.file``) inside a ``pipeline_def`
 Inputs:
     ``images``: the encoded bytes of one image per sample (uint8, 1-D): JPEG, PNG, BMP, TIFF,
     WebP, JPEG 2000, anything DALI's decoder reads. Grayscale and RGBA files are converted to RGB.
+    A JPEG is turned as its EXIF Orientation tag says (the decoders' ``adjust_orientation``, on
+    by default), where PIL's ``Image.open`` and torchvision's ``decode_image`` keep the stored
+    pixels: ``PIL.ImageOps.exif_transpose`` (or ``apply_exif_orientation=True``) gives the
+    image these pipelines see (``tests/test_image_orientation.py``).
 
 Outputs:
     One tensor per sample, ``size x size`` RGB, in ``layout`` ("CHW" or "HWC") and ``dtype``
