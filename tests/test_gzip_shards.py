@@ -192,15 +192,16 @@ def test_an_s3_prefix_lists_gzip_shards_and_they_are_read(plain, mixed, image_se
     """``s3://BUCKET/`` names its .tar, .tar.gz and .tgz objects (as a local folder does), and
     they are read like the same samples in plain tars; a glob names what it matches."""
     paths = mixed_urls(mixed)
-    with s3_server(paths) as (urls, env):
+    # a bucket of its own: moto's servers in one process share their buckets
+    with s3_server(paths, bucket="gzip-shards") as (urls, env):
         aws(env)
         import boto3
 
-        boto3.client("s3").put_object(Bucket="bench", Key="notes.txt", Body=b"not a shard")
-        assert expand("s3://bench/") == sorted(urls)
-        assert expand("s3://bench/*.tar.gz") == ["s3://bench/r-0.tar.gz"]
+        boto3.client("s3").put_object(Bucket="gzip-shards", Key="notes.txt", Body=b"not a shard")
+        assert expand("s3://gzip-shards/") == sorted(urls)
+        assert expand("s3://gzip-shards/*.tar.gz") == ["s3://gzip-shards/r-0.tar.gz"]
         [expected], _ = run(plain, image_server, 2)
-        [got], loader = run("s3://bench/", image_server, 2)
+        [got], loader = run("s3://gzip-shards/", image_server, 2)
         assert same(got, expected) and not loader.skipped.records
 
 
