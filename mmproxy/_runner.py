@@ -46,7 +46,9 @@ class Runner:
                  stop: threading.Event) -> None:
         self.pipe, self.table, self.pad, self.device, self.stop = pipe, table, pad, device, stop
         self.name = table.name
-        self._stream: Any = None
+        # not a bound method of the runner: the isolation would make a cycle of the two, which a
+        # forked child's collector could free with the CUDA objects it holds
+        self._outputs = _Outputs(pipe, pad)
         self._isolate = Isolation(pipe, table, self._outputs, stop)
 
     def __call__(self) -> None:
@@ -54,7 +56,7 @@ class Runner:
             import torch
 
             torch.cuda.set_device(self.device)
-            self._stream = torch.cuda.Stream(self.device)
+            self._outputs.stream = torch.cuda.Stream(self.device)
         inflight: deque[Run] = deque()
         try:
             while True:
@@ -80,7 +82,7 @@ class Runner:
             self.table.fail(with_remote_cause(
                 PipelineError(f"server {self.name!r}: the pipeline failed: {summary(err)}"), err))
         finally:
-            self._stream = None  # nothing CUDA-owning outlives the thread
+            self._outputs.stream = None  # nothing CUDA-owning outlives the thread
 
     def _fill(self, inflight: deque[Run]) -> None:
         """Feeds runs until the pipeline holds ``prefetch_queue_depth`` of them (waiting for one
@@ -96,9 +98,6 @@ class Runner:
                 self._refused(run, err, inflight)
                 continue
             inflight.append(run)
-
-    def _outputs(self) -> Outputs:
-        return self.pipe.outputs(self.pad, self._stream)
 
     def _refused(self, run: Run, error: BaseException, inflight: deque[Run]) -> None:
         """The pipeline refused ``run``'s inputs: the runs before it are finished, the pipeline is
@@ -137,3 +136,14 @@ class Runner:
             failed = [(r, None) for r in (run, *later)]
         for bad_run, first_error in failed:
             self._isolate(bad_run, first_error)
+
+
+class _Outputs:
+    """Takes the oldest scheduled run's outputs as torch, on the runner thread's CUDA stream."""
+
+    def __init__(self, pipe: Pipe, pad: set[int]) -> None:
+        self.pipe, self.pad = pipe, pad
+        self.stream: Any = None
+
+    def __call__(self) -> Outputs:
+        return self.pipe.outputs(self.pad, self.stream)
