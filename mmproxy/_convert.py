@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -71,22 +72,29 @@ def _numel(shape: list[int]) -> int:
 
 
 def _gpu_ragged(tensor_list: Any, stream: Any, want_pad: bool) -> Output:
-    """A GPU output whose samples differ in shape: one copy, then views of it (or, padded, one
-    scatter for 1-D samples such as audio, a copy a sample otherwise)."""
+    """A GPU output whose samples differ in shape: one copy, then views of it; padded, 1-D
+    samples (audio) in one kernel, others a copy a view, all queued on the stream (a mask or
+    an index built on the GPU would make the thread wait for the stream, with the GIL held)."""
     flat, shapes = _gpu_samples(tensor_list, stream)
     if not shapes:
         return pad([]) if want_pad else []
-    if want_pad and all(len(s) == 1 for s in shapes):
-        lengths = torch.tensor([s[0] for s in shapes], dtype=torch.int64)
-        longest = int(lengths.max())
-        on_gpu = lengths.to(flat.device, non_blocking=True)
-        mask = torch.arange(longest, device=flat.device) < on_gpu[:, None]
-        data = flat.new_zeros((len(shapes), longest))
-        data[mask] = flat
-        return PaddedBatch(data, lengths)
+    if all(len(s) == 1 for s in shapes):
+        lengths = [s[0] for s in shapes]
+        if want_pad:
+            return _pad_flat(flat, lengths)
+        return list(torch.split(flat, lengths))
     samples = [part.view(shape) for part, shape in
                zip(torch.split(flat, [_numel(s) for s in shapes]), shapes)]
     return pad(samples) if want_pad else samples
+
+
+def _pad_flat(flat: torch.Tensor, lengths: list[int]) -> PaddedBatch:
+    """1-D samples back to back in ``flat``, zero-padded into one batch by one kernel (the op
+    behind PyTorch's jagged nested tensors)."""
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
+    data = torch.ops.aten._jagged_to_padded_dense_forward(
+        flat.view(-1, 1), [offsets.to(flat.device, non_blocking=True)], [max(lengths)], 0.0)
+    return PaddedBatch(data.view(len(lengths), -1), torch.tensor(lengths, dtype=torch.int64))
 
 
 def to_torch(tensor_list: Any, *, copy: bool, want_pad: bool, stream: Any = None) -> Output:
@@ -99,7 +107,7 @@ def to_torch(tensor_list: Any, *, copy: bool, want_pad: bool, stream: Any = None
     reuse memory that is still referenced). GPU outputs are copied into tensors of PyTorch's
     caching allocator on ``stream``, so their lifetime follows PyTorch's stream rules: all of an
     output's samples in one copy (samples of different shapes are views of it, or padded from it
-    on the GPU), as padding inside DALI costs.
+    on the GPU).
     """
     from nvidia.dali.backend import TensorListGPU
 

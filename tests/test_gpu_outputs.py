@@ -34,7 +34,7 @@ def test_ragged_gpu_outputs_padded_and_as_lists(ndim):
     assert isinstance(out, mmproxy.PaddedBatch) and out.data.is_cuda
     assert out.data.shape == (7, *np.max([s.shape for s in samples], axis=0))
     for row, (x, length) in enumerate(zip(samples, out.lengths.tolist())):
-        assert length == x.shape[0]
+        assert length == (x.shape[0] if ndim == 1 else list(x.shape))  # 2-D: each shape
         region = (row, *(slice(0, n) for n in x.shape))
         assert torch.equal(out.data[region].cpu(), torch.from_numpy(x) * 2)
         assert out.data[row].abs().sum().item() == pytest.approx(np.abs(x * 2).sum(), rel=1e-5)
