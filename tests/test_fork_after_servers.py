@@ -67,7 +67,7 @@ def test_a_stopped_pool_leaves_nothing_in_cycles():
 @pytest.mark.gpu
 def test_a_plain_fork_loader_with_pyav_runs_after_image_and_nvdec_loaders(tmp_path):
     pytest.importorskip("av")
-    from mmproxy.pipelines import nvdec_available
+    from mmproxy.pipelines._nvdec import nvdec_available
 
     if not nvdec_available("pynvvideocodec"):
         pytest.skip("needs PyNvVideoCodec")

@@ -60,7 +60,7 @@ def _by_key(loader, epochs=1):
     return out
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", "spawn", "forkserver"])
 def test_outputs_do_not_depend_on_the_number_of_pipelines(shards, start):
     """Sample-seeded crops and flips: the same image for every key, two epochs, with one
     pipeline and with three; the damaged sample is skipped by both and named."""
@@ -77,6 +77,26 @@ def test_outputs_do_not_depend_on_the_number_of_pipelines(shards, start):
         assert len(images) == 2 and not torch.equal(images[0], images[1])  # epochs draw anew
         for a, b in zip(images, runs[3][key]):
             assert torch.equal(a, b), key
+
+
+def test_two_pooled_servers_in_one_loader(shards):
+    """A training server of three pipelines and an evaluation server of two, both fed by one
+    loader: every row of both fields is its own sample's, as with one pipeline each."""
+    from mmproxy.pipelines import image_eval_pipeline
+
+    def both(n):
+        evaluation = image_eval_pipeline(batch_size=BATCH, size=8, dtype="uint8", device="cpu",
+                                         num_threads=1)
+        with mmproxy.DALIServer(_train(), name="train", pipelines=n) as train, \
+                mmproxy.DALIServer(evaluation, name="eval", pipelines=max(1, n - 1)) as ev:
+            ds = MultiModalDataset(shards, {"image": ("jpg", train.proxy), "small": ("jpg", ev.proxy)},
+                                   batch_size=BATCH, seed=3, on_error="skip")
+            return {k: (a.clone(), b.clone()) for batch in ds.loader([train, ev], num_workers=2)
+                    for k, a, b in zip(batch["__key__"], batch["image"], batch["small"])}
+    one, pooled = both(1), both(3)
+    assert sorted(one) == sorted(pooled) and len(one) == 39
+    for key, (image, small) in one.items():
+        assert torch.equal(image, pooled[key][0]) and torch.equal(small, pooled[key][1]), key
 
 
 def test_a_graph_with_python_operators_is_copied(tmp_path):
