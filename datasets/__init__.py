@@ -4,7 +4,7 @@ Text and labels stay in PyTorch (tokenized in the workers); images and audio go 
 through their proxies; a composite collate puts them into one batch per step.
 """
 
-from mmproxy.datasets.checks import check_header
+from mmproxy.datasets._written import manifest_sources
 from mmproxy.datasets.multimodal import Field, MultiModalDataset, Source
 from mmproxy.datasets.recipes import (
     Tokenize,
@@ -17,6 +17,12 @@ from mmproxy.datasets.recipes import (
 from mmproxy.datasets.remote import RemoteOptions
 from mmproxy.datasets.writer import make_shards
 
+from mmproxy.media.checks import check_header
+from mmproxy.skips import add_file_lookup
+
 __all__ = ["Field", "MultiModalDataset", "RemoteOptions", "Source", "Tokenize",
            "audio_label_dataset", "check_header", "image_text_dataset", "load_tokenizer",
            "make_shards", "video_label_dataset", "video_text_dataset"]
+
+add_file_lookup(manifest_sources)  # skip summaries name a sample by the file make-shards read
+

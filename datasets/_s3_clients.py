@@ -15,7 +15,7 @@ import ssl
 import threading
 from typing import Any
 
-from mmproxy._install import install_hint
+from mmproxy.errors import install_hint
 
 from ._answers import Permanent
 

@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-from ._unread import Unread
+from mmproxy.media import Unread
+from mmproxy.media.checks import SIGNATURES, check_header, video_info
+
 from ._written import LeftOut, Reason
-from .checks import SIGNATURES, check_header, video_info
 
 __all__ = ["AUDIO_SUFFIXES", "IMAGE_SUFFIXES", "KINDS", "Kind", "Planned", "VIDEO_SUFFIXES",
            "other_kind", "plan", "sniff"]

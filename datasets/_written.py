@@ -1,15 +1,20 @@
-"""Written shards: what :func:`~mmproxy.datasets.make_shards` wrote and left out, and its summary."""
+"""Written shards: what :func:`~mmproxy.datasets.make_shards` wrote and left out, its summary,
+and the source file of a sample its manifest lists."""
 
 from __future__ import annotations
 
 import enum
+import json
 import os
 import re
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["LeftOut", "Reason", "WrittenShards"]
+__all__ = ["LeftOut", "MANIFEST", "Reason", "WrittenShards", "manifest_sources"]
+
+MANIFEST = "manifest.jsonl"  # one line per sample (key, shard, source)
 
 
 class Reason(enum.Enum):
@@ -133,3 +138,40 @@ class WrittenShards(list[str]):
         if self.manifest:
             lines.append(f"  manifest (key -> shard, source file): {self.manifest}")
         return "\n".join(lines)
+
+
+_KEY = re.compile(r'"key": "([^"]*)"')  # a line's key, found before the line is parsed
+
+
+def manifest_sources(samples: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """The source file of each ``(shard, key)`` whose shard is a local file with make-shards'
+    manifest beside it: {(shard, key): source} (the skip summary's
+    :func:`~mmproxy.skips.add_file_lookup`). One pass over each manifest, ended once every
+    key wanted from it is found (only the lines of a wanted key are parsed); a manifest that
+    cannot be read, or is not make-shards' own, names nothing."""
+    wanted: dict[str, dict[tuple[str, str], str]] = {}  # manifest -> {(shard name, key): shard}
+    for url, name in samples:
+        if "://" not in url and not url.startswith("pipe:"):
+            manifest = os.path.join(os.path.dirname(url), MANIFEST)
+            wanted.setdefault(manifest, {})[os.path.basename(url), name] = url
+    found: dict[tuple[str, str], str] = {}
+    for manifest, keys in wanted.items():
+        names = {key for _, key in keys}
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                for line in f:
+                    key = _KEY.search(line)
+                    if key is None or key[1] not in names:
+                        continue
+                    row = json.loads(line)
+                    source = row.get("source") if isinstance(row, dict) else None
+                    if not isinstance(source, str) or not isinstance(row.get("shard"), str):
+                        continue
+                    shard = keys.pop((row["shard"], key[1]), None)
+                    if shard is not None:
+                        found[shard, key[1]] = source
+                        if not keys:
+                            break
+        except (OSError, ValueError, TypeError):  # none there, or not make-shards' own
+            continue
+    return found

@@ -23,14 +23,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mmproxy import _context
 from mmproxy.errors import SampleError
+from mmproxy.media.checks import check_header
 from mmproxy.protocols import Proxy
 from mmproxy.skips import SkipKind, SkippedSample
-from mmproxy.worker import SampleId
+from mmproxy.worker import SampleId, naming
 
 from ._stage import Stage
-from .checks import check_header
 from .mixer import SourceMixer
 from .plan import Work
 from .reader import Taken
@@ -146,7 +145,7 @@ def _fields(sample: dict[str, Any], plan: _Plan, sample_id: SampleId, keep_keys:
     duplicates = sample.get(DUPLICATES, ())
     if SPLIT in sample:
         raise _split(url, key, sample)
-    with _context.naming(sample_id) if plan.named else _UNNAMED:
+    with naming(sample_id) if plan.named else _UNNAMED:
         for name, exts, fn, route in plan.fields:
             for ext in exts:
                 if ext in sample:

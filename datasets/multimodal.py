@@ -41,6 +41,7 @@ import torch.utils.data
 from mmproxy import worker
 from mmproxy.collate import Collate
 from mmproxy.errors import BatchSizeError
+from mmproxy.media.checks import MAX_PIXELS
 from mmproxy.protocols import Proxy
 from mmproxy.state import LoaderState
 
@@ -50,7 +51,6 @@ from ._legacy import is_first_version, upgrade
 from ._next_epoch import NextEpoch
 from .batcher import Batcher
 from .buffer import ShuffleBuffer
-from .checks import MAX_PIXELS
 from .fields import Field, FieldSpec, FieldStage, parse_field
 from .mixer import OnExhausted, Source, SourceMixer, check_weights
 from .plan import Layout, ShardPlan, Work, check_shares, split_quota

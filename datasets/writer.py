@@ -32,19 +32,19 @@ from typing import Any
 
 import webdataset as wds
 
-from mmproxy._parts import final_path, part_path, remove_stale_parts
 from mmproxy.errors import MmproxyError
+from mmproxy.parts import final_path, part_path, remove_stale_parts
 
 from ._source_files import AUDIO_SUFFIXES as AUDIO_SUFFIXES  # the suffixes read, importable here too
 from ._source_files import IMAGE_SUFFIXES as IMAGE_SUFFIXES
 from ._source_files import KINDS, Kind, other_kind, plan, sniff
 from ._source_files import VIDEO_SUFFIXES as VIDEO_SUFFIXES
-from ._written import LeftOut, Reason, WrittenShards
+from ._written import MANIFEST, LeftOut, Reason, WrittenShards
 
 __all__ = ["LeftOut", "NoMediaError", "OutputExistsError", "Reason", "WrittenShards",
            "make_shards"]
 
-CLASSES, MANIFEST, LEFT_OUT = "classes.json", "manifest.jsonl", "left_out.jsonl"
+CLASSES, LEFT_OUT = "classes.json", "left_out.jsonl"
 
 
 def _option(name: str, value: object, cli: bool) -> str:

@@ -19,11 +19,13 @@ __all__ = [
     "DALIOutputSampleRef",
     "DALIProxy",
     "DALIServer",
+    "DamagedSampleError",
     "DataLoader",
     "EmptyEpochError",
     "MmproxyError",
     "PaddedBatch",
     "PipelineError",
+    "Prepare",
     "ProxyArgumentError",
     "RunDroppedError",
     "SampleError",
@@ -51,11 +53,13 @@ _WHERE = {
     "DALIOutputSampleRef": "mmproxy.refs",
     "DALIProxy": "mmproxy.proxy",
     "DALIServer": "mmproxy.server",
+    "DamagedSampleError": "mmproxy.errors",
     "DataLoader": "mmproxy.loader",
     "EmptyEpochError": "mmproxy.errors",
     "MmproxyError": "mmproxy.errors",
     "PaddedBatch": "mmproxy.refs",
     "PipelineError": "mmproxy.errors",
+    "Prepare": "mmproxy.protocols",
     "ProxyArgumentError": "mmproxy.errors",
     "RunDroppedError": "mmproxy.errors",
     "SampleError": "mmproxy.errors",
@@ -81,6 +85,7 @@ if TYPE_CHECKING:
     from mmproxy.errors import (
         BatchSizeError,
         CollateError,
+        DamagedSampleError,
         EmptyEpochError,
         MmproxyError,
         PipelineError,
@@ -97,6 +102,7 @@ if TYPE_CHECKING:
         WorkerDiedError,
     )
     from mmproxy.loader import DataLoader
+    from mmproxy.protocols import Prepare
     from mmproxy.proxy import DALIProxy, SampleSeeded
     from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, PaddedBatch
     from mmproxy.server import DALIServer, ServerState

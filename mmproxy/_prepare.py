@@ -1,25 +1,11 @@
 """Prepared runs: a pipeline's inputs made in the server process before the runner feeds them.
 
-A pipeline may come with a :class:`Prepare` stage (``SampleSeeded(pipeline, ..., prepare=stage)``;
-the video pipeline's NVDEC decoder is one). The proxy then sends the stage's inputs
-(``Prepare.inputs``) instead of the pipeline's, and the runner takes its runs through
-:class:`PreparedRuns`, which hands each sample to the stage as soon as the run is taken from the
-run table and gives the run to the runner once every sample of it is prepared::
-
-    RunTable ──next()──> PreparedRuns: up to two runs taken early, each sample
-                           Prepare.submit(sample) -> Future   [the stage's own threads]
-                         the oldest run, all its samples done: inputs replaced by the prepared
-                           ones (by the pipeline's input names) ──> runner: feed, outputs, finish
-
-A sample whose preparation raises :class:`DamagedSampleError` (the stage says the sample's data is
-at fault: a clip that does not decode) is a damaged sample, as a sample the pipeline cannot
-process is: with every sample of the run skippable (a dataset in skip mode) it is dropped and
-named, the others run, and the loader removes its rows from every field; otherwise the run fails
-with a :class:`~mmproxy.errors.PipelineError` naming it. Any other error of the stage (a driver
-error, CUDA out of memory, a bug) is the stage failing, not the sample: the run fails with a
-``PipelineError`` naming the stage, the sample and the cause, in skip mode too. Prepared inputs
-stay referenced until the run's outputs are complete on the GPU (its CUDA event), so the stage's
-threads never reuse memory the pipeline may still read.
+With a :class:`~mmproxy.Prepare` stage (``SampleSeeded(..., prepare=stage)``, e.g. the NVDEC
+decoder) the proxy sends the stage's inputs, and :class:`PreparedRuns` hands each sample of a run
+taken from the run table to the stage, then gives the runner the run once all are prepared. A
+:class:`~mmproxy.DamagedSampleError` is a damaged sample (dropped in skip mode); any other error
+fails the run, naming the stage. Prepared inputs stay referenced until the run's outputs are
+complete on the GPU. docs/architecture.md, "Data flow", has the picture.
 """
 
 from __future__ import annotations
@@ -28,44 +14,17 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
-from typing import Any, Protocol
+from typing import Any
 
 from mmproxy import _context
 from mmproxy._runs import Run, RunSource
-from mmproxy.errors import PipelineError, SampleError, with_remote_cause
+from mmproxy.errors import DamagedSampleError, PipelineError, with_remote_cause
+from mmproxy.protocols import Prepare
 
-__all__ = ["DamagedSampleError", "Prepare", "PreparedRuns"]
+__all__ = ["DamagedSampleError", "Prepare", "PreparedRuns"]  # the first two re-exported
 
 _POLL = 0.05
 _AHEAD = 2  # runs handed to the stage ahead of the one the runner takes next
-
-
-class DamagedSampleError(SampleError):
-    """Raised by a :class:`Prepare` stage for a sample whose data it cannot prepare (a clip that
-    does not decode): the sample is dropped in skip mode. Any other error is the stage's own."""
-
-
-class Prepare(Protocol):
-    """Turns each sample's inputs, as workers send them, into the pipeline's inputs, in the server
-    process (e.g. encoded video decoded into GPU frames)."""
-
-    inputs: tuple[str, ...]  # what the proxy sends per sample, in order
-
-    def start(self) -> None:
-        """Lets the stage take samples (again after :meth:`close`); the server calls it when it
-        starts."""
-        ...
-
-    def submit(self, sample: dict[str, Any]) -> Future[dict[str, Any]]:
-        """Starts preparing one sample (its inputs by name); the future gives the pipeline's
-        inputs by name, or raises: :class:`DamagedSampleError` for a sample whose data is at
-        fault, anything else when the stage itself fails. Raises at once after :meth:`close`."""
-        ...
-
-    def close(self) -> None:
-        """Stops the stage's threads (waiting a bounded time for them); :meth:`submit` raises
-        until the next :meth:`start`."""
-        ...
 
 
 class PreparedRuns:

@@ -58,7 +58,7 @@ def write_tar(path: str | os.PathLike[str], samples: Iterable[dict[str, Any]]) -
     """Writes WebDataset samples (``{"__key__": ..., "jpg": bytes, "cls": 3, ...}``) to a tar,
     atomically: a reader (or another process writing the same shard) never sees half of it, and
     an error or an interrupt leaves nothing behind."""
-    from mmproxy._parts import part_path
+    from mmproxy.parts import part_path
 
     count = 0
     part = part_path(path)
@@ -99,7 +99,7 @@ def demo_shards(samples: int = 128, per_shard: int = 16,
         on_write: Called with the folder once, before the first shard is written (not when every
             shard is there already).
     """
-    from mmproxy._parts import remove_stale_parts
+    from mmproxy.parts import remove_stale_parts
 
     name = f"shards-{samples}-{per_shard}" + ("-video" if video else "")
     where = Path(folder or cache_dir() / "demo" / name)
@@ -161,7 +161,7 @@ def demo_tokenizer(folder: str | os.PathLike[str] | None = None) -> str:
     """A tiny tokenizer trained on the synthetic captions, made once in ``folder`` (default
     ``cache_dir()/demo/tokenizer``); processes making it at the same time (ranks) all get one
     whole copy. Returns the folder, for :func:`mmproxy.datasets.load_tokenizer`."""
-    from mmproxy._parts import part_path, remove_stale_parts
+    from mmproxy.parts import part_path, remove_stale_parts
 
     where = Path(folder or cache_dir() / "demo" / "tokenizer")
     if not (where / "tokenizer.json").exists():

@@ -30,7 +30,7 @@ import traceback
 from typing import Any
 
 from mmproxy._commands import build_parser, unrecognized
-from mmproxy._install import install_hint
+from mmproxy.errors import install_hint
 
 __all__ = ["main"]
 

@@ -2,7 +2,8 @@
 
 Errors raised in a server thread or a worker cross to the caller as values that keep the original
 traceback text (:class:`RemoteTraceback` as ``__cause__``) and name the server, the run and, where
-known, the shard and sample keys.
+known, the shard and sample keys. An error that needs an optional package says what to install
+(:func:`install_hint`, the one table of mmproxy's extras).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import traceback
 __all__ = [
     "BatchSizeError",
     "CollateError",
+    "DamagedSampleError",
     "EmptyEpochError",
     "MmproxyError",
     "PipelineError",
@@ -28,7 +30,21 @@ __all__ = [
     "TransportError",
     "WaitTimeoutError",
     "WorkerDiedError",
+    "install_hint",
 ]
+
+# optional package (its import name) -> the extra of mmproxy's that installs it, and its name on PyPI
+_EXTRAS = {"matplotlib": ("plot", "matplotlib"), "av": ("video", "av"), "boto3": ("s3", "boto3"),
+           "botocore": ("s3", "botocore"), "moto": ("test", "moto"),
+           "PyNvVideoCodec": ("nvdec", "pynvvideocodec"), "torchcodec": ("torchcodec", "torchcodec")}
+
+
+def install_hint(module: str) -> str:
+    """``pip install PACKAGE``, and the extra of mmproxy's that holds it, for ``module`` (an import
+    name; mmproxy is installed from its checkout, so ``pip install 'mmproxy[x]'`` would not do)."""
+    top = module.split(".")[0]
+    extra, package = _EXTRAS.get(top, (None, top))
+    return f"pip install {package}" + (f" (mmproxy's [{extra}] extra)" if extra else "")
 
 
 class MmproxyError(Exception):
@@ -79,6 +95,11 @@ class WorkerDiedError(MmproxyError, RuntimeError):
 
 class SampleError(MmproxyError, ValueError):
     """A sample is bad (missing, empty or corrupt field); names the shard and the sample key."""
+
+
+class DamagedSampleError(SampleError):
+    """Raised by a :class:`~mmproxy.Prepare` stage for a sample whose data it cannot prepare (a
+    clip that does not decode): the sample is dropped in skip mode. Any other error is the stage's own."""
 
 
 class ShardError(MmproxyError, ValueError):

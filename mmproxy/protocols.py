@@ -10,17 +10,20 @@ here; nothing needs to subclass them.
   :class:`FollowsLoaderEpoch` (its order and draws follow the loader's epoch).
 - What makes a callable a server's proxy (:class:`Proxy`): a dataset sends a field through a
   server when its function is one, and :class:`mmproxy.Collate` knows servers by it.
+- What a pipeline's server-side stage does (:class:`Prepare`, given with ``SampleSeeded(...,
+  prepare=)``; not runtime-checked).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from mmproxy.state import LoaderState
 
-__all__ = ["ChecksLoader", "FollowsLoaderEpoch", "LimitsSkips", "Proxy", "Reshardable"]
+__all__ = ["ChecksLoader", "FollowsLoaderEpoch", "LimitsSkips", "Prepare", "Proxy", "Reshardable"]
 
 
 @runtime_checkable
@@ -72,3 +75,27 @@ class Proxy(Protocol):
 
     def __call__(self, *inputs: Any, **named: Any) -> Any:
         """References to the server's outputs for one sample's inputs."""
+
+
+class Prepare(Protocol):
+    """Turns each sample's inputs, as workers send them, into the pipeline's inputs, in the server
+    process (e.g. encoded video decoded into GPU frames)."""
+
+    inputs: tuple[str, ...]  # what the proxy sends per sample, in order
+
+    def start(self) -> None:
+        """Lets the stage take samples (again after :meth:`close`); the server calls it when it
+        starts."""
+        ...
+
+    def submit(self, sample: dict[str, Any]) -> Future[dict[str, Any]]:
+        """Starts preparing one sample (its inputs by name); the future gives the pipeline's
+        inputs by name, or raises: :class:`~mmproxy.DamagedSampleError` for a sample whose data
+        is at fault, anything else when the stage itself fails. Raises at once after
+        :meth:`close`."""
+        ...
+
+    def close(self) -> None:
+        """Stops the stage's threads (waiting a bounded time for them); :meth:`submit` raises
+        until the next :meth:`start`."""
+        ...

@@ -29,7 +29,7 @@ from mmproxy.errors import ProxyArgumentError
 from mmproxy.refs import DALIOutputSampleRef, _Call
 
 if TYPE_CHECKING:
-    from mmproxy._prepare import Prepare
+    from mmproxy.protocols import Prepare
 
 __all__ = ["DALIProxy", "SampleRandom", "SampleSeeded"]
 
@@ -71,7 +71,7 @@ class SampleSeeded:
             pipeline's ``frames`` input).
         prepare: A stage the server runs on a run's samples before it feeds them (e.g. the
             video pipeline's NVDEC decoding: clip bytes in, frames on the GPU out); the proxy
-            then takes the stage's inputs (:class:`mmproxy._prepare.Prepare`).
+            then takes the stage's inputs (:class:`mmproxy.Prepare`).
     """
 
     pipeline: Any

@@ -24,9 +24,9 @@
 A server is a thin composition: its :class:`~mmproxy._runs.RunTable` (lifecycle and runs, the
 interface proxies, loaders and resolvers use), a :class:`~mmproxy._dali.Pipe` (the only code that
 touches DALI's internals), the listener thread (:mod:`mmproxy._transport`), the threads of the
-pipeline's :class:`~mmproxy._prepare.Prepare` stage where it has one (given with
+pipeline's :class:`~mmproxy.Prepare` stage where it has one (given with
 :class:`~mmproxy.proxy.SampleSeeded`; the runner then takes its runs through
-:class:`~mmproxy._prepare.PreparedRuns`) and the runner thread (:mod:`mmproxy._runner`, which
+:class:`~mmproxy.PreparedRuns`) and the runner thread (:mod:`mmproxy._runner`, which
 searches a failed run for its bad samples with :mod:`mmproxy._isolation`). Run ids are unique per
 process and never reused, so an output can only be paired with the batch that asked for it. Each
 run is tagged with (loader id, epoch); when a loader starts a new epoch, its older runs are

@@ -24,25 +24,21 @@ The loader turns a run that reads (almost) nothing into an error instead of an e
   :class:`SkipLimitError` naming the share and the first shards with their reasons. A shard's
   samples were never read, so nobody counted them: a shard counts as a shard, never as one sample.
 
-Each error gives the counts and the first record of each kind of failure; where a local shard
-has the ``manifest.jsonl`` that ``mmproxy make-shards`` writes beside it, each sample listed is
-also named by the file it was made from.
+Each error gives the counts and the first record of each kind of failure, each sample named by
+the file it was made from where a lookup given to :func:`add_file_lookup` knows it.
 """
 
 from __future__ import annotations
 
 import enum
-import json
-import os
-import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from mmproxy.errors import EmptyEpochError, SkipLimitError
 
-__all__ = ["CHECK_EVERY", "EMPTY_AFTER", "SHARDS_TRIED", "SHARD_CHECK_EVERY", "SKIPPED",
-           "SkipKind", "SkipReport", "SkippedSample"]
+__all__ = ["CHECK_EVERY", "EMPTY_AFTER", "FileLookup", "SHARDS_TRIED", "SHARD_CHECK_EVERY",
+           "SKIPPED", "SkipKind", "SkipReport", "SkippedSample", "add_file_lookup"]
 
 SKIPPED = "__skipped__"  # the batch key that carries skip records
 SHARDS_TRIED = "__shards_tried__"  # the batch key that carries the shards a worker began since
@@ -52,6 +48,8 @@ SHARD_CHECK_EVERY = 100  # shards tried between two checks of the unreadable sha
 _KEEP = 10_000  # records kept per epoch (the counts stay exact)
 _MORE_OF_A_KIND = 4  # records of a kind a summary lists after the first
 _LISTED = 3  # shards named in a shard limit's message
+# (shard, key) pairs -> {(shard, key): the file the sample was made from}, for those it knows
+FileLookup = Callable[[Sequence[tuple[str, str]]], dict[tuple[str, str], str]]
 
 
 class SkipKind(str, enum.Enum):
@@ -95,40 +93,25 @@ def _where(record: SkippedSample, sources: dict[tuple[str, str], str]) -> str:
     return f"{record.shard}, sample {record.key!r}" + (f" (file {source})" if source else "")
 
 
-_MANIFEST = "manifest.jsonl"  # mmproxy make-shards': one line per sample (key, shard, source)
-_KEY = re.compile(r'"key": "([^"]*)"')  # a line's key, found before the line is parsed
+_FILE_LOOKUPS: list[FileLookup] = []
+
+
+def add_file_lookup(lookup: FileLookup) -> None:
+    """Has :meth:`SkipReport.summary` name each sample by the file it was made from, where
+    ``lookup`` knows it: given ``(shard, key)`` pairs, it returns ``{(shard, key): file}`` for those
+    it knows (e.g. :mod:`mmproxy.datasets` reads the manifest ``make-shards`` writes beside its
+    shards). A lookup added twice counts once."""
+    if lookup not in _FILE_LOOKUPS:
+        _FILE_LOOKUPS.append(lookup)
 
 
 def _sources(records: Iterable[SkippedSample]) -> dict[tuple[str, str], str]:
-    """The source file of each sample record whose shard is a local file with make-shards'
-    manifest beside it: {(shard, key): source}. One pass over each manifest, ended once every
-    key wanted from it is found (only the lines of a wanted key are parsed); a manifest that
-    cannot be read, or is not make-shards' own, names nothing."""
-    wanted: dict[str, dict[tuple[str, str], str]] = {}  # manifest -> {(shard name, key): shard}
-    for r in records:
-        if r.key and "://" not in r.shard and not r.shard.startswith("pipe:"):
-            manifest = os.path.join(os.path.dirname(r.shard), _MANIFEST)
-            wanted.setdefault(manifest, {})[os.path.basename(r.shard), r.key] = r.shard
+    """The file of each sample record that a lookup of :func:`add_file_lookup` knows."""
+    samples = [(r.shard, r.key) for r in records if r.key]
     found: dict[tuple[str, str], str] = {}
-    for manifest, keys in wanted.items():
-        names = {key for _, key in keys}
-        try:
-            with open(manifest, encoding="utf-8") as f:
-                for line in f:
-                    key = _KEY.search(line)
-                    if key is None or key[1] not in names:
-                        continue
-                    row = json.loads(line)
-                    source = row.get("source") if isinstance(row, dict) else None
-                    if not isinstance(source, str) or not isinstance(row.get("shard"), str):
-                        continue
-                    shard = keys.pop((row["shard"], key[1]), None)
-                    if shard is not None:
-                        found[shard, key[1]] = source
-                        if not keys:
-                            break
-        except (OSError, ValueError, TypeError):  # none there, or not make-shards' own
-            continue
+    for lookup in _FILE_LOOKUPS:
+        if samples:
+            found.update(lookup([s for s in samples if s not in found]))
     return found
 
 

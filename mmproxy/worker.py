@@ -13,11 +13,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from mmproxy import _context, _transport
-from mmproxy._context import SampleId, Stamped, sample_key
+from mmproxy._context import SampleId, Stamped, naming, sample_key
 from mmproxy.state import ResumePoint
 
 __all__ = ["ResumePoint", "SampleId", "Stamped", "in_persistent_worker", "loader_epoch",
-           "next_epoch", "register_file_mapping", "release_file_mapping", "resume_state",
+           "naming", "next_epoch", "register_file_mapping", "release_file_mapping", "resume_state",
            "sample_key", "stamp", "wants_state"]
 
 

@@ -18,10 +18,10 @@ from mmproxy.pipelines._nvdec import NVDEC_CODECS
 from mmproxy.pipelines._nvdec_session import clip_indices
 from mmproxy.pipelines._pyav import count_frames, cut_clip, decode_clip, pyav_installed
 
-from mmproxy._install import install_hint
+from mmproxy.errors import install_hint
 
 if TYPE_CHECKING:
-    from mmproxy.datasets.checks import VideoInfo
+    from mmproxy.media.checks import VideoInfo
 
 __all__ = ["CPU_CODECS", "ClipDraw", "clip_start"]
 
@@ -73,7 +73,7 @@ class ClipDraw:
         self.arguments = (input_name,)
 
     def __call__(self, given: dict[str, np.ndarray], rng: random.Random) -> dict[str, np.ndarray]:
-        from mmproxy.datasets.checks import video_cut, video_info
+        from mmproxy.media.checks import video_cut, video_info
 
         data = given[self.input_name].data.cast("B")
         info = video_info(data)

@@ -36,7 +36,7 @@ class RandomResizedCrop:
 
     def __call__(self, given: dict[str, np.ndarray], rng: random.Random
                  ) -> dict[str, np.ndarray]:
-        from mmproxy.datasets.checks import image_size
+        from mmproxy.media.checks import image_size
 
         data = given[self.input_name].data.cast("B")  # the header reader takes bytes
         size = image_size("png" if data[:4] == b"\x89PNG" else "jpg", data)

@@ -3,7 +3,7 @@
 With ``video_pipeline(decoder="nvdec")`` (or ``"mixed"``) the worker reads the container header
 and draws the clip as for every decoder (start, crop, flip), then sends the encoded bytes (as the
 heavy fields travel: by reference, no copy) and the start frame. In the server process this
-stage (a :class:`~mmproxy._prepare.Prepare`) decodes each clip's frames into GPU memory before
+stage (a :class:`~mmproxy.Prepare`) decodes each clip's frames into GPU memory before
 the run is fed; DALI's GPU ``external_source`` takes them for the resize, crop, flip and
 normalize::
 
@@ -48,7 +48,7 @@ from mmproxy.pipelines._nvdec_session import Refused, Session
 from mmproxy.pipelines._pynvvideocodec import PyNvSession, load_nvdec
 from mmproxy.pipelines._torchcodec import TorchCodecSession, load_torchcodec
 
-from mmproxy._prepare import DamagedSampleError
+from mmproxy.errors import DamagedSampleError
 
 __all__ = ["LIBRARY_CODECS", "NVDEC_CODECS", "NVDEC_LIBRARIES", "ClipDecoder", "check_library",
            "load_library", "load_nvdec", "nvdec_available"]
@@ -130,11 +130,11 @@ class _Crew:
 
 class ClipDecoder:
     """Decodes clips with NVDEC on ``threads`` threads of the server process (a
-    :class:`~mmproxy._prepare.Prepare` stage, see the module docstring).
+    :class:`~mmproxy.Prepare` stage, see the module docstring).
 
     A clip NVDEC refuses and PyAV decodes is PyAV's (a warning says so, once: PyAV on the
     server's threads is much slower); one that neither decodes is a
-    :class:`~mmproxy._prepare.DamagedSampleError`. Without PyAV, a clip NVDEC refuses is damaged
+    :class:`~mmproxy.DamagedSampleError`. Without PyAV, a clip NVDEC refuses is damaged
     while NVDEC decodes others; once it has refused ``8`` clips in a row, NVDEC itself counts as
     failing: its error fails the run instead of dropping the clip. Any other error (CUDA out of
     memory, a driver error outside a decode) fails the run too.

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import numpy as np
 
 if TYPE_CHECKING:
-    from mmproxy.datasets.checks import VideoInfo
+    from mmproxy.media.checks import VideoInfo
 
 __all__ = ["count_frames", "cut_clip", "decode_clip", "pyav_installed"]
 

@@ -29,7 +29,7 @@ from mmproxy.pipelines._nvdec_session import (
     said,
 )
 
-from mmproxy._install import install_hint
+from mmproxy.errors import install_hint
 
 __all__ = ["TorchCodecSession", "load_torchcodec"]
 

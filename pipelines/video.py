@@ -24,7 +24,7 @@ Damaged videos: only a video whose header says it is shorter than the clip has f
 A file that ends before the frames its header promises (an interrupted download) fails in the
 worker before any decoder sees it, whichever the decoder and the clip's position (its boxes,
 elements or chunks declare more bytes than follow:
-:func:`~mmproxy.datasets.checks.video_cut`), and a PyAV decode that ends early for any other
+:func:`~mmproxy.media.checks.video_cut`), and a PyAV decode that ends early for any other
 reason fails saying why (:func:`decode_clip`): a skip record with ``on_error="skip"``.
 
 Decoders, and which codec is decoded where (DALI 2.4):
@@ -97,7 +97,7 @@ from mmproxy.pipelines.image import (
     resize,
 )
 
-from mmproxy._install import install_hint
+from mmproxy.errors import install_hint
 
 __all__ = ["CPU_CODECS", "ClipDraw", "VideoDecoder", "clip_start", "decode_clip", "video_graph",
            "video_pipeline"]

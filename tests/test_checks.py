@@ -250,7 +250,7 @@ def test_a_tiffs_first_image_header_says_whether_dali_reads_it(data, verdict):
 
 
 def test_a_tiff_variant_dali_does_not_read_is_no_damage_and_its_size_is_read():
-    from mmproxy.datasets._unread import Unread
+    from mmproxy.media import Unread
 
     assert isinstance(check_header("tiff", _tiff("F")), Unread)
     assert not isinstance(check_header("tiff", _tiff("RGB")[:12]), Unread)

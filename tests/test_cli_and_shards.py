@@ -1451,13 +1451,13 @@ def test_bench_stacks_finds_each_thread_group_where_it_spends_its_time():
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: map_batch runs inline")
 def test_bench_cpu_counts_the_pipelines_threads_that_ended_between_snapshots():
-    """A pipeline function's pool lives for one call (pipelines/_threads.py): its CPU still
+    """A pipeline function's pool lives for one call (pipelines/audio.py, map_batch): its CPU still
     counts as the pipeline's (dali-threads), not lost; a thread of the bench's own ("bench-")
     counts in no group, and a named thread that ended before the snapshots nowhere."""
     import threading
     import time
 
-    from mmproxy.pipelines._threads import map_batch
+    from mmproxy.pipelines.audio import map_batch
 
     from mmproxy.apps.bench.cpu import cpu_ms_per_batch, cpu_seconds
 

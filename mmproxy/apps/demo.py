@@ -13,9 +13,9 @@ import contextlib
 import time
 from typing import Any
 
-from mmproxy._install import install_hint
 from mmproxy.apps.data import _first_sample, expand_data, first_sample_fields
 from mmproxy.apps.noise import DecoderWarnings
+from mmproxy.errors import install_hint
 
 __all__ = ["run"]
 

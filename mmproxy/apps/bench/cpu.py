@@ -18,7 +18,7 @@ def cpu_seconds() -> dict[tuple[str, int], float]:
 
     import psutil
 
-    from mmproxy.pipelines._threads import THREAD_PREFIX, pool_cpu_seconds
+    from mmproxy.pipelines.audio import THREAD_PREFIX, pool_cpu_seconds
 
     me = psutil.Process()
     # Python's own threads by name; a thread Python did not start (DALI's, torch's, FFmpeg's)
@@ -34,8 +34,8 @@ def cpu_seconds() -> dict[tuple[str, int], float]:
         except psutil.NoSuchProcess:
             pass
     # The pools of a pipeline's Python functions live for one call each: their CPU comes from
-    # their own count (pipelines/_threads.py), not from the threads alive now. The bench's own
-    # threads ("bench-": the --stacks sampler) count in no group.
+    # their own count (pipelines/audio.py, map_batch), not from the threads alive now. The bench's
+    # own threads ("bench-": the --stacks sampler) count in no group.
     for t in me.threads():
         name = names.get(t.id)
         if name is not None and name.startswith((THREAD_PREFIX, "bench-")):

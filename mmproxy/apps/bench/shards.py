@@ -32,7 +32,7 @@ def write_shards(folder: str | os.PathLike[str], kind: str, count: int, workers:
     folder of its own."""
     from concurrent.futures import ProcessPoolExecutor
 
-    from mmproxy._parts import remove_stale_parts
+    from mmproxy.parts import remove_stale_parts
     from mmproxy.testing import writing_cache
 
     per_shard = min(64, max(1, count // max(1, workers)))

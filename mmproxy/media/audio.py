@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import struct
 
-from ._unread import Unread
+from mmproxy.media import Unread
 
 __all__ = ["ogg_cut", "wav_problem"]
 

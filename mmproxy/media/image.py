@@ -15,7 +15,7 @@ import struct
 from typing import Any
 from zlib import adler32
 
-from ._unread import Unread
+from mmproxy.media import Unread
 
 __all__ = ["image_size", "jpeg_header", "jpeg_truncated", "png_truncated", "tiff_info",
            "tiff_problem"]
