@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import replace
 from types import FrameType
 from typing import Any, Literal
 
@@ -47,7 +46,6 @@ from mmproxy.state import LoaderState
 
 from . import elastic
 from ._batch_runs import BatchRuns, batch_fields
-from ._legacy import is_first_version, upgrade
 from ._next_epoch import NextEpoch
 from .batcher import Batcher
 from .buffer import ShuffleBuffer
@@ -292,20 +290,13 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                                          self.collate) if self._batched else None)
         return PositionStamp(batcher, layout)
 
-    def _current(self, state: Any, rank: int | None = None, world: int | None = None) -> Any:
-        """A saved worker state in this version's form (a first-version one upgraded)."""
-        if not is_first_version(state):
-            return state
-        return upgrade(state, lambda *a, **kw: self._chain(*a, rank=rank, world=world, **kw))
-
     def _resumed(self, epoch: int, point: worker.ResumePoint | None) -> PositionStamp:
         """This worker's chain for ``epoch``: at its start, or where ``point`` says."""
         _, _, worker_id, workers = worker_info()
         if point is None or point.state is None:
             return self._chain(epoch, worker_id if point is None else point.worker, workers)
-        state = self._current(point.state)
-        chain = self._chain(*PositionStamp.where(state))
-        chain.load_state_dict(state)
+        chain = self._chain(*PositionStamp.where(point.state))
+        chain.load_state_dict(point.state)
         return chain
 
     def reshard(self, saved: Sequence[LoaderState], *, rank: int, world: int,
@@ -313,8 +304,6 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         """Elastic resume: the positions of every worker of every rank (the loader states of
         all ranks) turned into what each of ``workers`` workers of rank ``rank`` (of ``world``)
         reads to finish the epoch: every sample not yet delivered, once. The order is new."""
-        saved = [replace(s, positions={w: self._current(p, s.rank, s.world)
-                                       for w, p in s.positions.items()}) for s in saved]
         return elastic.reshard(self._chain, saved, sources=len(self.sources), rank=rank,
                                world=world, workers=workers, epoch_length=self.epoch_length)
 

@@ -33,7 +33,7 @@ class PositionStamp(Stage):
     """
 
     NAME = "dataset position"
-    VERSION = 2  # version 1: the states before the dataset was a chain of stages (see _legacy)
+    VERSION = 2
     EPOCH, WORKER, WORKERS, BATCHER = "epoch", "worker", "workers", "batcher"
     KEYS = (EPOCH, WORKER, WORKERS, BATCHER)
 

@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
-from mmproxy.errors import EmptyEpochError, SkipLimitError
+from mmproxy.errors import EmptyEpochError, SkipLimitError, StateError
 
 __all__ = ["CHECK_EVERY", "EMPTY_AFTER", "FileLookup", "SHARDS_TRIED", "SHARD_CHECK_EVERY",
            "SKIPPED", "SkipKind", "SkipReport", "SkippedSample", "add_file_lookup"]
@@ -115,16 +115,10 @@ def _sources(records: Iterable[SkippedSample]) -> dict[tuple[str, str], str]:
     return found
 
 
-def _legacy_kind(reason: str) -> SkipKind:
-    """The kind of a record saved without one (states written before records had kinds): the
-    kind whose name its reason starts with."""
-    return next((k for k in SkipKind if reason.startswith(k.value)), SkipKind.OTHER)
-
-
 def _record(saved: Sequence[Any]) -> SkippedSample:
-    """A record from a state: ``(shard, key, reason, kind)``, or an older ``(shard, key, reason)``."""
-    shard, key, reason, *kind = saved
-    return SkippedSample(shard, key, reason, SkipKind(kind[0]) if kind else _legacy_kind(reason))
+    """A record from a state: ``(shard, key, reason, kind)``."""
+    shard, key, reason, kind = saved
+    return SkippedSample(shard, key, reason, SkipKind(kind))
 
 
 def _saved(record: SkippedSample) -> tuple[str, str, str, str]:
@@ -181,10 +175,15 @@ class SkipReport:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> SkipReport:
+        """The report a :meth:`state_dict` gave; one that lacks a part raises
+        :class:`~mmproxy.errors.StateError` naming it."""
+        missing = sorted({"epoch", "delivered", "skipped", "shards", "tried", "by_kind", "first",
+                          "records"} - set(state))
+        if missing:
+            raise StateError(f"not a skip report state of this version: missing keys {missing}")
         report = cls(state["epoch"])
         report.delivered, report.skipped = state["delivered"], state["skipped"]
-        report.shards = state.get("shards", 0)  # absent from states saved before it was counted
-        report.shards_tried = state.get("tried", 0)
+        report.shards, report.shards_tried = state["shards"], state["tried"]
         report.by_kind.update({SkipKind(kind): n for kind, n in state["by_kind"].items()})
         report._first = {r.kind: r for r in map(_record, state["first"])}
         report.records = [_record(r) for r in state["records"]]

@@ -5,9 +5,6 @@
 ``load_state_dict`` takes back (:meth:`LoaderState.from_dict`). The dataset's part is one value
 per worker, kept as the dataset stamped it (:func:`mmproxy.worker.stamp`): the loader carries it
 and never reads inside it. :class:`ResumePoint` is what one worker is handed on a resume.
-
-A state of the first version (before datasets owned their state) is read too: its loader fields
-mean what they meant then, and each worker's entry goes to the dataset as it was saved.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from mmproxy.errors import StateError
 __all__ = ["LoaderState", "ResumePoint", "VERSION"]
 
 VERSION = 2
-_FIRST = 1  # the version before datasets owned their state: {"states": {worker: entry}}
 
 
 @dataclass(frozen=True)
@@ -71,16 +67,14 @@ class LoaderState:
 
     @classmethod
     def from_dict(cls, state: Any) -> LoaderState:
-        """The state a :meth:`to_dict` (of this version or the first) gave; anything else raises
+        """The state a :meth:`to_dict` of this version gave; anything else raises
         :class:`~mmproxy.errors.StateError`, saying what it is not."""
         if not isinstance(state, Mapping):
             raise StateError(f"not a state of an mmproxy.DataLoader: a {type(state).__name__}")
         version = state.get("version")
-        if version == _FIRST:
-            return cls._from_first(state)
         if version != VERSION:
-            raise StateError(f"not a state of this mmproxy.DataLoader (version {VERSION}, or "
-                             f"{_FIRST} from earlier releases): its version is {version!r}")
+            raise StateError(f"not a state of this mmproxy.DataLoader (version {VERSION}): its "
+                             f"version is {version!r}")
         known = {"version", *cls.__dataclass_fields__}
         unknown = sorted(set(state) - known)
         missing = sorted({"epoch", "done"} - set(state))
@@ -90,14 +84,3 @@ class LoaderState:
         values = {k: v for k, v in state.items() if k != "version"}
         values["positions"] = {int(w): p for w, p in (values.get("positions") or {}).items()}
         return cls(**values)
-
-    @classmethod
-    def _from_first(cls, state: Mapping[str, Any]) -> LoaderState:
-        if "epoch" not in state or "done" not in state:
-            raise StateError(f"not a state of an mmproxy.DataLoader (version {_FIRST}): it has "
-                             f"no epoch or done ({sorted(state)})")
-        if state["done"] or "states" not in state:
-            return cls(int(state["epoch"]), bool(state["done"]))
-        return cls(int(state["epoch"]), False, int(state["rank"]), int(state["world"]),
-                   int(state["workers"]), int(state["batches"]), int(state["next"]),
-                   {int(w): entry for w, entry in state["states"].items()}, state["report"])

@@ -761,8 +761,9 @@ def test_unreadable_shards_are_counted_apart_from_samples():
     assert SkipReport.from_state(state).shards_tried == 20
     merged = SkipReport.merged([state, state], epoch=1)
     assert (merged.shards, merged.shards_tried) == (24, 40)
-    del state["shards"], state["tried"]  # a state saved before shards were counted
-    assert SkipReport.from_state(state).shards == 0
+    del state["shards"], state["tried"]
+    with pytest.raises(mmproxy.StateError, match=r"skip report state .*'shards'"):
+        SkipReport.from_state(state)
 
 
 def test_the_shards_share_is_judged_mid_epoch_every_100_shards_tried():
@@ -784,10 +785,9 @@ def test_the_shards_share_is_judged_mid_epoch_every_100_shards_tried():
         report.check(0.1)
 
 
-def test_skip_kinds_are_enum_members_that_survive_pickling_and_old_states():
+def test_skip_kinds_are_enum_members_that_survive_pickling_and_states():
     """A record's kind is a :class:`SkipKind`, the counts come from it (not from the reason's
-    words), records cross processes pickled, and a state saved before records had kinds (three
-    fields each) loads with the kinds its reasons name."""
+    words), records cross processes pickled and through a report's state."""
     import pickle
 
     from mmproxy.skips import SkipKind, SkippedSample, SkipReport
@@ -800,13 +800,9 @@ def test_skip_kinds_are_enum_members_that_survive_pickling_and_old_states():
     assert report.by_kind == {SkipKind.OTHER: 1, SkipKind.BAD_HEADER: 1} == {"other": 1, "bad header": 1}
     assert "1 x bad header; first: s.tar, sample 'j': whatever" in report.summary()
     assert mmproxy.SkipKind is SkipKind
-    old = {"epoch": 2, "delivered": 5, "skipped": 2, "shards": 1, "by_kind": {"missing field": 1,
-           "unreadable shard": 1}, "first": [("a.tar", "k", "missing field 'jpg'"),
-                                             ("b.tar", "", "unreadable shard: cut")],
-           "records": [("a.tar", "k", "missing field 'jpg'"), ("b.tar", "", "unreadable shard: cut")]}
-    loaded = SkipReport.from_state(old)
-    assert [r.kind for r in loaded.records] == [SkipKind.MISSING_FIELD, SkipKind.UNREADABLE_SHARD]
-    assert loaded.by_kind == {SkipKind.MISSING_FIELD: 1, SkipKind.UNREADABLE_SHARD: 1}
+    loaded = SkipReport.from_state(report.state_dict())
+    assert [r.kind for r in loaded.records] == [SkipKind.OTHER, SkipKind.BAD_HEADER]
+    assert loaded.by_kind == report.by_kind
     assert SkipReport.from_state(loaded.state_dict()).records == loaded.records
 
 

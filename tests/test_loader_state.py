@@ -1,13 +1,11 @@
-"""The loader's saved state: one versioned, typed value; states of the first version still load."""
+"""The loader's saved state: one versioned, typed value; states of other versions refused."""
 
 from __future__ import annotations
 
-import collections
 import copy
 
 import pytest
-from main_states import CASES
-from mmproxy.datasets import MultiModalDataset, Source
+from mmproxy.datasets import MultiModalDataset
 
 import mmproxy
 from mmproxy.state import LoaderState
@@ -18,13 +16,10 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """The shards the states of ``main_states`` were saved over."""
-    root = tmp_path_factory.mktemp("main-states")
+    root = tmp_path_factory.mktemp("states")
     for s in range(5):
         write_tar(root / f"m-{s}.tar", [{"__key__": f"m{s}-{k}", "txt": f"m {s} {k}"}
                                         for k in range(7)])
-        write_tar(root / f"n-{s}.tar", [{"__key__": f"n{s}-{k}", "txt": f"n {s} {k}"}
-                                        for k in range(4)])
     return root
 
 
@@ -41,53 +36,30 @@ def _single(root):
                              batch_size=3, shuffle_buffer=5, seed=11)
 
 
-def _mixed(root):
-    text = {"text": ("txt", bytes.decode)}
-    return MultiModalDataset(sources=[Source(str(root / "m-{0..4}.tar"), text, 2, "M"),
-                                      Source(str(root / "n-{0..4}.tar"), text, 1, "N")],
-                             batch_size=3, shuffle_buffer=4, seed=5, epoch_length=7)
+# A loader state of the first version: per worker an entry of the dataset's old position.
+_FIRST = {"version": 1, "epoch": 1, "done": False, "rank": 0, "world": 1, "workers": 1,
+          "batches": 2, "next": 0, "report": None,
+          "states": {"0": {"worker": 0, "workers": 1, "quota": None,
+                           "state": {"made": 2, "batch": [], "urls": []}}}}
 
 
-def _state(name, root):
-    """The saved state of ``main_states``, its shard paths pointing at ``root``."""
-    def placed(value):
-        if isinstance(value, str):
-            return value.replace("{root}", str(root))
-        if isinstance(value, dict):
-            return {k: placed(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(placed(v) for v in value)
-        return value
-    return placed(copy.deepcopy(CASES[name]["state"]))
+def test_a_state_of_the_first_version_is_refused(root, server):
+    loader = _single(root).loader(server, num_workers=1)
+    with pytest.raises(mmproxy.StateError, match=r"\(version 2\): its version is 1"):
+        loader.load_state_dict(copy.deepcopy(_FIRST))
 
 
-def _keys(loader, epochs):
-    return [list(b["__key__"]) for _ in range(epochs) for b in loader]
-
-
-@pytest.mark.parametrize("name,build", [("single", _single), ("mixed", _mixed)])
-def test_a_state_saved_before_the_stages_resumes_exactly(root, server, name, build):
-    """The rest of that epoch and the next one are the batches the old code delivered."""
-    loader = build(root).loader(server, num_workers=CASES[name]["workers"])
-    loader.load_state_dict(_state(name, root))
-    assert _keys(loader, 2) == CASES[name]["rest"]
-
-
-def test_an_elastic_state_saved_before_the_stages_delivers_the_rest_once(root, server):
-    rest = collections.Counter(k for batch in CASES["single"]["rest"][:8] for k in batch)
-    loader = _single(root).loader(server, num_workers=3)
-    loader.load_state_dict(_state("elastic", root))
-    assert collections.Counter(k for batch in _keys(loader, 1) for k in batch) == rest
-    again = _single(root).loader(server, num_workers=2)  # elastic once more: 3 -> 2 workers
-    again.load_state_dict(_state("elastic", root))
-    assert collections.Counter(k for batch in _keys(again, 1) for k in batch) == rest
-
-
-def test_a_finished_state_saved_before_the_stages_starts_the_next_epoch(root, server):
-    loader = _single(root).loader(server, num_workers=2)
-    loader.load_state_dict(_state("done", root))
-    assert _keys(loader, 1) == CASES["single"]["rest"][8:]  # epoch 2 of the old run
-    assert loader.state_dict()["epoch"] == 2
+def test_a_worker_position_of_the_first_version_is_refused(root, server):
+    loader = _single(root).loader(server, num_workers=1)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    state["positions"][0] = copy.deepcopy(_FIRST["states"]["0"])
+    resumed = _single(root).loader(server, num_workers=1)
+    with pytest.raises(mmproxy.StateError, match="position state"):
+        resumed.load_state_dict(state)
+        next(iter(resumed))
 
 
 def test_a_saved_state_is_typed_and_round_trips(root, server):
