@@ -90,8 +90,8 @@ class Pipe:
             raise ValueError(f"server {name!r}: the pipeline has no fn.external_source input "
                              "without a source; the proxy would have nothing to send")
         self.encoded_inputs = _encoded_inputs(pipeline, self.input_names)
-        if seed is not None and not pipeline._built:
-            pipeline._seed = seed
+        self._seed = seed
+        _seeded(pipeline, seed, name)
         pipeline.build()
         self.pipeline = pipeline
         self.num_outputs: int = pipeline.num_outputs
@@ -124,7 +124,7 @@ class Pipe:
                                        f"pipeline with inputs {other.input_names}, not "
                                        f"{self.input_names}")
             return other
-        return Pipe(_clone(self.pipeline, seed), self.name)
+        return Pipe(_clone(self.pipeline, seed, self.name), self.name)
 
     @property
     def survives_errors(self) -> bool:
@@ -168,6 +168,7 @@ class Pipe:
         that built it, else from the same Python graph (DALI keeps its operators' specs)."""
         if self._factory is not None:
             fresh = self._factory()
+            _seeded(fresh, self._seed, self.name)
             if _input_names(fresh) != self.input_names:
                 raise ServerStateError(f"server {self.name!r}: the pipeline function built a pipeline "
                                        f"with inputs {_input_names(fresh)}, not {self.input_names}")
@@ -182,14 +183,32 @@ class Pipe:
         pipe.build()
 
 
-def _clone(pipeline: Any, seed: int | None) -> Any:
+def _seeded(pipeline: Any, seed: int | None, name: str) -> None:
+    """Gives an unbuilt pipeline ``seed`` (a copy's); a built one cannot take it."""
+    if seed is None:
+        return
+    if pipeline._built:
+        raise ValueError(f"server {name!r}: the pipeline function returned a built pipeline, "
+                         "which cannot take a copy's seed; return it unbuilt (do not call "
+                         "build()) to run several pipelines")
+    pipeline._seed = seed
+
+
+def _clone(pipeline: Any, seed: int | None, name: str) -> Any:
     """An unbuilt copy of a built pipeline that shares its Python graph (operators and their
     specs, read-only once built) and has its own backend, seed and state; registered as DALI
-    registers every pipeline, so that it is shut down at exit and kept inert in forked children."""
+    registers every pipeline, so that it is shut down at exit and kept inert in forked children.
+    A graph with an ``external_source`` that has a ``source`` is refused: the copies would call
+    one source object from several threads."""
     import copy
     import weakref
 
     from nvidia.dali.pipeline import Pipeline
+
+    if pipeline._input_callbacks:
+        raise ValueError(f"server {name!r}: the pipeline has an external_source with a source, "
+                         "which copies of it would share; give the server a function that "
+                         "builds the pipeline to run several")
 
     other = copy.copy(pipeline)
     for key, value in vars(pipeline).items():

@@ -52,13 +52,13 @@ class Runner:
         self._isolate = Isolation(pipe, table, self._outputs, stop)
 
     def __call__(self) -> None:
-        if self.device is not None:
-            import torch
-
-            torch.cuda.set_device(self.device)
-            self._outputs.stream = torch.cuda.Stream(self.device)
         inflight: deque[Run] = deque()
         try:
+            if self.device is not None:
+                import torch
+
+                torch.cuda.set_device(self.device)
+                self._outputs.stream = torch.cuda.Stream(self.device)
             while True:
                 self._fill(inflight)
                 if not inflight:
