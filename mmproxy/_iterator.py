@@ -19,6 +19,7 @@ ends the epoch and shuts the workers down at once.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,8 +63,13 @@ class LoaderIter:
         self._it, self._tables, self._tag, self._in_main = it, tables, tag, in_main
         self._progress, self._report = progress, progress.report
         self._length, self._forget = length, forget
-        self._claims_ahead = any(t.deterministic for t in tables.values())
-        self._next: list[_Fetched] = []  # the batch fetched (and claimed) one step ahead
+        deterministic = [t for t in tables.values() if t.deterministic]
+        self._claims_ahead = bool(deterministic)
+        # batches fetched and claimed ahead: one, or enough to keep each of a server's
+        # pipelines two runs deep
+        self._ahead = max((2 * t.lanes - 1 for t in deterministic), default=1)
+        self._next: collections.deque[_Fetched] = collections.deque()
+        self._ended = False  # torch's iterator ran out while fetching ahead
         self._seq = 0  # items taken from torch's iterator
         self._max_skipped = dataset.max_skipped if isinstance(dataset, LimitsSkips) else None
         self._judged = isinstance(dataset, LimitsSkips)
@@ -106,22 +112,21 @@ class LoaderIter:
             raise
 
     def _step(self) -> _Fetched:
-        """The next batch; in deterministic mode, the one after it is fetched and claimed too."""
+        """The next batch; in deterministic mode, the ones after it are fetched and claimed too,
+        so that each pipeline of a server has runs to take."""
         if not self._claims_ahead:
             return self._fetch()
-        if not self._next:
-            batch = self._fetch()
+        while not self._ended and len(self._next) <= self._ahead:
+            try:
+                batch = self._fetch()
+            except StopIteration:
+                self._ended = True
+                break
             self._claim(batch[0])
-        else:
-            batch = self._next.pop()
-        try:
-            upcoming = self._fetch()
-        except StopIteration:
-            pass
-        else:
-            self._claim(upcoming[0])
-            self._next.append(upcoming)
-        return batch
+            self._next.append(batch)
+        if not self._next:
+            raise StopIteration
+        return self._next.popleft()
 
     def _fetch(self) -> _Fetched:
         """The next batch from torch's iterator with its worker's stamp (if any); records sent on

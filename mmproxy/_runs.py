@@ -73,6 +73,7 @@ class RunTable:
         self.deterministic = deterministic
         self.timeout = timeout
         self.device = device
+        self.lanes = lanes
         self.cond = threading.Condition()
         self.state = ServerState.CREATED
         self.error: BaseException | None = None  # why the server failed
@@ -83,7 +84,7 @@ class RunTable:
         self._dropped: OrderedDict[str, str] = OrderedDict()  # run id -> why
         self.samples = 0  # samples produced
         self.wait_seconds = 0.0  # main-loop time spent in wait()
-        self.starved_seconds = 0.0  # runners' time spent waiting for inputs in next(), summed
+        self.starved_seconds = 0.0  # runners' time waiting in next(), summed over the pipelines
 
     # -- server lifecycle -----------------------------------------------------------------------
 
@@ -254,8 +255,8 @@ class RunTable:
         In the :mod:`schedule's <mmproxy._schedule>` order.
         """
         start = time.perf_counter()
-        try:
-            with self.cond:
+        with self.cond:
+            try:
                 while not stop.is_set():
                     run = self._schedule.take(lane)
                     if run is not None:
@@ -264,10 +265,10 @@ class RunTable:
                     if not block:
                         return None
                     self.cond.wait(_POLL)
-            return None
-        finally:
-            if block:
-                self.starved_seconds += time.perf_counter() - start
+                return None
+            finally:
+                if block:
+                    self.starved_seconds += time.perf_counter() - start
 
     def finish(self, run: Run, outputs: tuple[Any, ...], event: Any, *, kept: list[int] | None = None,
                dropped: dict[int, str] | None = None) -> None:

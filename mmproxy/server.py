@@ -1,4 +1,5 @@
-"""Server: runs one DALI pipeline in the main process behind its own threads.
+"""Server: runs a DALI pipeline (or copies of it side by side) in the main process behind its
+own threads.
 
 ::
 
@@ -10,7 +11,8 @@
        returns BatchRef(server uid, run id)                  │   (a server in this process gets
     batch ── DataLoader result queue ──────────┐             │    the Request directly)
                                                │             v  RunTable.accept (PENDING)
-                                               │   [runner thread] (_runner.Runner)
+                                               │   [runner threads] (_runner.Runner, one a
+                                               │    pipeline: pipelines=N copies take runs)
                                                │     RunTable.next (SCHEDULED); with a Prepare
                                                │     stage (_prepare.PreparedRuns) each sample
                                                │     goes to [prepare threads] (NVDEC decoders)
@@ -36,6 +38,7 @@ dropped.
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
 import threading
 from typing import Any, Literal
@@ -71,18 +74,17 @@ class DALIServer:
         pad: Pad outputs whose shape differs between samples into a
             :class:`~mmproxy.refs.PaddedBatch` instead of returning a list of tensors. ``True``
             pads every output; a collection of output indices pads only those.
-        pipelines: How many instances of the pipeline the server runs side by side, each with
+        pipelines: How many copies of the pipeline the server runs side by side, each with
             its own DALI threads (the pipeline's ``num_threads``), seed (the pipeline's + its
-            index) and runner thread; a run goes to a free one. One DALI executor tops out
-            below what the GPU can do (BENCHMARKS.md, "Several pipelines a server"). Copies are
-            built by the function given as ``pipeline``, else from the built pipeline's own
-            graph. ``"auto"``: one on a CPU; on a GPU, as many as the process's CPU cores hold
-            at the pipeline's ``num_threads`` (at least one core each), at most
-            :data:`AUTO_PIPELINES_MAX`. Outputs do not depend on which pipeline ran a batch
-            when the pipeline's randomness is drawn per sample (``SampleSeeded``); with
-            ``deterministic``, runs are dealt to the pipelines in turn, so pipelines with random
-            operators of their own give the same outputs run after run too. A ``Prepare``
-            stage (the NVDEC decoder) is shared by all of them.
+            index) and runner thread; a run goes to a free one: one DALI executor tops out
+            below what the GPU can do (docs/pipelines.md). Copies are built by the function
+            given as ``pipeline``, else from the built pipeline's own graph. ``"auto"``: one on
+            a CPU; on a GPU, as many as the process's cores hold at the pipeline's
+            ``num_threads``, at most :data:`AUTO_PIPELINES_MAX`. Outputs do not depend on which
+            copy ran a batch when the randomness is drawn per sample (``SampleSeeded``); with
+            ``deterministic``, runs go to the copies in turn, in the order the loader claims
+            them, so random operators of the pipeline's own repeat run after run too. A ``Prepare``
+            stage (the NVDEC decoder) is shared: each copy hands it up to two runs ahead.
         timeout: Seconds to wait for one run's outputs before raising
             :class:`~mmproxy.errors.WaitTimeoutError`. A run's inputs are already on their way
             when the main loop asks for it, so the wait is bounded by the pipeline's own time;
@@ -191,7 +193,8 @@ class DALIServer:
 
     @property
     def starved_seconds(self) -> float:
-        """Time the pipeline sat idle waiting for inputs from workers."""
+        """Time the pipelines sat idle waiting for inputs from workers (or, deterministic, for
+        their turn), summed over the pipelines."""
         return self.table.starved_seconds
 
     @property
@@ -296,13 +299,13 @@ class DALIServer:
             pass
 
 
-AUTO_PIPELINES_MAX = 3  # past three pipelines a server, no workload measured gained
+AUTO_PIPELINES_MAX = 4  # the image graph on an H200: six pipelines of 2 threads ran below four of 3
 
 
 def _check_pipelines(pipelines: Any, name: str) -> None:
-    if pipelines == "auto":
+    if isinstance(pipelines, str) and pipelines == "auto":
         return
-    if isinstance(pipelines, bool) or not isinstance(pipelines, int) or pipelines < 1:
+    if isinstance(pipelines, bool) or not isinstance(pipelines, numbers.Integral) or pipelines < 1:
         raise ValueError(f"server {name!r}: pipelines must be a whole number >= 1 or 'auto', "
                          f"got {pipelines!r}")
 

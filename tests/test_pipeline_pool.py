@@ -232,3 +232,68 @@ def test_auto_on_a_gpu_follows_the_cores_and_three_pipelines_match_one(shards):
             out[n] = {k: v.cpu() for k, (v,) in _by_key(loader).items()}
     assert sorted(out[1]) == sorted(out[3]) and len(out[1]) == 39
     assert all(torch.equal(out[1][k], out[3][k]) for k in out[1])
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, proxy):
+        self.proxy = proxy
+
+    def __len__(self):
+        return 12 * BATCH
+
+    def __getitem__(self, i):
+        return self.proxy(np.full(2, float(i), np.float32)), i
+
+
+def test_deterministic_mode_keeps_every_pipeline_fed():
+    """The loader claims enough batches ahead that each of three pipelines has a run of its own
+    at once (not only two runs in flight in all), and the outputs stay in order."""
+    with mmproxy.DALIServer(cpu(_slow_pipe, batch_size=BATCH, prefetch_queue_depth=1),
+                            deterministic=True, pipelines=3) as server:
+        most, done = 0, threading.Event()
+
+        def watch():
+            nonlocal most
+            while not done.is_set():
+                with server.table.cond:
+                    busy = sum(r.state is mmproxy.server.RunState.SCHEDULED
+                               for r in server.table.runs.values())
+                most = max(most, busy)
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            loader = mmproxy.DataLoader(server, _Rows(server.proxy), batch_size=BATCH, num_workers=2)
+            for x, i in loader:
+                assert torch.equal(x[:, 0], i.float() * 2)
+        finally:
+            done.set()
+            watcher.join()
+    assert most == 3
+
+
+def test_copies_keep_their_seeds_through_a_rebuild_and_shared_sources_are_refused():
+    def build():
+        return cpu(noisy_pipe, batch_size=BATCH, seed=11)
+
+    with mmproxy.DALIServer(build, pipelines=3) as server:
+        assert [p.seed for p in server._pipes] == [11, 12, 13]
+        server._pipes[2].rebuild()  # what a refused feed or a classic executor's error does
+        assert server._pipes[2].seed == 13
+
+    def built():
+        pipe = cpu(noisy_pipe, batch_size=BATCH, seed=11)
+        pipe.build()
+        return pipe
+
+    with pytest.raises(ValueError, match="returned a built pipeline, which cannot take a copy's seed"):
+        mmproxy.DALIServer(built, pipelines=2)
+
+    @pipeline_def
+    def sourced():
+        return fn.external_source(name="x", no_copy=True) * fn.external_source(
+            source=lambda: [np.ones(1, np.float32)] * BATCH)
+
+    with pytest.raises(ValueError, match="external_source with a source, which copies of it would"):
+        mmproxy.DALIServer(cpu(sourced, batch_size=BATCH), pipelines=2)

@@ -146,3 +146,59 @@ def test_a_claimed_run_that_fails_on_arrival_does_not_hold_up_the_runs_behind_it
         table.wait("big")
     table.accept(_request("next", n=4))
     assert table.next(block=False, stop=threading.Event()).id == "next"
+
+
+def _lanes(n, deterministic=True):
+    table = RunTable("t", 4, deterministic=deterministic, timeout=5, lanes=n)
+    table.set_state(ServerState.RUNNING)
+    return table, [table.lane(k) for k in range(n)]
+
+
+def test_deterministic_lanes_take_the_claimed_runs_in_turn():
+    """Three pipelines: the claimed runs go to lanes 0, 1, 2, 0, ...; a lane never takes
+    another's turn, and a run dropped before it is taken (too large) shifts no one's turn."""
+    table, lanes = _lanes(3)
+    stop = threading.Event()
+    table.claim(["a", "big", "b", "c", "d"])
+    for run_id in ("a", "b", "c", "d"):
+        table.accept(_request(run_id))
+    table.accept(_request("big", n=5))  # refused on arrival: leaves the order
+    assert lanes[1].next(False, stop) is None  # lane 0's turn
+    assert lanes[0].next(False, stop).id == "a"
+    assert lanes[0].next(False, stop) is None and lanes[2].next(False, stop) is None
+    assert lanes[1].next(False, stop).id == "b"
+    assert lanes[2].next(False, stop).id == "c"
+    assert lanes[0].next(False, stop).id == "d"
+
+
+def test_more_lanes_than_runs_and_a_stop_while_waiting_for_a_turn():
+    table, lanes = _lanes(4)
+    stop = threading.Event()
+    table.claim(["only"])
+    table.accept(_request("only"))
+    assert lanes[0].next(False, stop).id == "only"
+    assert all(lane.next(False, stop) is None for lane in lanes)
+    waiting = threading.Thread(target=lanes[2].next, args=(True, stop))
+    waiting.start()
+    stop.set()
+    waiting.join(1)
+    assert not waiting.is_alive()
+
+
+def test_free_lanes_take_any_arrived_run_and_the_turn_restarts_with_the_server():
+    table, lanes = _lanes(2, deterministic=False)
+    stop = threading.Event()
+    for run_id in ("a", "b", "c"):
+        table.accept(_request(run_id))
+    assert [lanes[1].next(False, stop).id, lanes[1].next(False, stop).id,
+            lanes[0].next(False, stop).id] == ["a", "b", "c"]
+    table, lanes = _lanes(2)
+    table.claim(["x"])
+    table.accept(_request("x"))
+    assert lanes[0].next(False, stop).id == "x"
+    table.set_state(ServerState.STOPPING)
+    table.clear()
+    table.set_state(ServerState.RUNNING)
+    table.claim(["y"])
+    table.accept(_request("y"))
+    assert lanes[1].next(False, stop) is None and lanes[0].next(False, stop).id == "y"
