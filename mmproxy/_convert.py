@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ def pad(samples: list[torch.Tensor]) -> PaddedBatch:
         data = torch.from_numpy(target)
     for i, s in enumerate(samples):
         region: Any = (i, *(slice(0, n) for n in s.shape))
-        target[region] = s if s.is_cuda else s.numpy()
+        target[region] = s if target is data else s.numpy()
     return PaddedBatch(data, shapes[:, 0].clone() if ndim == 1 else shapes)
 
 
@@ -51,24 +52,17 @@ def _gpu_samples(tensor_list: Any, stream: Any) -> tuple[torch.Tensor, list[list
     in one flat tensor, and their shapes."""
     import ctypes
 
-    from nvidia.dali import types
     from nvidia.dali.plugin.pytorch import to_torch_type
 
     shapes = [list(s) for s in tensor_list.shape()]
-    total = sum(_numel(s) for s in shapes)
+    total = sum(math.prod(s) for s in shapes)
     flat = torch.empty(total, dtype=to_torch_type[tensor_list.dtype],
                        device=torch.device("cuda", tensor_list.device_id()))
     if total:
-        tensor_list.copy_to_external(ctypes.c_void_p(flat.data_ptr()),
-                                     types._raw_cuda_stream_ptr(stream), non_blocking=stream is not None)
+        raw = None if stream is None else ctypes.c_void_p(stream.cuda_stream)
+        tensor_list.copy_to_external(ctypes.c_void_p(flat.data_ptr()), raw,
+                                     non_blocking=stream is not None)
     return flat, shapes
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _gpu_ragged(tensor_list: Any, stream: Any, want_pad: bool) -> Output:
@@ -84,7 +78,7 @@ def _gpu_ragged(tensor_list: Any, stream: Any, want_pad: bool) -> Output:
             return _pad_flat(flat, lengths)
         return list(torch.split(flat, lengths))
     samples = [part.view(shape) for part, shape in
-               zip(torch.split(flat, [_numel(s) for s in shapes]), shapes)]
+               zip(torch.split(flat, [math.prod(s) for s in shapes]), shapes)]
     return pad(samples) if want_pad else samples
 
 
@@ -92,8 +86,11 @@ def _pad_flat(flat: torch.Tensor, lengths: list[int]) -> PaddedBatch:
     """1-D samples back to back in ``flat``, zero-padded into one batch by one kernel (the op
     behind PyTorch's jagged nested tensors)."""
     offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
-    data = torch.ops.aten._jagged_to_padded_dense_forward(
-        flat.view(-1, 1), [offsets.to(flat.device, non_blocking=True)], [max(lengths)], 0.0)
+    try:
+        data = torch.ops.aten._jagged_to_padded_dense_forward(
+            flat.view(-1, 1), [offsets.to(flat.device, non_blocking=True)], [max(lengths)], 0.0)
+    except (AttributeError, NotImplementedError, RuntimeError):  # a torch without it, or a dtype
+        return pad(list(torch.split(flat, lengths)))
     return PaddedBatch(data.view(len(lengths), -1), torch.tensor(lengths, dtype=torch.int64))
 
 
