@@ -17,10 +17,10 @@ dali-proxy-seed    DALI's proxy with its documentation's        image, audio, ma
                    setting: prefetch_queue_depth=2*workers
 dali-reader        fn.readers.webdataset, no Python (video:     image, audio, image-text,
                    fn.decoders.video, on a GPU only)            video
-dali-graph         mmproxy's pipeline with no loader: the       image, audio, image-text
+dali-graph         the workload's graph with no loader: the     image, audio, image-text
                    heavy fields read into memory once, fed to
-                   ``--pipelines`` copies from a thread each
-                   (the limit the loaders run against)
+                   ``--pipelines`` copies from a thread each,
+                   outputs copied into torch (the limit)
 spdl               SPDL's thread pipeline: webdataset's tar     image, audio
                    reader, spdl.io's FFmpeg decode and filters
                    (:mod:`~mmproxy.apps.bench.spdl_loader`),
@@ -193,9 +193,11 @@ def _dali_reader(setup: Setup, prefetch: int = 2) -> dict[str, Any]:
         return {"error": "not run: DALI decodes H.264 on a GPU only (its CPU video decoder has "
                 "no H.264)"}
     before = gpu_memory_used(setup)
-    result = time_epochs(reader_batches(setup, prefetch), setup.args.epochs, setup.gpu)
+    batches = reader_batches(setup, prefetch)
+    result = time_epochs(batches, setup.args.epochs, setup.gpu)
     result["pipelines"] = 1  # as DALI's users run the reader
-    result["gpu_memory_mib"] = _grown(before, gpu_memory_used(setup))
+    result["gpu_memory_mib"] = _grown(before, gpu_memory_used(setup))  # the reader still alive
+    del batches
     return result
 
 
@@ -205,13 +207,15 @@ def _dali_graph(setup: Setup) -> dict[str, Any]:
     import threading
 
     import numpy as np
+    import torch
+    from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
 
     from mmproxy.server import auto_pipelines
 
     a = setup.args
     before = gpu_memory_used(setup)
     count = auto_pipelines(setup.device_id, a.threads) if a.pipelines == "auto" else a.pipelines
-    pipes = [recipe_pipeline(setup)[0] for _ in range(count)]
+    pipes = [proxied_pipeline(setup) for _ in range(count)]  # the workload's graph, as the reader's
     for pipe in pipes:
         pipe.build()
     data = []
@@ -228,8 +232,19 @@ def _dali_graph(setup: Setup) -> dict[str, Any]:
                 f"first runs of {depth}"}
 
     def feed(k: int, done: queue.Queue[Any]) -> None:
-        """Pipeline ``k``'s share of an epoch's batches, ``depth`` of them in flight."""
-        pipe, pending = pipes[k], []
+        """Pipeline ``k``'s share of an epoch's batches, ``depth`` of them in flight, each run's
+        outputs copied into torch tensors as DALI's own iterator copies them."""
+        pipe, pending = pipes[k], list[int]()
+        device = torch.device("cuda", setup.device_id or 0) if setup.gpu else torch.device("cpu")
+        stream = torch.cuda.Stream(device) if setup.gpu else None
+
+        def take() -> None:
+            for output in pipe.outputs():
+                dense = output.as_tensor()
+                tensor = torch.empty(dense.shape(), dtype=to_torch_type[dense.dtype], device=device)
+                feed_ndarray(dense, tensor, cuda_stream=stream)
+            done.put(pending.pop(0))
+
         try:
             for batch in batches[k::count]:
                 pipe.feed_input("data", batch)
@@ -240,12 +255,10 @@ def _dali_graph(setup: Setup) -> dict[str, Any]:
                         started[k] = True
                     continue
                 if len(pending) > depth:
-                    pipe.outputs()
-                    done.put(pending.pop(0))
+                    take()
                 pipe.schedule_run()
             while pending:
-                pipe.outputs()
-                done.put(pending.pop(0))
+                take()
         except BaseException as err:  # noqa: BLE001 - raised in the main thread
             done.put(err)
         finally:
@@ -346,11 +359,19 @@ def _mmproxy(setup: Setup, worker_init_fn: Any = None, **options: Any) -> dict[s
 
 
 def gpu_memory_used(setup: Setup) -> float | None:
-    """MiB in use on the bench's GPU (DALI's pools, PyTorch's and the contexts), or None."""
+    """MiB in use on the bench's GPU, or None: what DALI's and PyTorch's pools hold but do not
+    use is given back first, so that a system's figure does not depend on the systems before it."""
     if not setup.gpu:
         return None
-    import torch
+    import gc
 
+    import torch
+    from nvidia.dali import backend
+
+    gc.collect()  # a dropped system's pipelines and tensors
+    torch.cuda.synchronize(setup.device_id)
+    torch.cuda.empty_cache()
+    backend.ReleaseUnusedMemory()  # type: ignore[attr-defined]
     free, total = torch.cuda.mem_get_info(setup.device_id)
     return (total - free) / 2**20
 
