@@ -30,8 +30,8 @@ def _refused(capsys, argv):
 
 
 def test_a_pattern_the_shell_expanded_is_said_to_be_one(tmp_path, capsys):
-    """``--data dir/*.tar`` unquoted gave argparse's "unrecognized arguments: dir/b.tar
-    dir/c.tar"; each command now says what happened and what to write."""
+    """``--data dir/*.tar`` unquoted (the shell expands it into several paths): each command
+    says what happened and what to write, not argparse's "unrecognized arguments"."""
     shards = _files(tmp_path / "shards", ["s-000.tar", "s-001.tar", "s-002.tar"])
     where = tmp_path / "shards"
     for command in ("demo", "bench"):

@@ -2,7 +2,7 @@
 
 A forked child inherits every object of its parent; one that only the cyclic collector frees is
 freed there, and a CUDA object freed in a forked child aborts it (a plain DataLoader's workers
-after an NVDEC loader did). So a stopped and dropped server leaves no cycle holding its runner,
+after an NVDEC loader, say). So a stopped and dropped server leaves no cycle holding its runner,
 its Prepare stage's runs or their inputs; on a GPU, a plain fork loader after image and NVDEC
 loaders runs.
 """

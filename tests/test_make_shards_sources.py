@@ -68,8 +68,8 @@ def imagefolder_tree(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("via", ["make_shards", "cli"])
 def test_classes_and_labels_are_imagefolders_with_linked_folders_and_files(tmp_path, via, capsys):
-    """A class folder that was a symbolic link was dropped and the labels after it shifted (cow 1
-    where ImageFolder says 2); files through links and links to nothing went unreported."""
+    """A class folder that is a symbolic link is a class with ImageFolder's label (cow 2, not 1);
+    files through links are read and links to nothing are reported."""
     src, out = imagefolder_tree(tmp_path), tmp_path / "out"
     if via == "cli":
         assert cli.main(["make-shards", str(src), str(out)]) == 0
@@ -136,8 +136,8 @@ def test_links_to_nothing_loops_and_special_files_are_left_out_by_reason(tmp_pat
 @pytest.mark.parametrize("caption", ["upper.TXT", "upper.Txt"])
 @pytest.mark.parametrize("folder", ["", "ant/"], ids=["flat", "class-folder"])
 def test_a_caption_is_paired_whatever_the_case_of_its_suffix(tmp_path, caption, folder):
-    """``upper.JPEG`` + ``upper.TXT`` was left out as "no caption" (in a class folder: captioned
-    with the folder's name), its caption unreported."""
+    """``upper.JPEG`` + ``upper.TXT`` is a captioned sample (not "no caption", nor, in a class
+    folder, captioned with the folder's name)."""
     src, out = tmp_path / "src", tmp_path / "out"
     jpeg(src / folder / "upper.JPEG", 3)
     (src / folder / caption).write_text("an upper-case caption")
@@ -194,8 +194,8 @@ def test_img2dataset_folders_linked_with_upper_case_and_dangling_captions(tmp_pa
 
 
 def test_the_kind_hint_sees_linked_folders_and_upper_case_captions(tmp_path):
-    """Which kind a folder holds instead: files through a linked folder were not seen (no hint),
-    and videos with ``.TXT`` captions were taken for labelled ones (video-label)."""
+    """Which kind a folder holds instead: files through a linked folder are seen, and videos
+    with ``.TXT`` captions are captioned ones (video-text, not video-label)."""
     src = tmp_path / "src"
     (tmp_path / "clips").mkdir()
     (tmp_path / "clips" / "a.mp4").write_bytes(b"\0\0\0\x18ftypmp42")  # the hint reads names only

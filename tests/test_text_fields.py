@@ -51,8 +51,7 @@ def image_server():
 @pytest.mark.parametrize("padding", ["longest", "max_length"])
 def test_an_empty_caption_is_a_row_of_padding_and_its_sample_is_kept(captioned, image_server,
                                                                       tokenizer_dir, padding):
-    """An empty caption ended the epoch ("bad header: field 'txt' is empty") before the
-    tokenizer saw it. Now every sample arrives; an empty caption is a row of padding with an
+    """Every sample with an empty caption arrives: its caption is a row of padding with an
     attention mask of zeros, and a batch of empty captions only still has one column."""
     from transformers import AutoTokenizer
 
