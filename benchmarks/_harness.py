@@ -1,13 +1,12 @@
 """What the benchmark scripts share: their common options, the device and batch size they run
-with, the summary of repeated measurements, and the JSON they write (with the machine and the
-code measured, as ``mmproxy bench`` writes them)."""
+with, the summary of repeated measurements, and the JSON they write (with the command, the commit,
+the date, the machine and the code measured, as ``mmproxy bench`` writes them)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -57,17 +56,25 @@ def ratios(these: Sequence[float], those: Sequence[float]) -> list[float]:
     return [a / b for a, b in zip(these, those)]
 
 
+def stamped(results: Any) -> dict[str, Any]:
+    """``results`` (a dict, or anything else under ``"rows"``) after what every results file
+    opens with: the command that ran, the commit measured and the date
+    (``mmproxy.apps.bench.report.provenance``)."""
+    from mmproxy.apps.bench.report import provenance
+
+    return {**provenance(), **(results if isinstance(results, dict) else {"rows": results})}
+
+
 def write_json(path: str | None, args: argparse.Namespace, gpu: bool, results: dict[str, Any]) -> None:
-    """Writes ``results`` to ``path`` (nothing when None) with the settings, the date, the
-    machine and the code measured (``mmproxy.apps.bench.report.machine``)."""
+    """Writes ``results`` to ``path`` (nothing when None) after the command, the commit, the date
+    (:func:`stamped`), the settings and the machine (``mmproxy.apps.bench.report.machine``)."""
     if path is None:
         return
     from mmproxy.apps.bench.report import machine
 
-    out = {"settings": vars(args), "date": time.strftime("%Y-%m-%d"), "machine": machine(gpu),
-           **results}
+    out = stamped({"settings": vars(args), "machine": machine(gpu), **results})
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(out, indent=2))
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
 
 
 def mapped_samples(paths: Sequence[str], ext: str) -> list[Any]:

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import _harness  # this script's folder is on the path
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, record_function
@@ -235,7 +236,7 @@ def summarize(args, rank, keys, seconds, waits, length):
     print(json.dumps(summary))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(summary, f)
+            json.dump(_harness.stamped(summary), f, indent=1)
 
 
 def main():

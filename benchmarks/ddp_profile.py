@@ -23,6 +23,8 @@ import gzip
 import json
 import os
 
+import _harness  # this script's folder is on the path
+
 
 def _load(path: str) -> dict:
     opener = gzip.open if path.endswith(".gz") else open
@@ -113,7 +115,7 @@ def main() -> None:
         print(f"{row['trace'][-48:]:<48} " + " ".join(f"{row[c]:>10}" for c in columns))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(_harness.stamped(rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -319,7 +319,7 @@ def main() -> None:
               f"(first {rates[0]})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(_harness.stamped(results), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,14 @@ from __future__ import annotations
 import glob
 import os
 import platform
+import shlex
+import subprocess
+import sys
+import time
 from typing import Any
 
-__all__ = ["add_ratios", "error_line", "machine", "plot", "print_summary", "system_line"]
+__all__ = ["add_ratios", "error_line", "machine", "plot", "print_summary", "provenance",
+           "system_line"]
 
 
 def machine(gpu: bool) -> dict[str, Any]:
@@ -18,6 +23,34 @@ def machine(gpu: bool) -> dict[str, Any]:
     return {"gpu": torch.cuda.get_device_name() if gpu else None, "cpus": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "dali": nvidia.dali.__version__, "mmproxy": revision()}
+
+
+def provenance() -> dict[str, str]:
+    """What a results file opens with: ``command``, this process's command line (``mmproxy ...``
+    for the mmproxy program, ``python3 SCRIPT ...`` for a script); ``commit``, ``git describe
+    --always --dirty`` of the checkout mmproxy runs from, or ``mmproxy VERSION`` outside one; and
+    ``date``, today's (``YYYY-MM-DD``)."""
+    import mmproxy
+
+    program = sys.argv[0]
+    if os.path.basename(program) == "mmproxy" or program.endswith(os.path.join("mmproxy", "cli.py")):
+        words = ["mmproxy"]
+    elif program.endswith(".py"):
+        words = ["python3", program]
+    else:
+        words = [os.path.basename(program)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mmproxy.__file__ or "")))
+    commit = f"mmproxy {mmproxy.__version__}"
+    if os.path.exists(os.path.join(root, ".git")):
+        try:
+            described = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"],
+                                       capture_output=True, text=True, timeout=10)
+            if described.returncode == 0 and described.stdout.strip():
+                commit = described.stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # no git on this machine: the version stands
+    return {"command": shlex.join(words + sys.argv[1:]), "commit": commit,
+            "date": time.strftime("%Y-%m-%d")}
 
 
 def revision() -> dict[str, str]:

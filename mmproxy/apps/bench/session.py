@@ -27,6 +27,7 @@ from mmproxy.apps.bench.report import (
     machine,
     plot,
     print_summary,
+    provenance,
     system_line,
 )
 from mmproxy.apps.bench.shards import write_shards
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     select("image", names, 0.0)  # unknown names fail before any shard is written
     apart = cores_apart(getattr(args, "worker_cpus", None))
-    out: dict[str, Any] = {"machine": machine(gpu),
+    out: dict[str, Any] = {**provenance(), "machine": machine(gpu),
                            "settings": {k: v for k, v in vars(args).items()
                                         if k not in ("func", "command_parser")},
                            "results": {}}
