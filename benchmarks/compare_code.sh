@@ -1,39 +1,74 @@
 #!/usr/bin/env bash
-# mmproxy of the checkout against mmproxy of an earlier commit, each against DALI's reader, in one
-# call on one machine: the check that a change lost no throughput (images, audio, video).
-#   BEFORE=DIR   that commit's mmproxy, datasets, pipelines, pyproject.toml and README.md, e.g.
-#                mkdir .before && git archive 0ae4320 mmproxy datasets pipelines pyproject.toml \
-#                  README.md benchmarks/video_bench.py | tar -x -C .before
-#   PART=image   mmproxy bench --workload image, 16,384 JPEGs, 5 epochs x RUNS (2) runs, both codes
-#   PART=audio   the same on 4,096 clips
-#   PART=video   benchmarks/video_bench.py, PyAV in the workers, both codes, interleaved twice
-# The earlier code is installed to /tmp/before-site and run from /tmp, so that the checkout's
-# folders on the path do not shadow it. JSON to $OUT (default /tmp/out).
+# mmproxy of the checkout against mmproxy of an earlier commit, each against DALI's reader in the
+# same run, the two codes interleaved round by round on one machine: the check that a change lost
+# no throughput. Writes $OUT/compare-code.json (default /tmp/out), the file benchmarks/report.py
+# renders from benchmarks/results/MACHINE/compare-code.json.
+#   BEFORE=DIR     that commit's mmproxy, datasets, pipelines, pyproject.toml, README.md and
+#                  benchmarks/video_bench.py, e.g.
+#                  mkdir .before && git archive 9adb295 mmproxy datasets pipelines pyproject.toml \
+#                    README.md benchmarks/video_bench.py | tar -x -C .before
+#   BEFORE_COMMIT  its name in the results (default: the folder's name)
+#   PART           the workloads, among image, audio and video (default "image audio"); video is
+#                  benchmarks/video_bench.py with PyAV in the workers (no reader)
+#   ROUNDS (2), SAMPLES (16384), WORKERS (15), THREADS (8), EPOCHS (4): on 2 cores
+#                  SAMPLES=2048 WORKERS=2 THREADS=2
+# The earlier code is installed to /tmp/before-site-NAME (NAME: BEFORE_COMMIT) and run from /tmp,
+# so that the checkout's folders on the path do not shadow it.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 before=$(realpath "${BEFORE:-.before}")
+name=${BEFORE_COMMIT:-$(basename "$before")}
+site=/tmp/before-site-$name
 here=$(pwd)
-if [[ ! -d /tmp/before-site/mmproxy ]]; then
-  python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/before-site "$before"
+runs=$(mktemp -d)
+if [[ ! -d $site/mmproxy ]]; then
+  python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" "$before"
 fi
-quiet() { grep -a -v -E "Index file not provided|^\s*$" | tail -"${1:-8}"; }
-new() { timeout "$1" python3 -m mmproxy.cli bench "${@:2}"; }
-old() { (cd /tmp && PYTHONPATH=/tmp/before-site:$PYTHONPATH timeout "$1" python3 -m mmproxy.cli bench "${@:2}"); }
-common="--workers 15 --threads 8 --epochs 5 --runs ${RUNS:-2}"
-case "${PART:-image}" in
-image|audio)
-  new 250 --workload "$PART" --samples 16384 $common --data-dir /tmp/bench \
-    --systems mmproxy,dali-reader,dali-proxy --json "$out/$PART-after.json" 2>&1 | quiet
-  old 250 --workload "$PART" --samples 16384 $common --data-dir /tmp/bench-old \
-    --systems mmproxy,dali-reader --json "$out/$PART-before.json" 2>&1 | quiet ;;
-video)
-  v() { timeout 100 python3 "$1" --clips 256 --resolution 596x336 --workers 15 --threads 8 \
-          --epochs 3 --systems mmproxy-pyav --json "$2" --data-dir "$3" 2>&1 | grep -a "clips/s"; }
-  for r in 1 2; do
-    (cd /tmp && PYTHONPATH=/tmp/before-site:$PYTHONPATH v "$before/benchmarks/video_bench.py" \
-      "$out/video-pyav-before-$r.json" /tmp/vbench-old)
-    v "$here/benchmarks/video_bench.py" "$out/video-pyav-after-$r.json" /tmp/vbench
-  done ;;
-*) echo "PART must be image, audio or video" >&2; exit 2 ;;
-esac
+common="--workers ${WORKERS:-15} --threads ${THREADS:-8} --epochs ${EPOCHS:-4}"
+new() { timeout 400 python3 -m mmproxy.cli bench "$@"; }
+old() { (cd /tmp && PYTHONPATH=$site:$PYTHONPATH timeout 400 python3 -m mmproxy.cli bench "$@"); }
+video() {  # video CODE ROUND SCRIPT DATA
+  (cd "$5" && PYTHONPATH=$2 timeout 200 python3 "$3" --clips 256 --resolution 596x336 $common \
+     --systems mmproxy-pyav --data-dir "$4" --json "$runs/video-$1-$6.json" 2>&1 | grep -a "clips/s")
+}
+for part in ${PART:-image audio}; do
+  for r in $(seq "${ROUNDS:-2}"); do
+    case "$part" in
+    image|audio)
+      w="--workload $part --samples ${SAMPLES:-16384} $common --systems mmproxy,dali-reader"
+      new $w --data-dir /tmp/bench --json "$runs/$part-after-$r.json" 2>&1 | tail -2
+      old $w --data-dir /tmp/bench-old --json "$runs/$part-before-$r.json" 2>&1 | tail -2 ;;
+    video)
+      video after "$PYTHONPATH" "$here/benchmarks/video_bench.py" /tmp/vbench "$here" "$r"
+      video before "$site:$PYTHONPATH" "$before/benchmarks/video_bench.py" \
+        /tmp/vbench-old /tmp "$r" ;;
+    *) echo "PART must name image, audio or video" >&2; exit 2 ;;
+    esac
+  done
+done
+python3 - "$runs" "$out/compare-code.json" "$name" <<'EOF'
+import json, os, pathlib, sys
+runs, target, before = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
+rows, head = [], None
+for path in sorted(runs.glob("*.json"), key=lambda p: (p.stem.split("-")[0], int(p.stem.split("-")[-1]),
+                                                       p.stem.split("-")[1] != "after")):
+    workload, code, number = path.stem.split("-")
+    data = json.loads(path.read_text())
+    head = head if head or code != "after" else data
+    systems = data["systems"] if "systems" in data else data["results"][workload]["systems"]
+    mine = systems.get("mmproxy") or systems.get("mmproxy-pyav") or {}
+    reader = systems.get("dali-reader", {})
+    rows.append({"workload": workload, "code": code, "round": int(number),
+                 "mmproxy": mine.get("samples_per_s"),
+                 "mmproxy_sustained": mine.get("sustained_samples_per_s"),
+                 "dali_reader": reader.get("samples_per_s"),
+                 "ratio": mine.get("samples_per_s", 0) / reader["samples_per_s"] if reader else None})
+asked = " ".join(f"{k}={os.environ[k]}" for k in ("PART", "ROUNDS", "SAMPLES", "WORKERS", "THREADS",
+                                                  "EPOCHS") if os.environ.get(k))
+target.write_text(json.dumps({"command": f"{asked} bash benchmarks/compare_code.sh".strip(),
+                              "commit": (head or {}).get("commit", ""), "before": before,
+                              "date": (head or {}).get("date", ""),
+                              "machine": (head or {}).get("machine"), "runs": rows}, indent=1) + "\n")
+print("wrote", target)
+EOF

@@ -12,7 +12,9 @@
 #   PROFILE=1      torch.profiler traces of 8 steps on 1 and 2 GPUs, with the loader and without
 #                  (--synthetic), summed up by benchmarks/ddp_profile.py
 #   MAIN=1         the plain mmproxy runs too, along with CONTROL, READER or PROFILE
-# The JSON goes to $OUT (default /tmp/out), with the host's topology.
+# Each run's JSON goes to $OUT (default /tmp/out), with the host's topology; at the end the runs
+# are gathered into $OUT/ddp.json (and the profiles summed up in $OUT/ddp-profile.json): the files
+# of benchmarks/results/gpu-h200x2/ that benchmarks/report.py renders.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
@@ -58,3 +60,17 @@ if [ -n "${PROFILE:-}" ]; then  # torch.profiler over 8 steps of the second epoc
   done
   python3 benchmarks/ddp_profile.py "$out"/profile-* --json "$out/ddp-profile.json"
 fi
+# the runs of this call in one file, named by run (ddp-NAME.json -> NAME)
+python3 - "$out" <<'EOF'
+import json, os, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+runs = {p.stem[len("ddp-"):]: json.loads(p.read_text()) for p in sorted(out.glob("ddp-*.json"))
+        if p.name != "ddp-profile.json"}
+if runs:
+    first = next(iter(runs.values()))
+    asked = " ".join(f"{k}={os.environ[k]}" for k in ("MODELS", "MAIN", "CONTROL", "READER",
+                                                      "NOBROADCAST", "PROFILE") if os.environ.get(k))
+    (out / "ddp.json").write_text(json.dumps(
+        {"command": f"{asked} bash benchmarks/multi_gpu.sh".strip(), "commit": first["commit"],
+         "date": first["date"], "machine_kind": "two H200s, 32 cores", "runs": runs}, indent=1) + "\n")
+EOF

@@ -9,7 +9,7 @@ Before the rounds each system's first batch is timed from a fresh loader (worker
 shard fetched; the cache cold); the first of these rounds also fills the cache.
 
     python benchmarks/remote_bench.py --samples 4096 --rounds 8 \\
-        --json benchmarks/results/cpu-2core/remote-interleaved.json
+        --json remote-rounds.json
 """
 
 from __future__ import annotations

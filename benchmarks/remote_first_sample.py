@@ -6,7 +6,7 @@ process of its own (the bench's HTTP server, then moto's S3 server), and reads i
 Streaming shows as a first sample in milliseconds while the whole shard takes seconds.
 
     python benchmarks/remote_first_sample.py --size-mb 512 \\
-        --json benchmarks/results/cpu-2core/remote-first-sample-512mb.json
+        --json benchmarks/results/cpu-2core/remote-first-sample.json
 """
 
 from __future__ import annotations

@@ -35,10 +35,10 @@ main process's threads together) and the cores that kept busy. The systems:
   frames drawn by DALI.
 
     python benchmarks/video_bench.py --clips 512 --resolution 596x336 --workers 15 --threads 8 \\
-        --epochs 3 --systems mmproxy-nvdec,mmproxy-mixed,mmproxy-pyav,torch \\
-        --json benchmarks/results/gpu-h200/video-systems.json
+        --epochs 2 --systems mmproxy-pyav,torch,mmproxy-dali,dali-reader,dali-proxy \\
+        --json benchmarks/results/gpu-h200/video-596x336-dali.json
     python benchmarks/video_bench.py --clips 128 --workers 2 --threads 2 --epochs 3 --batch-size 8 \\
-        --systems mmproxy-pyav,torch --json benchmarks/results/cpu-2core/video-systems.json
+        --systems mmproxy-pyav,torch --json benchmarks/results/cpu-2core/video.json
 
 ``--stacks`` adds to each system's result where this process's threads were found, sampled every
 10 ms, and on a GPU NVDEC's utilization (:mod:`mmproxy.apps.bench.stacks`).
