@@ -86,7 +86,8 @@ def mapped_samples(paths: Sequence[str], ext: str) -> list[Any]:
     import numpy as np
     from mmproxy.datasets._tar import members
 
-    from mmproxy import _mappings, worker
+    from mmproxy import worker
+    from mmproxy._wire import mappings as _mappings
 
     _mappings.MAX_FILES = max(_mappings.MAX_FILES, len(paths))
     out = []

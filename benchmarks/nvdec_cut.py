@@ -20,8 +20,8 @@ from typing import Any
 
 import _harness  # this script's folder is on the path
 import numpy as np
-from mmproxy.pipelines._nvdec_session import clip_indices
-from mmproxy.pipelines._pyav import cut_clip
+from mmproxy.pipelines.video._nvdec_session import clip_indices
+from mmproxy.pipelines.video._pyav import cut_clip
 
 FRAMES, STRIDE, THREADS, COMPARED = 16, 4, 12, 24
 
@@ -49,7 +49,7 @@ def _clip(job: tuple[int, int, int]) -> dict[str, Any]:
 def _decode_all(library: str, clips: list[dict[str, Any]], cut: bool) -> tuple[float, list[Any]]:
     """Clips a second on THREADS threads (a session each), and the first clips' frames."""
     import torch
-    from mmproxy.pipelines._nvdec import NVDEC_LIBRARIES
+    from mmproxy.pipelines.video._nvdec import NVDEC_LIBRARIES
 
     pending = iter(range(len(clips)))
     lock = threading.Lock()

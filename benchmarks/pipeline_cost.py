@@ -193,7 +193,7 @@ def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
     from mmproxy.pipelines import external_pipeline
 
     import mmproxy
-    from mmproxy import _transport
+    from mmproxy._wire import transport as _transport
 
     if batch >= _transport._MAX_FDS:  # a run's clips may lie in as many shards
         raise SystemExit(f"--batch {batch}: the runs sent from a forked process take at most "
@@ -243,7 +243,7 @@ def _time_sent(clips: list[Any], graph: Callable[[Any], Any], batch: int,
 
 
 def _transport_fds() -> int:
-    from mmproxy import _transport
+    from mmproxy._wire import transport as _transport
 
     return _transport._MAX_FDS
 

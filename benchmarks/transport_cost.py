@@ -7,7 +7,7 @@ from every shard (shuffled), as a shuffle buffer spanning many shards gives them
     python benchmarks/transport_cost.py --kind image --samples 2048 --batch 64
 
 Uses the bench's shards under ``--data-dir`` (written once); one process, no server running (the
-unpacking is the listener's :func:`mmproxy._transport.unpack`, timed apart from the receive).
+unpacking is the listener's :func:`mmproxy._wire.transport.unpack`, timed apart from the receive).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="rounds; the best is reported")
     a = parser.parse_args()
 
-    from mmproxy import _transport
+    from mmproxy._wire import transport as _transport
     from mmproxy.apps.bench.shards import write_shards
 
     ext = "wav" if a.kind == "audio" else "jpg"

@@ -41,7 +41,7 @@ def _measure(paths: list[str], ext: str, batch: int, proxy: object, repeat: int,
     from mmproxy.datasets import MultiModalDataset, check_header
     from mmproxy.datasets.shards import read_local_tar
 
-    from mmproxy import _transport
+    from mmproxy._wire import transport as _transport
 
     _transport.send = lambda path, fds, name: None  # drop each batch instead of sending it
     fields: dict[str, Any] = {"x": (ext, proxy)}

@@ -1,6 +1,6 @@
 """MultiModalDataset: WebDataset shards into batches whose heavy fields go through servers.
 
-A chain of small stages, each owning its state (:mod:`mmproxy.datasets._stage`), runs in every
+A chain of small stages, each owning its state (:mod:`mmproxy.datasets.stages._stage`), runs in every
 DataLoader worker::
 
     per source: ShardPlan (shards shuffled per epoch, split by rank, then by worker)
@@ -30,12 +30,25 @@ nothing, or skips more than ``max_skipped``, raises in the main loop (:mod:`mmpr
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any, Literal
 
 import torch.utils.data
+from mmproxy.datasets.remote import RemoteOptions
+from mmproxy.datasets.remote import prepare as prepare_remote
+from mmproxy.datasets.shards import current_epoch, expand, require_files, worker_info
+from mmproxy.datasets.stages import elastic
+from mmproxy.datasets.stages._batch_runs import BatchRuns, batch_fields
+from mmproxy.datasets.stages.batcher import Batcher
+from mmproxy.datasets.stages.buffer import ShuffleBuffer
+from mmproxy.datasets.stages.fields import Field, FieldSpec, FieldStage, parse_field
+from mmproxy.datasets.stages.mixer import OnExhausted, Source, SourceMixer, check_weights
+from mmproxy.datasets.stages.plan import Layout, ShardPlan, Work, check_shares, split_quota
+from mmproxy.datasets.stages.position import PositionStamp
+from mmproxy.datasets.stages.reader import ShardReader, TarReader
 
 from mmproxy import worker
 from mmproxy.collate import Collate
@@ -44,21 +57,34 @@ from mmproxy.media.checks import MAX_PIXELS
 from mmproxy.protocols import Proxy
 from mmproxy.state import LoaderState
 
-from . import elastic
-from ._batch_runs import BatchRuns, batch_fields
-from ._next_epoch import NextEpoch
-from .batcher import Batcher
-from .buffer import ShuffleBuffer
-from .fields import Field, FieldSpec, FieldStage, parse_field
-from .mixer import OnExhausted, Source, SourceMixer, check_weights
-from .plan import Layout, ShardPlan, Work, check_shares, split_quota
-from .position import PositionStamp
-from .reader import ShardReader, TarReader
-from .remote import RemoteOptions
-from .remote import prepare as prepare_remote
-from .shards import current_epoch, expand, require_files, worker_info
+__all__ = ["Field", "MultiModalDataset", "NextEpoch", "OnError", "Source"]
 
-__all__ = ["Field", "MultiModalDataset", "OnError", "Source"]
+
+class NextEpoch:
+    """The next epoch's first item and the rest of its items, made ahead (or nothing)."""
+
+    def __init__(self) -> None:
+        self._held: tuple[int, Any, Iterator[Any]] | None = None
+
+    def take(self, epoch: int) -> Iterator[Any] | None:
+        """The items of ``epoch`` when they were prepared (its first one included), else None;
+        whatever was held is let go either way."""
+        held, self._held = self._held, None
+        if held is None or held[0] != epoch:
+            return None
+        return itertools.chain([held[1]], held[2])
+
+    def prepare(self, epoch: int, items: Iterator[Any]) -> None:
+        """Takes the first of ``items`` (epoch ``epoch``'s) now, under
+        :func:`mmproxy.worker.next_epoch`. An error leaves nothing held: the epoch raises it
+        again in its own time, when it is read."""
+        try:
+            with worker.next_epoch():
+                first = next(items)
+        except Exception:  # noqa: BLE001 - raised again, in its own epoch
+            return
+        self._held = (epoch, first, items)
+
 
 OnError = Literal["raise", "skip"]
 
@@ -135,7 +161,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             cache unless ``MMPROXY_CACHE_DIR`` is set). A shard still failing after the retries,
             or missing, is an unreadable shard: a ``__skipped__`` record or a ``ShardError``.
 
-    Resuming: every stage of the chain owns its state (:mod:`mmproxy.datasets._stage`). Under an
+    Resuming: every stage of the chain owns its state (:mod:`mmproxy.datasets.stages._stage`). Under an
     :class:`mmproxy.DataLoader` every batch carries its worker's position, so
     ``loader.state_dict()`` after k batches lets a new loader continue with batch k+1
     (``load_state_dict``): the same batches, in the same order, with the same augmentation when

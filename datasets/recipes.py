@@ -10,10 +10,9 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
+from mmproxy.datasets.multimodal import MultiModalDataset
 
 from mmproxy.server import DALIServer
-
-from .multimodal import MultiModalDataset
 
 __all__ = ["Tokenize", "audio_label_dataset", "image_text_dataset", "load_tokenizer",
            "video_label_dataset", "video_text_dataset"]

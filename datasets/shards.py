@@ -3,7 +3,7 @@
 Built on ``webdataset``: brace expansion (``expand_urls``), tar reading with ``pipe:``
 (``tarfile_samples``), and the worker's rank and id (``pytorch_worker_info``). What is added:
 globs of local paths, an epoch that every worker of every rank agrees on (so a shard shuffle is
-the same everywhere and splits stay disjoint: :mod:`mmproxy.datasets.plan` makes them), and a
+the same everywhere and splits stay disjoint: :mod:`mmproxy.datasets.stages.plan` makes them), and a
 zero-copy reader for local shards:
 webdataset's streaming tar reader copies each member through small reads, which costs a worker
 CPU for every byte; a mapped local tar is sliced into its members without a copy, so a worker
@@ -27,14 +27,13 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 import webdataset as wds
+from mmproxy.datasets._compressed import HEAD, SUFFIXES, Decompressed, compression, decompress
+from mmproxy.datasets._tar import members, streamed_members
+from mmproxy.datasets.remote import RemoteOptions, RemoteShard, is_remote, open_remote, redact
+from mmproxy.datasets.remote._sources import Permanent, list_s3
 
 from mmproxy import worker
 from mmproxy.errors import ShardError
-
-from ._compressed import HEAD, SUFFIXES, Decompressed, compression, decompress
-from ._sources import Permanent, list_s3
-from ._tar import members, streamed_members
-from .remote import RemoteOptions, RemoteShard, is_remote, open_remote, redact
 
 __all__ = ["current_epoch", "expand", "folder_shards", "is_local", "is_remote", "local_glob",
            "read_local_tar", "read_remote_tar", "require_files", "split_reason", "worker_info"]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from mmproxy import _walk
+from mmproxy._loader import walk as _walk
 from mmproxy.errors import CollateError
 from mmproxy.protocols import Proxy
 from mmproxy.refs import DALIOutputBatchRef, DALIOutputSampleRef, check_servers

@@ -28,9 +28,11 @@ from typing import Any
 
 import torch.utils.data
 
-from mmproxy import _context, _indexed, _workers
-from mmproxy._iterator import LoaderIter
-from mmproxy._progress import Progress, hand_out, rank_and_world
+from mmproxy import _context
+from mmproxy._loader import indexed as _indexed
+from mmproxy._loader import workers as _workers
+from mmproxy._loader.iterator import LoaderIter
+from mmproxy._loader.progress import Progress, hand_out, rank_and_world
 from mmproxy.errors import StateError
 from mmproxy.protocols import ChecksLoader, FollowsLoaderEpoch
 from mmproxy.server import DALIServer

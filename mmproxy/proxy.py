@@ -5,7 +5,7 @@ Calling it checks the arguments against the pipeline's ``external_source`` input
 output). Nothing is sent then: the inputs ride inside the references until the batch is collated,
 so shuffling, dropping or calling twice per sample is safe. At collate time :meth:`submit` sends the
 batch's inputs to the server as one run (:meth:`run`), directly when the server lives in this
-process, otherwise through shared memory (:mod:`mmproxy._transport`). A dataset that batches its
+process, otherwise through shared memory (:mod:`mmproxy._wire.transport`). A dataset that batches its
 samples itself can skip the references: :meth:`sample_inputs` gives what a call would carry, and
 :meth:`run` sends a batch of them (as :class:`~mmproxy.datasets.MultiModalDataset` does with its own
 collate).
@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from mmproxy import _context, _encoded, _process, _transport
-from mmproxy._encoded import Encoded
+from mmproxy import _context, _process
+from mmproxy._server import encoded as _encoded
+from mmproxy._server.encoded import Encoded
+from mmproxy._wire import transport as _transport
 from mmproxy.errors import ProxyArgumentError
 from mmproxy.refs import DALIOutputSampleRef, _Call
 
@@ -161,7 +163,7 @@ class DALIProxy:
         arguments: The proxy's arguments (see :class:`SampleSeeded`); by default the inputs
             that are not drawn.
         encoded: Inputs that a decoder of the pipeline reads: each call refuses an array that
-            cannot be what it decodes (:func:`mmproxy._encoded.problem`), naming the sample.
+            cannot be what it decodes (:func:`mmproxy._server.encoded.problem`), naming the sample.
     """
 
     def __init__(self, server_name: str, server_uid: str, input_names: tuple[str, ...],

@@ -23,13 +23,13 @@ own threads.
                                   main loop: loader / produce_data(batch)
                                      BatchRef(run id) -> RunTable.wait -> tensors
 
-A server is a thin composition: its :class:`~mmproxy._runs.RunTable` (lifecycle and runs, the
-interface proxies, loaders and resolvers use), a :class:`~mmproxy._dali.Pipe` (the only code that
-touches DALI's internals), the listener thread (:mod:`mmproxy._transport`), the threads of the
+A server is a thin composition: its :class:`~mmproxy._server.runs.RunTable` (lifecycle and runs, the
+interface proxies, loaders and resolvers use), a :class:`~mmproxy._server.dali.Pipe` (the only code that
+touches DALI's internals), the listener thread (:mod:`mmproxy._wire.transport`), the threads of the
 pipeline's :class:`~mmproxy.Prepare` stage where it has one (given with
 :class:`~mmproxy.proxy.SampleSeeded`; the runner then takes its runs through
-:class:`~mmproxy.PreparedRuns`) and the runner thread (:mod:`mmproxy._runner`, which
-searches a failed run for its bad samples with :mod:`mmproxy._isolation`). Run ids are unique per
+:class:`~mmproxy.PreparedRuns`) and the runner thread (:mod:`mmproxy._server.runner`, which
+searches a failed run for its bad samples with :mod:`mmproxy._server.isolation`). Run ids are unique per
 process and never reused, so an output can only be paired with the batch that asked for it. Each
 run is tagged with (loader id, epoch); when a loader starts a new epoch, its older runs are
 dropped.
@@ -43,12 +43,13 @@ import os
 import threading
 from typing import Any, Literal
 
-from mmproxy import _process, _transport
-from mmproxy._dali import Pipe
-from mmproxy._prepare import PreparedRuns
-from mmproxy._resolve import resolve
-from mmproxy._runner import Runner
-from mmproxy._runs import Run, RunSource, RunState, RunTable, ServerState
+from mmproxy import _process
+from mmproxy._loader.resolve import resolve
+from mmproxy._server.dali import Pipe
+from mmproxy._server.prepare import PreparedRuns
+from mmproxy._server.runner import Runner
+from mmproxy._server.runs import Run, RunSource, RunState, RunTable, ServerState
+from mmproxy._wire import transport as _transport
 from mmproxy.errors import ServerFailedError, ServerStateError, with_remote_cause
 from mmproxy.proxy import DALIProxy, SampleSeeded
 

@@ -11,9 +11,9 @@ the cache folder).
 
 from __future__ import annotations
 
-from mmproxy._damage import damage_jpeg
-from mmproxy._media import (
+from mmproxy._testing.media import (
     audio_bytes,
+    damage_jpeg,
     faststart_mp4,
     image_bytes,
     synth_image,
@@ -21,7 +21,7 @@ from mmproxy._media import (
     synth_video,
     video_bytes,
 )
-from mmproxy._sets import (
+from mmproxy._testing.sets import (
     WORDS,
     cache_dir,
     caption,

@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from mmproxy import _context, _transport
+from mmproxy import _context
 from mmproxy._context import SampleId, Stamped, naming, sample_key
+from mmproxy._wire import transport as _transport
 from mmproxy.state import ResumePoint
 
 __all__ = ["ResumePoint", "SampleId", "Stamped", "in_persistent_worker", "loader_epoch",

@@ -8,9 +8,8 @@ otherwise (``device="auto"|"gpu"|"cpu"``, decided by ``resolve_device``), and ca
 any pipeline of your own wherever one is accepted.
 """
 
-from mmproxy.pipelines._device import Device, resolve_device
 from mmproxy.pipelines.audio import audio_graph, audio_pipeline
-from mmproxy.pipelines.external import external_pipeline
+from mmproxy.pipelines.external import Device, external_pipeline, resolve_device
 from mmproxy.pipelines.image import (
     IMAGENET_MEAN,
     IMAGENET_STD,

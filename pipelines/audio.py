@@ -46,8 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Literal
 
-from mmproxy.pipelines._device import Device, resolve_device
-from mmproxy.pipelines.external import external_pipeline
+from mmproxy.pipelines.external import Device, external_pipeline, resolve_device
 
 __all__ = ["CpuResample", "THREAD_PREFIX", "audio_graph", "audio_pipeline", "map_batch",
            "pool_cpu_seconds"]

@@ -34,8 +34,7 @@ from functools import partial
 from typing import Any, Literal
 
 from mmproxy.pipelines._crop_draw import RandomResizedCrop
-from mmproxy.pipelines._device import Device, resolve_device
-from mmproxy.pipelines.external import external_pipeline
+from mmproxy.pipelines.external import Device, external_pipeline, resolve_device
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "RandomResizedCrop", "centre_crop_position",
            "image_eval_graph", "image_eval_pipeline", "image_train_graph", "image_train_pipeline",

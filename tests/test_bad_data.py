@@ -376,9 +376,9 @@ def test_raise_mode_names_an_unreadable_shard_in_words(good_shard, image_server)
 def test_a_pipe_shard_that_fails_is_named_once_in_words(tmp_path):
     """The error was wrapped twice and held the reprs of webdataset's objects (its command's
     arguments, its pipe's address); a pipe cut short gave two records of one shard."""
-    from mmproxy.datasets.plan import Work
-    from mmproxy.datasets.reader import TarReader
     from mmproxy.datasets.remote import RemoteOptions
+    from mmproxy.datasets.stages.plan import Work
+    from mmproxy.datasets.stages.reader import TarReader
 
     from mmproxy.skips import SkippedSample
 

@@ -186,7 +186,7 @@ def test_a_pipeline_failure_names_the_one_bad_sample_on_both_routes(servers, tmp
 
 
 def test_the_field_stage_draws_each_samples_own_seed():
-    from mmproxy.datasets.fields import SampleSeeds, sample_seed
+    from mmproxy.datasets.stages.fields import SampleSeeds, sample_seed
 
     seeds = SampleSeeds(7, 3, ["a", "b"])
     for source, name in enumerate(["a", "b"]):
@@ -270,7 +270,7 @@ def test_the_sample_is_named_only_where_a_field_function_reads_it():
     """Per sample, the field stage names the sample (``sample_key``) around its fields only
     when a function may read it: a batch-route proxy that draws from the seed or checks its
     inputs, or any function of the user's (which may call a proxy); each then sees the sample."""
-    from mmproxy.datasets.fields import _plan, parse_field, process
+    from mmproxy.datasets.stages.fields import _plan, parse_field, process
 
     from mmproxy import _context
 

@@ -306,7 +306,7 @@ def test_decoded_arrays_are_refused_at_the_proxy_call(tmp_path):
      'the decoder could not decode the data: Assert on "ret == audio.shape[0]" failed'),
 ])
 def test_pipeline_errors_are_said_in_words(line, words):
-    from mmproxy._dali import summary
+    from mmproxy._server.dali import summary
 
     text = ("Critical error in pipeline:\nError in CPU operator `nvidia.dali.fn.decoders.image`,\n"
             f"which was used in the pipeline definition with the following traceback:\n\n"

@@ -196,7 +196,7 @@ def test_a_run_reaches_dali_as_one_tensor_list_sharing_the_samples_memory():
     batch size never gets here: the run table fails it, tests/test_runs.py.)"""
     from nvidia.dali.backend import TensorListCPU
 
-    from mmproxy._dali import Pipe, _tensor_list
+    from mmproxy._server.dali import Pipe, _tensor_list
 
     pipe = Pipe(cpu(double_pipe, batch_size=4), "t")
     fed = []
@@ -223,7 +223,7 @@ def test_samples_that_are_not_numpy_arrays_are_fed_as_the_list_without_being_for
     """A prepare stage's frames (torch tensors, on the GPU in the NVDEC video pipeline) are fed
     as the list: offered to DALI's TensorCPU they would be formatted into its TypeError, the
     whole tensor summarized and printed, with the GIL held, at every run."""
-    from mmproxy._dali import _tensor_list
+    from mmproxy._server.dali import _tensor_list
 
     formatted = []
 

@@ -22,8 +22,8 @@ import mmproxy
 
 pytestmark = pytest.mark.timeout(240)
 
-_OURS = ("mmproxy._runner", "mmproxy._prepare", "mmproxy._isolation", "mmproxy._dali",
-         "mmproxy._runs", "mmproxy.server")
+_OURS = ("mmproxy._server.runner", "mmproxy._server.prepare", "mmproxy._server.isolation",
+         "mmproxy._server.dali", "mmproxy._server.runs", "mmproxy.server")
 
 
 def _left_in_cycles(make):
@@ -67,7 +67,7 @@ def test_a_stopped_pool_leaves_nothing_in_cycles():
 @pytest.mark.gpu
 def test_a_plain_fork_loader_with_pyav_runs_after_image_and_nvdec_loaders(tmp_path):
     pytest.importorskip("av")
-    from mmproxy.pipelines._nvdec import nvdec_available
+    from mmproxy.pipelines.video._nvdec import nvdec_available
 
     if not nvdec_available("pynvvideocodec"):
         pytest.skip("needs PyNvVideoCodec")

@@ -123,7 +123,7 @@ def test_a_gzip_shards_fields_are_views_of_a_registered_memfd_let_go_after_the_s
     """After decompression the zero-copy path holds: fields are views of one read-only mapping
     of an anonymous memory file, registered while the shard is read (so its members travel by
     reference) and let go once it is read (so its memory goes with its samples)."""
-    from mmproxy import _mappings
+    from mmproxy._wire import mappings as _mappings
 
     write_webdataset(tmp_path / "a.tar.gz", samples(0))
     reading = read_local_tar(str(tmp_path / "a.tar.gz"))

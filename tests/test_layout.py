@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from datasets_for_tests import grid
 
-from mmproxy import _layout, _mappings, _transport
 from mmproxy._context import SampleId
+from mmproxy._wire import layout as _layout
+from mmproxy._wire import mappings as _mappings
+from mmproxy._wire import transport as _transport
 from mmproxy.errors import TransportError
 
 

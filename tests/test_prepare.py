@@ -1,4 +1,4 @@
-"""A pipeline's Prepare stage (mmproxy._prepare): the proxy sends the stage's inputs, the server
+"""A pipeline's Prepare stage (mmproxy._server.prepare): the proxy sends the stage's inputs, the server
 prepares every sample on the stage's threads before the feed; a sample the stage calls damaged
 is dropped and named (skip) or fails its run, and rows stay aligned, also when the pipeline then
 drops another sample of the same run; any other error of the stage fails its run, in skip mode
@@ -14,7 +14,7 @@ import pytest
 from nvidia.dali import fn, pipeline_def, types
 
 import mmproxy
-from mmproxy._prepare import DamagedSampleError
+from mmproxy._server.prepare import DamagedSampleError
 from mmproxy.testing import image_bytes
 
 pytestmark = pytest.mark.timeout(120)

@@ -343,7 +343,7 @@ def test_the_socket_folder_is_private(server, monkeypatch):
     # a TMPDIR too long for a socket's path: the folder goes to /tmp
     import tempfile
 
-    from mmproxy import _sockdir
+    from mmproxy._wire import sockdir as _sockdir
 
     monkeypatch.setattr(tempfile, "gettempdir", lambda: "/tmp/" + "x" * 100)
     assert _sockdir.path("0" * 16).startswith(f"/tmp/mmproxy-{os.getpid()}-")
@@ -354,7 +354,7 @@ def test_datagrams_of_another_user_are_dropped(server):
     sender is checked too)."""
     import warnings
 
-    from mmproxy import _transport
+    from mmproxy._wire import transport as _transport
 
     def send(run_id):
         fd, files = _transport.pack(run_id, None, [None], [[np.ones(2, np.float32)]])

@@ -362,7 +362,7 @@ def test_a_shard_of_unknown_length_is_read_whole_then_mapped(http, local):
 
 def test_a_shard_of_unknown_length_loses_no_byte_to_short_writes(http, local, monkeypatch):
     """A write that took only part of a chunk dropped the rest from the middle of the shard."""
-    import mmproxy.datasets._download as download
+    import mmproxy.datasets.remote._download as download
 
     class HalfWrites:
         """os for the download: each write takes half of what it is given (a byte at least)."""
@@ -662,7 +662,7 @@ def test_a_server_given_up_on_is_not_retried_for_its_next_shards():
     """A server that stopped answering costs one shard's retries: the next shards of that server
     (with the same options) fail at their first failure, so a run of many shards on it reaches
     its skip limit in seconds per shard instead of a minute each; another server's are retried."""
-    from mmproxy.datasets._download import Attempts
+    from mmproxy.datasets.remote._download import Attempts
 
     options = RemoteOptions(**QUICK)
     with silent_server() as url, silent_server() as other:
@@ -686,7 +686,7 @@ def test_a_shard_served_without_a_length_is_let_go_when_read(tmp_path):
     shard is closed, as a streamed shard's does (it held the whole shard's memory per worker)."""
     import http.server
 
-    from mmproxy import _mappings
+    from mmproxy._wire import mappings as _mappings
 
     body = (tmp_path / "s.tar")
     write_tar(body, [{"__key__": f"k{i}", "bin": bytes([i]) * 3000} for i in range(4)])

@@ -350,7 +350,7 @@ def test_masked_messages_keep_their_words_and_lose_their_secrets():
     """Text from another library: URLs in it redacted, an Authorization header's value and the
     secret fields of a dict's repr masked; words with "x" in them, and ordinary parameters,
     untouched."""
-    from mmproxy.datasets._answers import masked
+    from mmproxy.datasets.remote._answers import masked
 
     assert masked("The specified key does not exist. prefix=train/x-0 max-keys") == (
         "The specified key does not exist. prefix=train/x-0 max-keys")

@@ -9,8 +9,8 @@ import time
 import pytest
 
 import mmproxy
-from mmproxy._runs import RunState, RunTable, ServerState
-from mmproxy._transport import Request
+from mmproxy._server.runs import RunState, RunTable, ServerState
+from mmproxy._wire.transport import Request
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,7 +28,7 @@ def _request(run_id, tag=None, n=2):
 def test_the_table_imports_neither_dali_nor_torch():
     import subprocess
 
-    code = ("import sys, mmproxy._runs; "
+    code = ("import sys, mmproxy._server.runs; "
             "print(any(m.split('.')[0] in ('torch', 'nvidia') for m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip() == "False", done.stderr

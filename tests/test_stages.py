@@ -13,9 +13,9 @@ import pickle
 
 import pytest
 from mmproxy.datasets import MultiModalDataset, Source
-from mmproxy.datasets.fields import Processed
-from mmproxy.datasets.plan import Work
-from mmproxy.datasets.reader import Taken
+from mmproxy.datasets.stages.fields import Processed
+from mmproxy.datasets.stages.plan import Work
+from mmproxy.datasets.stages.reader import Taken
 
 import mmproxy
 from mmproxy.skips import SkippedSample
@@ -170,7 +170,7 @@ def test_draws_made_in_blocks_are_the_draws_made_one_at_a_time(kind):
     """The buffer's and the mixer's draws come a block at a time: the same values as drawing
     each alone, and at every point the state a saved state holds is the one-at-a-time
     generator's (so states saved either way resume to the same draws)."""
-    from mmproxy.datasets._stage import Draws, generator
+    from mmproxy.datasets.stages._stage import Draws, generator
 
     def many(g, count):
         return g.integers(5, size=count) if kind == "integers" else g.random(count)
@@ -193,7 +193,7 @@ def test_the_shuffle_buffer_draws_one_index_per_sample_in_order(shards):
     """The buffer's order is that of one ``integers(len(held))`` draw per sample from its
     generator (its order before the draws came in blocks), and its saved generator state is
     that draw-by-draw generator's after each sample, as states saved before hold it."""
-    from mmproxy.datasets._stage import generator
+    from mmproxy.datasets.stages._stage import generator
 
     def fresh():
         return _dataset(shards, shuffle_buffer=5)._chain(0, 0, 1).batcher.fields.mixer.buffers[0]

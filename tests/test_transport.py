@@ -13,7 +13,8 @@ from datasets_for_tests import grid, read_only
 from mmproxy.datasets._tar import members
 from mmproxy.datasets.shards import read_local_tar
 
-from mmproxy import _mappings, _transport
+from mmproxy._wire import mappings as _mappings
+from mmproxy._wire import transport as _transport
 
 
 def _tar(path, files, fmt):
@@ -210,7 +211,8 @@ def test_samples_a_shuffle_buffer_keeps_long_still_travel_by_reference(tmp_path,
     from mmproxy.datasets import MultiModalDataset
 
     import mmproxy
-    from mmproxy import _layout, _process
+    from mmproxy import _process
+    from mmproxy._wire import layout as _layout
     from mmproxy.testing import write_tar
 
     shards, per_shard = 40, 64

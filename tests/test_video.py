@@ -14,8 +14,8 @@ import pytest
 import torch
 from mmproxy.datasets import make_shards, video_label_dataset, video_text_dataset
 from mmproxy.pipelines import decode_clip, video_pipeline
-from mmproxy.pipelines._nvdec import LIBRARY_CODECS
-from mmproxy.pipelines._pynvvideocodec import PyNvSession
+from mmproxy.pipelines.video._nvdec import LIBRARY_CODECS
+from mmproxy.pipelines.video._pynvvideocodec import PyNvSession
 from torch.utils.data import default_collate
 
 import mmproxy
@@ -240,8 +240,8 @@ def _x264(frames, params):
 def test_a_cut_starts_where_a_decode_can_start_and_gives_the_full_decodes_frames():
     """x264's intra refresh marks P-frames as key frames (recovery points): a cut starts at the
     IDR picture before them instead, and every clip, cut or not, holds a full decode's frames."""
-    from mmproxy.pipelines._nvdec_session import clip_indices
-    from mmproxy.pipelines._pyav import cut_clip
+    from mmproxy.pipelines.video._nvdec_session import clip_indices
+    from mmproxy.pipelines.video._pyav import cut_clip
 
     data = _x264(synth_video(5, 60), "bframes=0:intra-refresh=1:keyint=15")
     frames = _reference(data)
@@ -260,7 +260,7 @@ def test_a_damaged_file_the_header_checks_pass_is_not_cut_but_sent_whole(tmp_pat
 
     from mmproxy.datasets.checks import video_cut, video_info
     from mmproxy.pipelines import ClipDraw
-    from mmproxy.pipelines._pyav import cut_clip
+    from mmproxy.pipelines.video._pyav import cut_clip
 
     good = faststart_mp4(_x264(synth_video(6, 60), "bframes=3:keyint=20"), tmp_path)
     fewer = bytearray(good)
@@ -561,7 +561,7 @@ class _BrokenDriver:
 def test_nvdec_without_its_package_or_driver_says_what_to_do(monkeypatch):
     import sys
 
-    from mmproxy.pipelines._nvdec import load_nvdec
+    from mmproxy.pipelines.video._nvdec import load_nvdec
 
     monkeypatch.setitem(sys.modules, "PyNvVideoCodec", None)
     with pytest.raises(ImportError,
@@ -623,7 +623,7 @@ def test_the_backlog_the_server_publishes_is_what_every_worker_reads(method):
     import multiprocessing
     import pickle
 
-    from mmproxy.pipelines._backlog import Backlog
+    from mmproxy.pipelines.video._backlog import Backlog
 
     backlog = Backlog()
     backlog.publish(1.25)
@@ -670,7 +670,7 @@ def test_dataloader_workers_follow_the_backlog_the_training_process_publishes(me
     """Through real DataLoader workers: with NVDEC's queue empty every clip goes to NVDEC; with
     seconds of work queued, the workers decode the clips themselves; back to empty, NVDEC again."""
     from mmproxy.pipelines import ClipDraw
-    from mmproxy.pipelines._backlog import Backlog
+    from mmproxy.pipelines.video._backlog import Backlog
 
     backlog = Backlog()
     draw = ClipDraw("videos", 4, 3, True, 0.5, False, decode_in_worker=False, cpu_decoder=False,
@@ -699,7 +699,7 @@ def test_a_backlog_that_cannot_be_read_sends_every_clip_to_nvdec_and_says_so():
     import subprocess
     import tempfile
 
-    from mmproxy.pipelines._backlog import Backlog
+    from mmproxy.pipelines.video._backlog import Backlog
 
     ended = subprocess.Popen(["true"])
     ended.wait()
@@ -733,7 +733,7 @@ def test_balanced_mixed_draws_decode_here_only_while_nvdec_has_more_queued_than_
     import random
 
     from mmproxy.pipelines import ClipDraw
-    from mmproxy.pipelines._backlog import Backlog
+    from mmproxy.pipelines.video._backlog import Backlog
 
     backlog = Backlog()
     draw = ClipDraw("videos", 4, 3, True, 0.5, False, decode_in_worker=False, cpu_decoder=False,
@@ -762,7 +762,7 @@ def test_the_clip_decoder_publishes_the_nvdec_work_it_has_queued(monkeypatch):
     close(); the decoder counts where the clips were decoded."""
     import threading
 
-    from mmproxy.pipelines._backlog import Backlog
+    from mmproxy.pipelines.video._backlog import Backlog
 
     class Slot:
         def __init__(self, device, options):
@@ -908,7 +908,7 @@ def _driver_error(path):
 def test_a_clip_nvdec_refuses_is_damaged_only_when_pyav_cannot_decode_it_either(monkeypatch):
     from mmproxy.pipelines import _pyav
 
-    from mmproxy._prepare import DamagedSampleError
+    from mmproxy._server.prepare import DamagedSampleError
 
     decoder = _clip_decoder(monkeypatch)
     data = np.frombuffer(b"not a video" * 10, np.uint8)
@@ -937,7 +937,7 @@ def test_without_pyav_nvdec_refusing_clip_after_clip_fails_instead_of_dropping_t
     itself is failing (a driver error, exhausted sessions): not a sample to drop."""
     import sys
 
-    from mmproxy._prepare import DamagedSampleError
+    from mmproxy._server.prepare import DamagedSampleError
 
     monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed
     decoder = _clip_decoder(monkeypatch)
@@ -1017,7 +1017,7 @@ def test_closing_the_clip_decoder_never_waits_for_a_decode_stuck_in_the_driver(m
 
 
 def _torchcodec_loads():
-    from mmproxy.pipelines._nvdec import nvdec_available
+    from mmproxy.pipelines.video._nvdec import nvdec_available
 
     return nvdec_available("torchcodec")
 
@@ -1030,7 +1030,7 @@ needs_torchcodec = pytest.mark.skipif(not _torchcodec_loads(),
 def test_torchcodec_session_gives_the_clip_pyav_gives():
     """The session's frames are the clip's (start, stride, the last frame repeated past the
     end), as PyAV decodes them, in [T, H, W, 3] uint8, from read-only bytes."""
-    from mmproxy.pipelines._torchcodec import TorchCodecSession
+    from mmproxy.pipelines.video._torchcodec import TorchCodecSession
 
     data = np.frombuffer(_encode("h264", frames=30), np.uint8)  # read-only, like a run's bytes
     session = TorchCodecSession(None, {})
@@ -1047,11 +1047,11 @@ def test_torchcodec_session_gives_the_clip_pyav_gives():
 def test_a_clip_torchcodec_refuses_is_damaged_only_when_pyav_cannot_decode_it_either(monkeypatch):
     """Garbage, and an MP4 whose H.264 configuration is garbage (its header checks pass), are
     refused by TorchCodec and by PyAV: damaged samples whose record says what both said."""
-    from mmproxy.pipelines._nvdec import ClipDecoder
-    from mmproxy.pipelines._nvdec_session import Refused
-    from mmproxy.pipelines._torchcodec import TorchCodecSession
+    from mmproxy.pipelines.video._nvdec import ClipDecoder
+    from mmproxy.pipelines.video._nvdec_session import Refused
+    from mmproxy.pipelines.video._torchcodec import TorchCodecSession
 
-    from mmproxy._prepare import DamagedSampleError
+    from mmproxy._server.prepare import DamagedSampleError
 
     session = TorchCodecSession(None, {})
     with pytest.raises(Refused, match="TorchCodec cannot open the video"):
@@ -1066,7 +1066,7 @@ def test_torchcodec_missing_or_without_ffmpeg_says_what_to_do(monkeypatch):
     import sys
     import types
 
-    from mmproxy.pipelines._torchcodec import load_torchcodec
+    from mmproxy.pipelines.video._torchcodec import load_torchcodec
 
     monkeypatch.setitem(sys.modules, "torchcodec", None)
     with pytest.raises(ImportError,
@@ -1086,7 +1086,7 @@ def test_torchcodec_missing_or_without_ffmpeg_says_what_to_do(monkeypatch):
 def _nvdec_ready(library):
     if not torch.cuda.is_available():
         return False
-    from mmproxy.pipelines._nvdec import nvdec_available
+    from mmproxy.pipelines.video._nvdec import nvdec_available
 
     return nvdec_available(library)
 
@@ -1164,9 +1164,9 @@ def test_nvdec_decodes_a_cut_clip_to_the_frames_pyav_gives(library):
     nothing refers to that it does not show) decode on NVDEC to PyAV's frames of the whole file,
     within the decoders' colour tolerance, H.264 and HEVC, at the start, in the middle and past
     the end; for H.264 they are the very frames NVDEC gives for the whole file."""
-    from mmproxy.pipelines._nvdec import NVDEC_LIBRARIES
-    from mmproxy.pipelines._nvdec_session import clip_indices
-    from mmproxy.pipelines._pyav import cut_clip
+    from mmproxy.pipelines.video._nvdec import NVDEC_LIBRARIES
+    from mmproxy.pipelines.video._nvdec_session import clip_indices
+    from mmproxy.pipelines.video._pyav import cut_clip
 
     session = NVDEC_LIBRARIES[library](0, {})
     try:

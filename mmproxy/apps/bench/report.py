@@ -111,7 +111,7 @@ def _git_head(git: str) -> str:
 def error_line(err: BaseException) -> str:
     """One line for a failed system; for an error raised in a DataLoader worker, its own line
     (torch's message starts with "Caught X in DataLoader worker process N" and a traceback)."""
-    from mmproxy._dali import summary
+    from mmproxy._server.dali import summary
     from mmproxy.errors import SkipLimitError
 
     if isinstance(err, SkipLimitError):  # the bench's option, not the dataset's argument

@@ -1,0 +1,154 @@
+"""HTTP: one GET of an ``http(s)://`` shard through ``urllib`` (proxies from the environment,
+redirects), with a timeout for the answer apart from the body's (:mod:`._sources`).
+
+``https://`` servers are verified with Python's default TLS settings, made for each connection:
+the CA certificates of ``SSL_CERT_FILE`` (a file) and ``SSL_CERT_DIR`` (a folder) when set, else
+the system's. A certificate that does not verify, or a refused handshake, fails at once
+(:func:`~._answers.tls_refusal`), saying what to set.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import ssl
+import urllib.error
+import urllib.request
+from typing import Any
+
+from mmproxy.datasets.remote._answers import (
+    Permanent,
+    StdlibBody,
+    Transient,
+    changed,
+    content_range,
+    in_words,
+    no_answer,
+    retried,
+    tls_refusal,
+)
+
+__all__ = ["HttpBody"]
+
+
+class _BodyTimeout:
+    """An ``http.client`` connection whose timeout, the connect timeout until the answer's
+    headers are in, becomes ``read_timeout`` for the body."""
+
+    read_timeout: float
+    sock: Any
+
+    def getresponse(self) -> http.client.HTTPResponse:
+        sock = self.sock  # the response keeps it when the connection lets go of it
+        try:
+            response = super().getresponse()  # type: ignore[misc]
+        except TimeoutError:
+            raise _NoAnswer from None
+        if sock is not None:
+            sock.settimeout(self.read_timeout)
+        return response
+
+
+class _NoAnswer(OSError):
+    """The connect timeout passed while waiting for the answer's headers."""
+
+
+class _Http(_BodyTimeout, http.client.HTTPConnection):
+    pass
+
+
+class _Https(_BodyTimeout, http.client.HTTPSConnection):
+    pass
+
+
+class _Handler(urllib.request.AbstractHTTPHandler):
+    """urllib's HTTP(S) handlers, with connections of :class:`_BodyTimeout`."""
+
+    def __init__(self, read_timeout: float) -> None:
+        super().__init__()
+        self.read_timeout = read_timeout
+
+    def do_open(self, http_class: Any, req: urllib.request.Request,
+                **kwargs: Any) -> http.client.HTTPResponse:
+        timed = _Https if issubclass(http_class, http.client.HTTPSConnection) else _Http
+
+        def connection(*args: Any, **more: Any) -> http.client.HTTPConnection:
+            conn = timed(*args, **more)
+            conn.read_timeout = self.read_timeout
+            return conn
+
+        return super().do_open(connection, req, **kwargs)
+
+
+class _HttpHandler(_Handler, urllib.request.HTTPHandler):
+    pass
+
+
+class _HttpsHandler(_Handler, urllib.request.HTTPSHandler):
+    pass
+
+
+def _failed(err: OSError | http.client.HTTPException, connect_timeout: float) -> Exception:
+    """A GET that got no answer: Permanent for a TLS refusal, else Transient."""
+    refusal = tls_refusal(err, "the server", _trust)
+    if refusal is not None:
+        return refusal
+    if isinstance(err, urllib.error.URLError):
+        if isinstance(err.reason, (TimeoutError, socket.timeout)):  # while connecting
+            return Transient(f"cannot connect within {connect_timeout:g} s")
+        return Transient(in_words(err.reason))
+    return Transient(in_words(err))
+
+
+def _trust() -> str:
+    """How to make this process trust a server's certificate, and what it trusts now."""
+    now = ssl.get_default_verify_paths()
+    trusted = ", ".join(path for path in (now.cafile, now.capath) if path) or "nothing"
+    return (f"to trust it, set SSL_CERT_FILE=/path/ca.pem, a file of the CA certificates to "
+            f"trust (or SSL_CERT_DIR, a folder of them); trusted now: {trusted}")
+
+
+class HttpBody(StdlibBody):
+    def __init__(self, url: str, start: int, etag: str | None, read_timeout: float,
+                 connect_timeout: float) -> None:
+        headers = {"User-Agent": "mmproxy", "Accept-Encoding": "identity"}
+        if start:
+            headers["Range"] = f"bytes={start}-"
+        opener = urllib.request.build_opener(_HttpHandler(read_timeout),
+                                             _HttpsHandler(read_timeout))
+        try:
+            self._resp = opener.open(urllib.request.Request(url, headers=headers),
+                                     timeout=connect_timeout)
+        except _NoAnswer:
+            raise Transient(no_answer(connect_timeout)) from None
+        except urllib.error.HTTPError as err:
+            err.close()
+            text = f"HTTP {err.code} {err.reason}"
+            if retried(err.code):
+                raise Transient(text) from None
+            raise Permanent(text) from None
+        except (OSError, http.client.HTTPException) as err:  # urllib's URLError among them
+            raise _failed(err, connect_timeout) from None
+        try:
+            self.etag = self._resp.headers.get("ETag")
+            changed(etag, self.etag)
+            length = self._resp.headers.get("Content-Length")
+            if self._resp.status == 206:
+                self.size = content_range(self._resp.headers.get("Content-Range"), start)
+            else:
+                self.size = int(length) if length is not None else None
+                self._skip(start)  # the server ignored the range: drop what we have
+        except BaseException:
+            self._resp.close()
+            raise
+
+    def _skip(self, count: int) -> None:
+        scratch = memoryview(bytearray(min(count, 1 << 20) or 1))
+        while count:
+            n = self.readinto(scratch[:min(count, len(scratch))])
+            if n == 0:
+                raise Transient("the connection closed before the resumed offset")
+            count -= n
+
+    def close(self) -> None:
+        self._resp.close()

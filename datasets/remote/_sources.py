@@ -1,0 +1,35 @@
+"""Sources: one GET of a remote shard (HTTP(S) or S3) from a byte offset, its failures sorted.
+
+:func:`open_source` returns a :class:`Response` whose ``readinto`` writes the body straight into
+the caller's buffer. Every failure is raised as :class:`Transient` (worth a retry: a reset or cut
+connection, a read timeout, a 5xx or throttling answer) or :class:`Permanent` (a missing shard,
+refused credentials, a shard that changed on the server); the retrying belongs to the caller
+(:mod:`mmproxy.datasets.remote`). Texts of both name no URL (the caller adds the shard's redacted
+URL) and never hold a credential.
+
+Two timeouts: ``connect_timeout`` for connecting and then for the answer's first byte (a server
+that accepts connections but does not answer, stopped or overloaded, is told apart in seconds),
+``read_timeout`` for each read of the body once it flows.
+
+Modules: this one (the choice of scheme), ``_answers`` (what a GET gives or raises, and what the
+schemes share), ``_http`` (``urllib``: proxies from the environment, redirects), ``_s3`` (presigned
+GETs over kept-alive connections, boto3's ``get_object``, listing a prefix) and ``_s3_clients``
+(boto3's sessions and clients, TLS settings, the kept-alive connections).
+"""
+
+from __future__ import annotations
+
+from mmproxy.datasets.remote._answers import Permanent, Response, Transient
+from mmproxy.datasets.remote._http import HttpBody
+from mmproxy.datasets.remote._s3 import list_s3, s3_get
+from mmproxy.datasets.remote._s3_clients import prepare_s3
+
+__all__ = ["Permanent", "Response", "Transient", "list_s3", "open_source", "prepare_s3"]
+
+
+def open_source(url: str, start: int, etag: str | None, read_timeout: float,
+                connect_timeout: float) -> Response:
+    """GETs ``url`` from byte ``start``; with ``etag``, refuses a shard that has changed since."""
+    if url[:5].lower() == "s3://":
+        return s3_get(url, start, etag, read_timeout, connect_timeout)
+    return HttpBody(url, start, etag, read_timeout, connect_timeout)

@@ -1,0 +1,151 @@
+"""Batcher: a worker's samples into batches, each carrying the skip records that came before it.
+
+Every ``batch_size`` samples become one batch: the collate (the composite :class:`~mmproxy.Collate`
+by default: one run per server field; with it, the fields of a server's proxy go as one run each
+without a reference per sample, :mod:`mmproxy.datasets.stages._batch_runs`) and the batch transform run
+here, in the worker, and a dict batch gets the records so far in ``"__skipped__"`` and the number
+of shards begun since the last batch in ``"__shards_tried__"`` (the loader judges the unreadable
+shards' share by it). Records that no batch can carry travel on their own as ``{"__skipped__":
+records, "__shards_tried__": n}``: after the worker's last batch, after a batch that is not a
+dict, and whenever as many records as a batch holds samples are waiting (so a run that skips
+everything still reports, and the loader's limits can stop it). With a quota (``epoch_length``)
+the batcher stops after that many batches; the last, smaller batch is made only with ``partial``.
+
+Its state: the batches made, the quota, and the addresses of the samples of the batch being
+filled; a resumed batcher reads those samples again and processes them (their proxies run again,
+and nothing of them had reached a server before, as their batch was not collated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mmproxy.datasets.stages._stage import Stage, pack_addresses, unpack_addresses
+from mmproxy.datasets.stages.fields import FieldStage, Processed
+from mmproxy.datasets.stages.plan import Work
+from mmproxy.datasets.stages.reader import Taken, TarReader
+
+from mmproxy.skips import SHARDS_TRIED, SKIPPED, SkippedSample
+
+__all__ = ["Batcher"]
+
+
+class Batcher(Stage):
+    """Batches of one worker's samples (see the module docstring).
+
+    Args:
+        fields: The field stage, which gives processed samples and records.
+        read: The shard reader, to read again the samples of a loaded state's batch.
+        batch_size: Samples per batch.
+        partial: Make the last, smaller batch.
+        quota: Batches to make at most (None: until the samples run out).
+        collate: Turns a list of samples into a batch.
+        transform: Applied to each collated batch (e.g. tokenization), or None.
+        runs: Makes the batch of the processed samples in place of ``collate`` when the
+            fields have batch-route fields (:mod:`mmproxy.datasets.stages._batch_runs`), or None.
+    """
+
+    NAME = "batcher"
+    MADE, QUOTA, URLS, BATCH, FIELDS = "made", "quota", "urls", "batch", "fields"
+    KEYS = (MADE, QUOTA, URLS, BATCH, FIELDS)
+
+    def __init__(self, fields: FieldStage, read: TarReader, *, batch_size: int, partial: bool,
+                 quota: int | None, collate: Callable[[list[Any]], Any],
+                 transform: Callable[[Any], Any] | None,
+                 runs: Callable[[list[Processed]], Any] | None = None) -> None:
+        self.fields, self.read = fields, read
+        self.batch_size, self.partial, self.quota = batch_size, partial, quota
+        self.collate, self.transform, self.runs = collate, transform, runs
+        self.made = 0
+        self.batch: list[Processed] = []
+        self.pending: list[SkippedSample] = []  # records not yet sent
+        self._out: list[Any] = []  # items made, not yet given
+        self._over = False
+
+    def __iter__(self) -> Batcher:
+        return self
+
+    def __next__(self) -> Any:
+        while not self._out:
+            if self._over:
+                raise StopIteration
+            self._step()
+        return self._out.pop(0)
+
+    def _step(self) -> None:
+        """Takes samples until a batch, or records alone, can go out, or the samples end."""
+        if self.quota is not None and self.made >= self.quota:
+            return self._finish()
+        batch, pending, size = self.batch, self.pending, self.batch_size
+        for got in self.fields:
+            if isinstance(got, SkippedSample):
+                pending.append(got)
+                if len(pending) >= size:
+                    return self._out.append(self._records())  # nothing to batch yet: records alone
+            else:
+                batch.append(got)
+                if len(batch) == size:
+                    return self._emit()
+        self._finish()
+
+    def _finish(self) -> None:
+        self._over = True
+        if self.batch and self.partial and (self.quota is None or self.made < self.quota):
+            self._emit()
+        sent = self._records()
+        if sent[SKIPPED] or sent[SHARDS_TRIED]:
+            self._out.append(sent)
+
+    def _emit(self) -> None:
+        processed, self.batch = self.batch, []
+        self.made += 1
+        batch = (self.runs(processed) if self.runs is not None
+                 else self.collate([p.sample for p in processed]))
+        if self.transform is not None:
+            batch = self.transform(batch)
+        if isinstance(batch, dict):
+            batch.update(self._records())
+            self._out.append(batch)
+        else:
+            self._out.append(batch)
+            sent = self._records()
+            if sent[SKIPPED] or sent[SHARDS_TRIED]:
+                self._out.append(sent)
+
+    def _records(self) -> dict[str, Any]:
+        """The records so far and the shards begun since the last ones went (emptying both),
+        as a batch carries them (:mod:`mmproxy.skips`)."""
+        records, self.pending = self.pending, []
+        return {SKIPPED: records, SHARDS_TRIED: self.read.take_tried()}
+
+    def state_dict(self) -> dict[str, Any]:
+        urls, batch = pack_addresses([(p.source, p.url, p.index) for p in self.batch])
+        return self._pack(**{self.MADE: self.made, self.QUOTA: self.quota, self.URLS: urls,
+                             self.BATCH: batch, self.FIELDS: self.fields.state_dict()})
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Back to a saved position: the batch being filled is read and processed again."""
+        state = self._unpack(state)
+        self.fields.load_state_dict(state[self.FIELDS])
+        self.made, self.quota = int(state[self.MADE]), state[self.QUOTA]
+        self._out, self._over = [], False
+        addresses = unpack_addresses(state[self.URLS], state[self.BATCH])
+        found, self.pending = self.read.fetch([(url, i) for _, url, i in addresses])
+        self.batch = []
+        for source, url, i in addresses:
+            if (url, i) in found:
+                got = self.fields.apply(source, Taken(url, i, found[url, i]))
+                if isinstance(got, SkippedSample):
+                    self.pending.append(got)
+                else:
+                    self.batch.append(got)
+
+    def remaining(self, state: Mapping[str, Any]) -> list[list[Work]]:
+        """What a state of this batcher has left, per source: the samples of its batch, and
+        what the field stage has left."""
+        state = self._unpack(state)
+        out = self.fields.remaining(state[self.FIELDS])
+        for source, url, i in unpack_addresses(state[self.URLS], state[self.BATCH]):
+            out[source].insert(0, Work(url, only=(i,)))
+        return out

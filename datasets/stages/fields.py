@@ -1,0 +1,283 @@
+"""Fields: what each output field of a dataset reads from a sample, and where it goes.
+
+A field names the sample's extensions to read (the first one present is used) and a function.
+A *server* field's function is a server's proxy: its bytes first pass the header checks
+(:func:`~mmproxy.datasets.check_header`: an empty file is a bad sample) and reach the proxy as a
+uint8 array that travels to the server without a copy. Any other field's function gets
+``bytes``, as the shard holds them (``b""`` for an empty member: an empty caption is the
+function's to handle), and runs in the worker (text, labels). :func:`process` turns one raw
+sample into the dict of its fields, or raises :class:`Skip` with the reason: this is where a
+sample's skip record is made. :class:`FieldStage` is the stage of the worker's chain that applies
+it to every sample the source mixer gives, and reports the record or raises
+:class:`~mmproxy.errors.SampleError`, according to the dataset's ``on_error``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NamedTuple
+
+import numpy as np
+from mmproxy.datasets.shards import DUPLICATES, KEY_RUNS, SPLIT
+from mmproxy.datasets.stages._stage import Stage
+from mmproxy.datasets.stages.mixer import SourceMixer
+from mmproxy.datasets.stages.plan import Work
+from mmproxy.datasets.stages.reader import Taken
+
+from mmproxy.errors import SampleError
+from mmproxy.media.checks import check_header
+from mmproxy.protocols import Proxy
+from mmproxy.skips import SkipKind, SkippedSample
+from mmproxy.worker import SampleId, naming
+
+__all__ = ["Field", "FieldSpec", "FieldStage", "Processed", "Skip", "parse_field", "process"]
+
+
+class Field(NamedTuple):
+    """One output field of a :class:`MultiModalDataset`.
+
+    Attributes:
+        exts: The sample's extensions to read, like ``"jpg;jpeg;png"`` (the first one present).
+        fn: What to do with the field's bytes.
+        server: ``fn`` is a server's proxy: the bytes pass the header checks
+            (:func:`~mmproxy.datasets.check_header`) and reach ``fn`` as a uint8 array that
+            travels to the server without a copy. Otherwise ``fn`` gets ``bytes`` (``b""`` too)
+            and runs in the worker (text, labels).
+    """
+
+    exts: str
+    fn: Callable[[Any], Any]
+    server: bool = False
+
+
+FieldSpec = Field | Callable[[bytes], Any] | tuple[str, Callable[[bytes], Any]]
+
+
+class Skip(Exception):
+    """A sample that cannot be used: its record (shard, key, reason, kind)."""
+
+    def __init__(self, url: str, key: str, reason: str, kind: SkipKind) -> None:
+        super().__init__(reason)
+        self.record = SkippedSample(url, key, reason, kind)
+
+
+class Parsed(NamedTuple):
+    exts: tuple[str, ...]
+    fn: Callable[[Any], Any]
+    server: bool
+
+
+def parse_field(name: str, spec: FieldSpec) -> Parsed:
+    """A field spec (a :class:`Field`, ``(extensions, callable)`` or a callable) made explicit."""
+    if isinstance(spec, Field):
+        exts, fn, server = spec
+    elif isinstance(spec, tuple):
+        exts, fn = spec
+        server = isinstance(fn, Proxy)
+    else:
+        exts, fn, server = name, spec, isinstance(spec, Proxy)
+    if not callable(fn):
+        raise TypeError(f"field {name!r}: expected a callable, (extensions, callable) or a Field, "
+                        f"got {spec!r}")
+    return Parsed(tuple(e.strip().lower() for e in exts.split(";") if e.strip()), fn, bool(server))
+
+
+def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: bool,
+            max_pixels: int, skip: bool, seed: int | None = None,
+            batched: Collection[str] = ()) -> dict[str, Any]:
+    """The fields of one raw sample (``{ext: bytes}`` with ``__key__`` and ``__url__``); proxy
+    calls inside are named after the sample, with its skip policy and its own ``seed``. A field
+    in ``batched`` (whose function is a :class:`~mmproxy.DALIProxy`) gets the pipeline's inputs
+    for the sample (:meth:`~mmproxy.DALIProxy.sample_inputs`) in place of a call's references:
+    the batcher runs the batch's (:mod:`mmproxy.datasets.stages._batch_runs`)."""
+    sample_id = SampleId(str(sample.get("__key__", "?")), sample.get("__url__", "?"), skip, seed)
+    return _fields(sample, _plan(fields, batched), sample_id, keep_keys, max_pixels)
+
+
+class _Route(Enum):
+    """How a field's bytes reach its function."""
+
+    WORKER = "bytes, to a function run in the worker"
+    SERVER = "a checked uint8 array, to a proxy call"
+    BATCHED = "a checked uint8 array, to the proxy's sample_inputs (the batch route)"
+
+
+class _Plan(NamedTuple):
+    """One source's fields as the per-sample loop reads them: ``(name, extensions, function,
+    route)`` each, and whether any function reads which sample is being processed (then the
+    sample is named around the loop: :func:`mmproxy.sample_key`)."""
+
+    fields: tuple[tuple[str, tuple[str, ...], Callable[[Any], Any], _Route], ...]
+    named: bool
+
+
+def _plan(fields: Mapping[str, Parsed], batched: Collection[str]) -> _Plan:
+    rows = tuple((name, exts, fn, _Route.BATCHED if name in batched
+                  else _Route.SERVER if server else _Route.WORKER)
+                 for name, (exts, fn, server) in fields.items())
+    # a function of the user's may call a proxy; a batch-route proxy says whether it reads it
+    return _Plan(rows, any(route is not _Route.BATCHED or fn.reads_sample  # type: ignore[attr-defined]
+                           for _, _, fn, route in rows))
+
+
+_UNNAMED = contextlib.nullcontext()
+
+
+def _split(url: str, key: str, sample: dict[str, Any]) -> Skip:
+    here = ", ".join(repr(k) for k in sorted(k for k in sample if not k.startswith("__")))
+    return Skip(url, key, f"split sample: its {here} file(s) lie apart from its other files in "
+                          "the tar, other samples' files between them; a sample's files must "
+                          "follow each other (write the tar sorted by name, e.g. GNU tar "
+                          "--sort=name -cf SHARD.tar -C FOLDER ., or with mmproxy make-shards)",
+                SkipKind.SPLIT_SAMPLE)
+
+
+def _fields(sample: dict[str, Any], plan: _Plan, sample_id: SampleId, keep_keys: bool,
+            max_pixels: int) -> dict[str, Any]:
+    """:func:`process`, with the fields planned and the sample's id made."""
+    key, url = sample_id.key, str(sample_id.shard)
+    out: dict[str, Any] = {"__key__": sample.get("__key__", "?"), "__url__": url} if keep_keys else {}
+    duplicates = sample.get(DUPLICATES, ())
+    if SPLIT in sample:
+        raise _split(url, key, sample)
+    with naming(sample_id) if plan.named else _UNNAMED:
+        for name, exts, fn, route in plan.fields:
+            for ext in exts:
+                if ext in sample:
+                    break
+            else:
+                runs = sample.get(KEY_RUNS)
+                if runs is not None and runs.split(key):
+                    raise _split(url, key, sample)
+                present = sorted(k for k in sample if not k.startswith("__"))
+                raise Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has {present})",
+                           SkipKind.MISSING_FIELD)
+            if ext in duplicates:
+                raise Skip(url, key, f"duplicate field {ext!r}: the shard holds more than one "
+                                     f"{ext!r} member for this sample", SkipKind.DUPLICATE_FIELD)
+            data = sample[ext]
+            if route is not _Route.WORKER:  # a worker field's bytes, empty ones too, are its own
+                try:
+                    problem = check_header(ext, data, max_pixels)
+                except Exception as err:  # a header no check foresaw: the sample is bad, not the run
+                    problem = f"cannot be read ({type(err).__name__}: {err})"
+                if problem:
+                    raise Skip(url, key, f"bad header: field {ext!r} {problem}",
+                               SkipKind.BAD_HEADER)
+            try:
+                if route is _Route.BATCHED:
+                    out[name] = fn.sample_inputs(np.frombuffer(data, np.uint8))  # type: ignore[attr-defined]
+                elif route is _Route.SERVER:
+                    out[name] = fn(np.frombuffer(data, np.uint8))
+                else:
+                    out[name] = fn(bytes(data))
+            except Exception as err:  # a user function failed on this sample
+                raise Skip(url, key, f"field function failed: field {ext!r}: "
+                                     f"{type(err).__name__}: {err}", SkipKind.FIELD_FUNCTION) from err
+    return out
+
+
+@dataclass(slots=True)
+class Processed:
+    """A sample's fields, with the source and the address it was read from, and the key its
+    batch-route fields' runs name it by (None without such fields)."""
+
+    source: int
+    url: str
+    index: int
+    sample: dict[str, Any]
+    key: SampleId | None = None
+
+
+class FieldStage(Stage):
+    """Every sample's fields (:func:`process`), from the source mixer's raw samples.
+
+    Iterating gives a :class:`Processed`, or a :class:`~mmproxy.skips.SkippedSample` (a shard's,
+    passed on, or a bad sample's with ``skip``; without it a bad sample raises
+    :class:`~mmproxy.errors.SampleError`). It has no state of its own: its state is the mixer's.
+
+    Args:
+        mixer: The source mixer.
+        sources: Per source, its name and its parsed fields.
+        seed: The dataset's seed (each sample's own seed is drawn from it, the epoch, the source
+            and the key).
+        epoch: The epoch.
+        mixed: Name the source of each sample in ``"__source__"``.
+        keep_keys: Keep ``"__key__"`` and ``"__url__"``.
+        max_pixels: Images whose header declares more pixels are bad samples.
+        skip: Bad samples are records, not errors.
+        batched: The fields that take the batch route (see :func:`process`).
+    """
+
+    NAME = "fields"
+    MIXER = "mixer"
+    KEYS = (MIXER,)
+
+    def __init__(self, mixer: SourceMixer, sources: Sequence[tuple[str, Mapping[str, Parsed]]], *,
+                 seed: int, epoch: int, mixed: bool, keep_keys: bool, max_pixels: int,
+                 skip: bool, batched: frozenset[str] = frozenset()) -> None:
+        self.mixer, self.sources, self.batched = mixer, list(sources), batched
+        self.seed, self.epoch, self.mixed = seed, epoch, mixed
+        self.keep_keys, self.max_pixels, self.skip = keep_keys, max_pixels, skip
+        self.seeds = SampleSeeds(seed, epoch, [name for name, _ in self.sources])
+        self.plans = [_plan(fields, batched) for _, fields in self.sources]
+
+    def __iter__(self) -> FieldStage:
+        return self
+
+    def __next__(self) -> Processed | SkippedSample:
+        got = next(self.mixer)
+        if isinstance(got, SkippedSample):
+            return got
+        return self.apply(*got)
+
+    def apply(self, source: int, taken: Taken) -> Processed | SkippedSample:
+        """The fields of one raw sample of ``source``, or its record."""
+        raw = taken.raw
+        key = str(raw.get("__key__", "?"))
+        sample_id = SampleId(key, raw.get("__url__", "?"), self.skip, self.seeds(source, key))
+        try:
+            out = _fields(raw, self.plans[source], sample_id, self.keep_keys, self.max_pixels)
+        except Skip as skip:
+            if not self.skip:
+                url, key, reason, _ = skip.record
+                raise SampleError(f"shard {url}, sample {key!r}: {reason}") from skip.__cause__
+            return skip.record
+        if self.mixed:
+            out["__source__"] = self.sources[source][0]
+        return Processed(source, taken.url, taken.index, out, sample_id if self.batched else None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._pack(**{self.MIXER: self.mixer.state_dict()})
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.mixer.load_state_dict(self._unpack(state)[self.MIXER])
+
+    def remaining(self, state: Mapping[str, Any]) -> list[list[Work]]:
+        """What a state of this stage has left, per source: the mixer's."""
+        return self.mixer.remaining(self._unpack(state)[self.MIXER])
+
+
+def sample_seed(seed: int, epoch: int, source: str, key: str) -> int:
+    """A sample's own seed: the same wherever and whenever the sample is read in an epoch."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{source}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class SampleSeeds:
+    """:func:`sample_seed` of one epoch's samples, source by source: each source's hash of the
+    dataset's seed, the epoch and its name made once, and only each key hashed on from there."""
+
+    def __init__(self, seed: int, epoch: int, sources: Sequence[str]) -> None:
+        self._heads = [hashlib.blake2b(f"{seed}:{epoch}:{source}:".encode(), digest_size=8)
+                       for source in sources]
+
+    def __call__(self, source: int, key: str) -> int:
+        """The seed of sample ``key`` of source number ``source``."""
+        h = self._heads[source].copy()
+        h.update(key.encode())
+        return int.from_bytes(h.digest(), "little")

@@ -1,0 +1,214 @@
+"""Shard reader: the raw samples of the work items a shard plan gives, each with its address.
+
+:class:`TarReader` reads one work item: local and remote shards mapped (zero copy; a gzip one
+decompressed into memory first), others through webdataset; a shard that cannot be read, or
+holds nothing, becomes one :class:`~mmproxy.skips.SkippedSample` record (``on_error="skip"``)
+or a :class:`~mmproxy.errors.ShardError`. This is where a shard's skip record is made.
+:class:`ShardReader` is the stage: one source's samples for one worker, item after item, with the
+next sample index as its state; a resumed reader opens its item again from that index, passing
+over the samples before it without processing them.
+"""
+
+from __future__ import annotations
+
+import re
+import tarfile
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import webdataset as wds
+from mmproxy.datasets.remote import RemoteOptions, redact
+from mmproxy.datasets.shards import is_local, is_remote, read_local_tar, read_remote_tar
+from mmproxy.datasets.stages._stage import Stage
+from mmproxy.datasets.stages.plan import ShardPlan, Work
+
+from mmproxy.errors import ShardError
+from mmproxy.skips import SkipKind, SkippedSample
+
+__all__ = ["ShardReader", "Taken", "TarReader"]
+
+
+@dataclass(slots=True)  # not frozen: a frozen dataclass is slower to make, once per sample
+class Taken:
+    """A raw sample (``{ext: bytes}`` with ``__key__`` and ``__url__``) and its address."""
+
+    url: str
+    index: int
+    raw: dict[str, Any]
+
+
+Read = Iterator[tuple[int, dict[str, Any]] | SkippedSample]
+
+
+class TarReader:
+    """Reads work items of shards; picklable (it travels to the workers with the dataset).
+
+    Args:
+        on_error: ``"skip"``: a shard that cannot be read or is empty is a record; ``"raise"``:
+            a :class:`~mmproxy.errors.ShardError`.
+        remote: How ``http(s)://`` and ``s3://`` shards are read.
+    """
+
+    def __init__(self, on_error: Literal["raise", "skip"], remote: RemoteOptions) -> None:
+        self.skip, self.remote = on_error == "skip", remote
+        self._tried = 0  # shards begun since take_tried() last said
+
+    def take_tried(self) -> int:
+        """The shards begun since the last call: each work item read from its start, not one
+        opened again where a resumed position stands nor one read for a shuffle buffer's or a
+        batch's addresses (the loader judges the unreadable ones' share against it)."""
+        tried, self._tried = self._tried, 0
+        return tried
+
+    def __call__(self, work: Work) -> Read:
+        """``(index, sample)`` of the samples ``work`` asks for (those before ``work.start``
+        are passed over unprocessed), and the shard's record if it failed or was empty."""
+        url = work.url
+        wanted = None if work.only is None else set(work.only)
+        last = max(work.only) if work.only else -1
+        if wanted is not None and not wanted:
+            return
+        if work.start == 0 and work.only is None:
+            self._tried += 1
+        failures: list[SkippedSample] = []
+
+        def handler(exn: Exception) -> bool:  # webdataset's: record it, and the shard is over
+            failures.append(self._failed(url, exn))
+            return False  # (what follows a broken stream fails again: one record a shard)
+
+        count = 0
+        if is_local(url) or is_remote(url):
+            samples: Iterator[dict[str, Any]] = (read_local_tar(url) if is_local(url)
+                                                 else read_remote_tar(url, self.remote))
+        else:
+            samples = wds.tariterators.tarfile_samples([{"url": url}], handler=handler)
+        try:
+            for index, sample in enumerate(samples):
+                count += 1
+                if wanted is not None and index > last:
+                    break
+                if index >= work.start and (wanted is None or index in wanted):
+                    yield index, sample
+        except ShardError:  # raised by the handler (on_error="raise"): as it is
+            raise
+        except (OSError, tarfile.TarError, ValueError) as exn:
+            yield self._failed(url, exn)
+            return
+        yield from failures
+        if count == 0 and self.skip and not failures:
+            yield SkippedSample(redact(url), "", "empty shard: it holds no files",
+                                SkipKind.EMPTY_SHARD)
+
+    def _failed(self, url: str, exn: BaseException) -> SkippedSample:
+        reason = _describe(exn)
+        if not self.skip:
+            raise ShardError(f"shard {redact(url)}: cannot be read: {reason}") from exn
+        return SkippedSample(redact(url), "", f"unreadable shard: {reason}",
+                             SkipKind.UNREADABLE_SHARD)
+
+    def fetch(self, addresses: Sequence[tuple[str, int]]
+              ) -> tuple[dict[tuple[str, int], dict[str, Any]], list[SkippedSample]]:
+        """The raw samples at ``addresses``, each shard read once up to the last index wanted;
+        and the records of shards that failed on the way."""
+        by_url: dict[str, set[int]] = {}
+        for url, index in addresses:
+            by_url.setdefault(url, set()).add(index)
+        found: dict[tuple[str, int], dict[str, Any]] = {}
+        records: list[SkippedSample] = []
+        for url, indices in by_url.items():
+            for got in self(Work(url, only=tuple(sorted(indices)))):
+                if isinstance(got, SkippedSample):
+                    records.append(got)
+                else:
+                    found[url, got[0]] = got[1]
+        return found, records
+
+
+class ShardReader(Stage):
+    """One source's raw samples for one worker, read item after item of its :class:`ShardPlan`.
+
+    :meth:`take` gives a :class:`Taken`, or a shard's record, or None once the pass is over
+    (until :meth:`restart`). ``reasons`` counts this reader's records by reason (for messages).
+    """
+
+    NAME = "shard reader"
+    NEXT, PLAN = "next", "plan"
+    KEYS = (NEXT, PLAN)
+
+    def __init__(self, plan: ShardPlan, read: TarReader) -> None:
+        self.plan, self.read = plan, read
+        self.next = 0  # the next sample index to read in the current item
+        self._open: Read | None = None
+        self._url = ""
+        self._records: list[SkippedSample] = []  # more records of a shard that failed
+        self.reasons: Counter[str] = Counter()
+
+    def take(self) -> Taken | SkippedSample | None:
+        if self._records:
+            return self._records.pop(0)
+        empty = 0  # shards in a row that held nothing
+        while True:
+            if self._open is None:
+                work = self.plan.current()
+                if work is None:
+                    return None
+                self._open, self._url = self.read(work.starting_at(self.next)), work.url
+            got = next(self._open, None)
+            if got is None:
+                self._close()
+                empty += 1
+                if self.plan.resampled and empty > 2 * len(self.plan.urls) + 100:
+                    raise ShardError(f"{self.plan.layout}: {empty} shards drawn in a row held "
+                                     "no samples (resampled=True draws forever)")
+                continue
+            if isinstance(got, SkippedSample):  # the shard failed or was empty: it is over
+                self._records = [r for r in self._open if isinstance(r, SkippedSample)]
+                self._close()
+                for record in (got, *self._records):
+                    self.reasons[record.reason] += 1
+                return got
+            index, raw = got
+            self.next = index + 1
+            return Taken(self._url, index, raw)
+
+    def _close(self) -> None:
+        self._open, self.next = None, 0
+        self.plan.advance()
+
+    def restart(self) -> None:
+        """Starts the next pass (after :meth:`take` gave None)."""
+        self._open, self.next = None, 0
+        self.plan.restart()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._pack(**{self.NEXT: self.next, self.PLAN: self.plan.state_dict()})
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state = self._unpack(state)
+        self.plan.load_state_dict(state[self.PLAN])
+        self._open, self.next = None, int(state[self.NEXT])
+
+    def remaining(self, state: Mapping[str, Any]) -> list[Work]:
+        """What a state of this reader has left: the rest of its item, and the items after."""
+        state = self._unpack(state)
+        return self.plan.remaining(state[self.PLAN], int(state[self.NEXT]))
+
+
+# webdataset's errors: a failed pipe's "(args, kwargs): exit N (read) ...", a tar error's
+# text with " @ <stream>" added, each with the stream and the url added to its arguments
+_PIPE_EXIT = re.compile(r"\(.*\): exit (-?\d+) \(read\).*", re.S)
+_AT_STREAM = re.compile(r" @ <.*>\Z", re.S)
+
+
+def _describe(exn: BaseException) -> str:
+    """An error in words: an OSError's message (not its errno); one of webdataset's by its first
+    argument (no reprs of its stream or command: the url names the shard), a failed pipe by its
+    exit status; else the error's own text."""
+    if isinstance(exn, OSError) and exn.strerror:
+        return exn.strerror + (f" ({exn.filename})" if exn.filename else "")
+    text = _AT_STREAM.sub("", str(exn.args[0]) if len(exn.args) > 1 else str(exn))
+    if isinstance(exn, OSError) and (exit := _PIPE_EXIT.fullmatch(text)):
+        return f"the command exited with status {exit[1]}"
+    return f"{type(exn).__name__}: {text}" if text else type(exn).__name__

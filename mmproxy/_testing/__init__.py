@@ -1,0 +1,1 @@
+"""Synthetic media and shard sets behind :mod:`mmproxy.testing`."""
