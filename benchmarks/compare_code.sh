@@ -12,7 +12,7 @@
 #                  benchmarks/video_bench.py with PyAV in the workers (no reader)
 #   ROUNDS (2), SAMPLES (16384), WORKERS (15), THREADS (8), EPOCHS (4): on 2 cores
 #                  SAMPLES=2048 WORKERS=2 THREADS=2
-# The earlier code is installed to /tmp/before-site-NAME (NAME: BEFORE_COMMIT) and run from /tmp,
+# The earlier code is copied to /tmp/before-site-NAME (NAME: BEFORE_COMMIT) and run from /tmp,
 # so that the checkout's folders on the path do not shadow it.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -22,8 +22,10 @@ name=${BEFORE_COMMIT:-$(basename "$before")}
 site=/tmp/before-site-$name
 here=$(pwd)
 runs=$(mktemp -d)
-if [[ ! -d $site/mmproxy ]]; then
-  python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$site" "$before"
+if [[ ! -d $site/mmproxy ]]; then  # the packages as pyproject.toml maps them (no build: its
+  # setuptools may be older than the project's metadata needs)
+  mkdir -p "$site" && cp -r "$before/mmproxy" "$site/" && cp -r "$before/datasets" "$site/mmproxy/datasets" \
+    && cp -r "$before/pipelines" "$site/mmproxy/pipelines"
 fi
 common="--workers ${WORKERS:-15} --threads ${THREADS:-8} --epochs ${EPOCHS:-4}"
 new() { timeout 400 python3 -m mmproxy.cli bench "$@"; }
