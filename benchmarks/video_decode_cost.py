@@ -14,7 +14,7 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
-from mmproxy.pipelines import _pyav
+from mmproxy.pipelines.video import _pyav
 
 
 def main() -> None:
