@@ -201,7 +201,7 @@ def test_an_s3_endpoint_whose_certificate_does_not_verify_names_aws_ca_bundle(
     """S3 trusts what boto3 trusts: SSL_CERT_FILE is not its setting, AWS_CA_BUNDLE is. Both
     ways of GETting (presigned, and boto3's own get_object) fail at once naming the endpoint and
     AWS_CA_BUNDLE, and read the shard once it is set."""
-    from mmproxy.datasets import _s3_clients
+    from mmproxy.datasets.remote import _s3_clients
 
     pem, private = certificate(tmp_path, "s3")
     with https_server(shard_dir.parent, pem, private) as (url, server):
@@ -330,7 +330,8 @@ def test_redact_masks_signed_urls_and_user_info_by_position(shard_dir, aws):
     with ShardServer(shard_dir.parent) as endpoint:
         s3_endpoint(aws, endpoint, AWS_SESSION_TOKEN="TOKEN/do+not=show")
         for version in ("s3v4", "s3"):
-            client = boto3.client("s3", config=botocore.config.Config(signature_version=version))
+            client = boto3.session.Session().client(  # a session of its own reads this environment
+                "s3", config=botocore.config.Config(signature_version=version))
             signed = client.generate_presigned_url(
                 "get_object", Params={"Bucket": "bucket", "Key": "x/r-0.tar"}, ExpiresIn=900)
             query = dict(parse_qsl(urlsplit(signed).query))

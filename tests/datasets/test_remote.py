@@ -77,7 +77,7 @@ def s3(local):
 @pytest.fixture(autouse=True)
 def fresh_s3_state():
     """Each test starts with no kept connection and no bucket sent to boto3 by an earlier one."""
-    from mmproxy.datasets import _s3_clients
+    from mmproxy.datasets.remote import _s3_clients
 
     _s3_clients.clients.slow.clear()
     _s3_clients.clients.idle.clear()
@@ -147,7 +147,7 @@ def s3_endpoint(aws, endpoint, **more):
 def test_s3_gets_keep_their_connection_and_replace_a_closed_one(shard_dir, local, aws, caplog):
     """Presigned GETs reuse one kept-alive connection to the S3 endpoint; one the server closed
     while it was idle is replaced without a failure or a retry."""
-    from mmproxy.datasets import _s3_clients
+    from mmproxy.datasets.remote import _s3_clients
 
     with ShardServer(shard_dir.parent, keep_alive=0.3) as endpoint:
         idle = s3_endpoint(aws, endpoint)
@@ -165,7 +165,7 @@ def test_s3_gets_keep_their_connection_and_replace_a_closed_one(shard_dir, local
 
 def test_s3_a_cut_body_never_goes_back_to_the_pool(shard_dir, local, aws):
     """A connection whose body ended early is dropped, not kept (nor kept twice)."""
-    from mmproxy.datasets import _s3_clients
+    from mmproxy.datasets.remote import _s3_clients
 
     with ShardServer(shard_dir.parent) as endpoint:
         idle = s3_endpoint(aws, endpoint)

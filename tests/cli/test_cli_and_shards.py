@@ -33,7 +33,7 @@ from mmproxy.testing import (
     write_tar,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HINT = "(run with --debug for the traceback)"
 pytestmark = pytest.mark.timeout(240)
 

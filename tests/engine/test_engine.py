@@ -475,7 +475,7 @@ def test_the_first_iteration_freezes_the_collectors_heap_unless_told_not_to(tmp_
     from pathlib import Path
 
     script = tmp_path / "freeze.py"
-    script.write_text(_FREEZE_SCRIPT.format(tests=str(Path(__file__).parent), freeze=freeze))
+    script.write_text(_FREEZE_SCRIPT.format(tests=str(Path(__file__).parents[1]), freeze=freeze))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr[-2000:]
     (e0, before, first), (e1, _, second) = (map(int, line.split()) for line in

@@ -30,7 +30,7 @@ import mmproxy
 from mmproxy.testing import image_bytes, synth_image, write_tar
 
 pytestmark = pytest.mark.timeout(240)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- fuzzed inputs ----------------------------------------------------------------------------------

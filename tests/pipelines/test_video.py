@@ -193,7 +193,7 @@ def test_decode_clip_takes_frames_in_presentation_order(name, data):
 def _unreferenced(data):
     """The pts of the frames FFmpeg's own decoder leaves out with ``skip_frame="NONREF"``
     (the pictures no other picture refers to), and the ones ``_pyav``'s packet test flags."""
-    from mmproxy.pipelines import _pyav
+    from mmproxy.pipelines.video import _pyav
 
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
@@ -281,7 +281,7 @@ def test_a_damaged_file_the_header_checks_pass_is_not_cut_but_sent_whole(tmp_pat
 def test_no_picture_is_left_out_of_a_stream_whose_pictures_are_all_references():
     """An x264 stream without B-frames: every picture may be referred to, so none is flagged;
     the packet test is only made for the codecs whose headers say it (H.264, HEVC)."""
-    from mmproxy.pipelines import _pyav
+    from mmproxy.pipelines.video import _pyav
 
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as out:
@@ -893,7 +893,7 @@ class _FakeVideo:
 
 def _clip_decoder(monkeypatch, threads=1, slot=None):
     """A ClipDecoder on a machine without PyNvVideoCodec (its slots: ``slot``)."""
-    from mmproxy.pipelines import _nvdec
+    from mmproxy.pipelines.video import _nvdec
 
     monkeypatch.setattr(_nvdec, "load_nvdec", lambda: None)
     if slot is not None:
@@ -906,7 +906,7 @@ def _driver_error(path):
 
 
 def test_a_clip_nvdec_refuses_is_damaged_only_when_pyav_cannot_decode_it_either(monkeypatch):
-    from mmproxy.pipelines import _pyav
+    from mmproxy.pipelines.video import _pyav
 
     from mmproxy._server.prepare import DamagedSampleError
 

@@ -600,7 +600,7 @@ def test_nothing_mmproxy_made_is_left_for_the_cyclic_collector():
     freed by whichever process collects them, a forked child included. No tensor, DALI or
     mmproxy object may be among them (on a GPU they hold CUDA memory, events and pipelines).
     A fresh interpreter, so that other tests' leftovers do not count."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fork_leftovers.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "fork_leftovers.py"
     done = subprocess.run([sys.executable, str(script), "--device", "cpu"], capture_output=True,
                           text=True, timeout=150)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
@@ -610,7 +610,7 @@ def test_nothing_mmproxy_made_is_left_for_the_cyclic_collector():
 @pytest.mark.gpu
 @pytest.mark.parametrize("check", [[], ["--then-fork"]], ids=["no-leftovers", "plain-fork-loader-after"])
 def test_a_plain_fork_dataloader_runs_after_an_mmproxy_gpu_loader(check):
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fork_leftovers.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "fork_leftovers.py"
     done = subprocess.run([sys.executable, str(script), "--device", "gpu", *check],
                           capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

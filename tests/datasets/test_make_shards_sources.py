@@ -19,7 +19,7 @@ from torchvision.datasets import ImageFolder
 from mmproxy import cli
 from mmproxy.testing import image_bytes, image_folder, synth_image
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def jpeg(path: Path, seed: int) -> None:

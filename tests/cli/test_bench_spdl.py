@@ -18,7 +18,7 @@ import torch
 from mmproxy.apps.bench.shards import write_shards
 from mmproxy.apps.bench.systems import SYSTEMS, Setup
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _setup(tmp_path, workload, count, batch, damage=0.0, gpu=False):
