@@ -35,7 +35,7 @@ from mmproxy.datasets.writer._source_files import (
     AUDIO_SUFFIXES as AUDIO_SUFFIXES,  # the suffixes read, importable here too
 )
 from mmproxy.datasets.writer._source_files import IMAGE_SUFFIXES as IMAGE_SUFFIXES
-from mmproxy.datasets.writer._source_files import KINDS, Kind, other_kind, plan, sniff
+from mmproxy.datasets.writer._source_files import KINDS, Kind, class_folders, other_kind, plan, sniff
 from mmproxy.datasets.writer._source_files import VIDEO_SUFFIXES as VIDEO_SUFFIXES
 from mmproxy.datasets.writer._written import MANIFEST, LeftOut, Reason, WrittenShards
 
@@ -134,12 +134,14 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     that leads back to one that holds it (a loop, not entered), are left out. Suffixes are read
     in any case (``x.JPEG`` with its caption ``x.TXT``).
     A file is stored under the extension of its content (a PNG named ``.jpg`` as ``png``).
-    Files of other formats or content, empty files, empty or unreadable captions, and files whose
-    header :func:`~mmproxy.datasets.check_header` rejects are left out: the summary gives them by
-    reason, ``left_out.jsonl`` beside the shards lists every one. A class folder whose files of
-    the kind were all refused by the header check keeps its label in ``classes.json`` (no sample
-    has it) and is named in the summary (``empty_classes``); a folder with no file of the kind
-    gets no label.
+    Files of other formats or content, empty files, unreadable captions, and files whose header
+    :func:`~mmproxy.datasets.check_header` rejects are left out: the summary gives them by
+    reason, ``left_out.jsonl`` beside the shards lists every one. An empty caption is written as
+    it is (an empty ``txt``). Every folder at the top of ``source`` is a class with the label
+    torchvision's ``ImageFolder`` gives it, also one with no file of the kind (it keeps its
+    label in ``classes.json``, no sample has it, and the summary names it: ``empty_classes``).
+    A folder's name with no letter (img2dataset's ``00000``) is no caption: its images without
+    a ``.txt`` are left out.
 
     The shards, ``classes.json``, ``manifest.jsonl`` and ``left_out.jsonl`` are written under
     temporary names and take their own only when the whole set is written, the old set's files
@@ -192,7 +194,10 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     media = KINDS[kind][1]
     written = WrittenShards(kind, sorted(KINDS[kind][0]))
     planned = plan(source, output, kind, written.files_left_out)
-    classes = sorted({p.class_name for p in planned if p.class_name is not None})
+    top, out = source.resolve(), output.resolve()
+    inside = {out.relative_to(top).parts[0]} if top in out.parents else set()  # not a class
+    classes = sorted({p.class_name for p in planned if p.class_name is not None}
+                     | (set(class_folders(source)) - inside if planned else set()))
     index = {name: i for i, name in enumerate(classes)}
     manifest: list[dict[str, Any]] = []
     filled: set[str] = set()  # the classes a sample was written for

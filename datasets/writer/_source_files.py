@@ -107,7 +107,8 @@ def _is_caption(path: Path) -> bool:
 
 def _caption(captions: list[_Entry], class_name: str | None) -> tuple[str | None, str, Reason | None]:
     """(caption, origin "txt" | "folder", None), or (None, why there is none, the reason), from
-    the ``captions`` beside a file (each with why it cannot be read, if it cannot)."""
+    the ``captions`` beside a file (each with why it cannot be read, if it cannot). A class
+    folder's name is a caption when it has a letter (not img2dataset's ``00000``)."""
     if len(captions) > 1:
         names = ", ".join(path.name for path, _ in captions)
         return None, f"it has {len(captions)} captions beside it ({names}): keep one", Reason.CAPTION
@@ -119,11 +120,12 @@ def _caption(captions: list[_Entry], class_name: str | None) -> tuple[str | None
             text = txt.read_text(encoding="utf-8-sig").strip()  # a BOM is no part of a caption
         except UnicodeDecodeError:
             return None, f"its caption {txt.name} is not UTF-8 text", Reason.CAPTION
-        if text:
-            return text, "txt", None
-        return None, f"its caption {txt.name} is empty", Reason.CAPTION
-    if class_name is not None:
+        return text, "txt", None  # an empty caption too: web corpora hold them
+    if class_name is not None and any(c.isalpha() for c in class_name):
         return class_name.replace("_", " "), "folder", None
+    if class_name is not None:
+        return None, (f"no caption: no .txt beside it, and its folder's name {class_name!r} is "
+                      "no caption (an img2dataset folder?)"), Reason.NO_CAPTION
     return None, Reason.NO_CAPTION.value, Reason.NO_CAPTION
 
 
@@ -216,6 +218,21 @@ def sniff(item: Planned, media: str, data: bytes) -> tuple[str, LeftOut | None]:
                            else f"{ext.upper()} data that {problem}",
                            Reason.UNREAD if isinstance(problem, Unread) else Reason.DAMAGED)
     return ext, None
+
+
+def class_folders(source: Path) -> list[str]:
+    """The class folders of ``source`` as torchvision's ``ImageFolder`` finds them: every folder
+    at its top (links to folders followed), hidden ones and loops back to it aside, sorted; a
+    class folder with no file of the kind keeps its label."""
+    top = source.resolve()
+    names = []
+    for entry in os.scandir(source):
+        if entry.name.startswith(".") or not entry.is_dir():
+            continue
+        real = Path(entry.path).resolve()
+        if real != top and real not in top.parents:
+            names.append(entry.name)
+    return sorted(names)
 
 
 def other_kind(source: Path, media: str) -> str | None:

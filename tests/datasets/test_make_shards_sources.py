@@ -206,3 +206,37 @@ def test_the_kind_hint_sees_linked_folders_and_upper_case_captions(tmp_path):
         make_shards(src, tmp_path / "out")
     assert caught.value.kind == "video-text"
     assert str(caught.value).endswith("it holds video files: use kind='video-text'")
+
+
+def test_a_class_folder_with_no_image_keeps_its_label(tmp_path):
+    """``a/``, ``b/`` holding only notes, ``c/``: classes are ImageFolder's (``allow_empty``), so
+    c is 2 in the shards as there, and b is named as a class no sample has."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    jpeg(src / "a" / "1.jpg", 1)
+    (src / "b").mkdir()
+    (src / "b" / "notes.md").write_text("nothing to see")
+    jpeg(src / "c" / "1.jpg", 2)
+    done = make_shards(src, out, kind="image-text")
+    folder = ImageFolder(str(src), allow_empty=True)
+    assert json.loads((out / "classes.json").read_text()) == folder.classes == ["a", "b", "c"]
+    assert {src: int(s["cls"]) for src, s in written(out).items()} == {"a/1.jpg": 0, "c/1.jpg": 2}
+    assert done.empty_classes == [("b", 1)]
+
+
+def test_empty_captions_are_kept_and_numbered_folders_are_no_captions(tmp_path):
+    """An empty ``.txt`` is an empty caption (web corpora hold them); in an img2dataset folder
+    (``00000/000000001.jpg`` + ``.txt``) an image without its ``.txt`` is left out, not captioned
+    "00000"; a class folder's name with letters is still the caption of an image without one."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    for i in range(3):
+        jpeg(src / "00000" / f"00000000{i}.jpg", i)
+    (src / "00000" / "000000000.txt").write_text("a cat")
+    (src / "00000" / "000000001.txt").write_text("")
+    jpeg(src / "big_dogs" / "d.jpg", 9)
+    make_shards(src, out, kind="image-text")
+    captions = {src: s.get("txt") for src, s in written(out).items()}
+    assert captions == {"00000/000000000.jpg": "a cat", "00000/000000001.jpg": "",
+                        "big_dogs/d.jpg": "big dogs"}
+    rows = left_out_rows(out)
+    assert list(rows) == ["00000/000000002.jpg"]
+    assert "its folder's name '00000' is no caption" in rows["00000/000000002.jpg"][1]
