@@ -42,8 +42,8 @@ __all__ = ["current_epoch", "expand", "folder_shards", "is_local", "is_remote", 
 def expand(urls: str | Sequence[str]) -> list[str]:
     """Expands brace patterns (``data-{000..009}.tar``), ``::``-separated lists, globs of local
     paths (``/data/*.tar``: the regular files matching, sorted; one that matches none is a
-    :class:`ShardError`), and ``s3://`` prefixes and globs (listed with boto3). A
-    local path that exists is taken as written, ``[`` in its name or not; see
+    :class:`ShardError`), ``~`` at the start of a local path, and ``s3://`` prefixes and globs
+    (listed with boto3). A local path that exists is taken as written, ``[`` in its name or not; see
     :func:`local_glob` for a glob under a folder whose name holds ``[``."""
     items = [urls] if isinstance(urls, str) else list(urls)
     out: list[str] = []
@@ -52,6 +52,8 @@ def expand(urls: str | Sequence[str]) -> list[str]:
             if is_remote(url):
                 out.extend(_expand_remote(url))
                 continue
+            if is_local(url) and url.startswith("~"):
+                url = os.path.expanduser(url)  # as a shell would (a quoted '~/...' is not)
             if not (is_local(url) and any(c in url for c in "*?[") and not os.path.exists(url)):
                 out.append(url)
                 continue
