@@ -188,10 +188,21 @@ def reader_batches(setup: Setup, prefetch: int = 2) -> Any:
     return lambda: (b[0]["data"] for b in reader)
 
 
+def _is_gzip(path: str) -> bool:
+    if "://" in path:
+        return path.endswith((".gz", ".tgz"))
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
 def _dali_reader(setup: Setup, prefetch: int = 2) -> dict[str, Any]:
     if setup.modality == "video" and not setup.gpu:
         return {"error": "not run: DALI decodes H.264 on a GPU only (its CPU video decoder has "
                 "no H.264)"}
+    compressed = [p for p in setup.paths if _is_gzip(p)]
+    if compressed:
+        return {"error": f"not run: DALI's webdataset reader reads plain tars only, and "
+                f"{len(compressed)} of the shards are gzip (e.g. {compressed[0]})"}
     before = gpu_memory_used(setup)
     batches = reader_batches(setup, prefetch)
     result = time_epochs(batches, setup.args.epochs, setup.gpu)
