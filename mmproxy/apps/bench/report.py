@@ -6,7 +6,6 @@ import glob
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from typing import Any
@@ -27,8 +26,8 @@ def machine(gpu: bool) -> dict[str, Any]:
 
 def provenance() -> dict[str, str]:
     """What a results file opens with: ``command``, this process's command line (``mmproxy ...``
-    for the mmproxy program, ``python3 SCRIPT ...`` for a script); ``commit``, ``git describe
-    --always --dirty`` of the checkout mmproxy runs from, or ``mmproxy VERSION`` outside one; and
+    for the mmproxy program, ``python3 SCRIPT ...`` for a script); ``commit``, the HEAD of the
+    checkout mmproxy runs from (read from ``.git``), or ``mmproxy VERSION`` outside one; and
     ``date``, today's (``YYYY-MM-DD``)."""
     import mmproxy
 
@@ -39,16 +38,7 @@ def provenance() -> dict[str, str]:
         words = ["python3", program]
     else:
         words = [os.path.basename(program)]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(mmproxy.__file__ or "")))
-    commit = f"mmproxy {mmproxy.__version__}"
-    if os.path.exists(os.path.join(root, ".git")):
-        try:
-            described = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"],
-                                       capture_output=True, text=True, timeout=10)
-            if described.returncode == 0 and described.stdout.strip():
-                commit = described.stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            pass  # no git on this machine: the version stands
+    commit = revision()["commit"][:12] or f"mmproxy {mmproxy.__version__}"  # no git run
     return {"command": shlex.join(words + sys.argv[1:]), "commit": commit,
             "date": time.strftime("%Y-%m-%d")}
 
