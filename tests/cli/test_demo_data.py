@@ -10,8 +10,8 @@ import tarfile
 
 import numpy as np
 import pytest
+from cli_helpers import run_cli
 from mmproxy.datasets import MultiModalDataset
-from test_cli_and_shards import run_cli
 from test_gzip_shards import write_tarfile_gz, write_webdataset
 
 from mmproxy.apps.data import expand_data, first_sample_fields

@@ -19,7 +19,14 @@ from mmproxy.datasets import MultiModalDataset, image_text_dataset
 from mmproxy.datasets.remote import RemoteOptions
 from mmproxy.datasets.shards import expand, read_local_tar, read_remote_tar
 from mmproxy.pipelines import image_train_pipeline
-from test_remote import FAST, aws, fresh_s3_state, image_server, run, same  # noqa: F401 - fixtures
+from remote_helpers import (  # noqa: F401 - fixtures
+    FAST,
+    aws,
+    fresh_s3_state,
+    image_server,
+    run,
+    same,
+)
 
 import mmproxy
 from mmproxy.apps.bench.remote import ShardServer, s3_server

@@ -27,7 +27,7 @@ from cryptography.x509.oid import NameOID
 from mmproxy.datasets import MultiModalDataset
 from mmproxy.datasets.remote import RemoteError, RemoteOptions, redact
 from mmproxy.datasets.shards import expand
-from test_remote import (  # noqa: F401 - fixtures
+from remote_helpers import (  # noqa: F401 - fixtures
     SECRET,
     aws,
     fresh_s3_state,
