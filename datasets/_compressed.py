@@ -1,18 +1,11 @@
 """Compressed shards: what a shard's first bytes say it is, and a gzip shard decompressed into an
 anonymous memory file (memfd) that is then read like a tar on disk.
 
-A gzip stream cannot be sliced: a member's bytes are known only once everything before them is
-decompressed. :func:`decompress` decompresses the stream piece by piece as it is read (a mapped
-local file, or a remote shard while it downloads: each slice waits for its bytes) into a memfd,
-mapped read-only once the stream ends. The tar inside is then read by the same member table as a
-mapped ``.tar``: fields are views of the mapping (no copy), sent to servers by reference, and a
-sample's address (shard, index) is the same as in the tar uncompressed, so a saved position
-resumes exactly (the shard is decompressed again and the samples before it passed over).
-
 Cost: the shard's uncompressed size in anonymous shared memory from the start of its reading
 until the worker has let go of its samples and the server of its mapping (for a remote shard
 streamed without the node cache, its compressed bytes as well, until they are decompressed);
 and its first sample waits for the whole stream (figures: docs/multi-gpu.md, "Gzip shards").
+docs/internals.md, ``mmproxy.datasets._compressed``, has the rest.
 """
 
 from __future__ import annotations

@@ -5,12 +5,7 @@ worker's time per small member. Here headers are read straight from the mapping:
 (with the ``prefix`` field), GNU long names (``L``) and PAX ``path`` / ``size`` records, which
 covers what ``tarfile``, GNU tar and webdataset's ``TarWriter`` write. Every header's checksum is
 verified, so a damaged shard raises ``tarfile.ReadError`` instead of yielding garbage.
-
-A whole shard (:func:`members`) is read in bulk: a walk over the headers' size fields finds
-where the headers are, then numpy checks their checksums and decodes their names a few thousand
-headers at a time, so a member costs a few Python operations. A shard still arriving
-(:func:`streamed_members`) is read header by header, each member as soon as its header is in.
-Both raise the same errors at the same member.
+docs/internals.md, ``mmproxy.datasets._tar``, has the rest.
 """
 
 from __future__ import annotations

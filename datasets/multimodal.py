@@ -1,31 +1,5 @@
 """MultiModalDataset: WebDataset shards into batches whose heavy fields go through servers.
-
-A chain of small stages, each owning its state (:mod:`mmproxy.datasets.stages._stage`), runs in every
-DataLoader worker::
-
-    per source: ShardPlan (shards shuffled per epoch, split by rank, then by worker)
-      -> ShardReader (tar members grouped into samples, by address)
-      -> ShuffleBuffer (raw bytes)
-    -> SourceMixer (each sample's source drawn by weight)
-    -> FieldStage (header checks, then each field's proxy or function; a proxy field of the
-                   default collate keeps only its run's inputs)
-    -> Batcher (composite collate, one run per such field, batch transform, skip records)
-    -> PositionStamp (each item with the worker's state, for the loader)
-
-Bad samples: a sample with a missing field, an empty or corrupt server field (header checks), or
-a field function that raises, never reaches a server (a plain function's field reaches it as it
-is, ``b""`` too); a sample that passes the checks but that a server's pipeline
-cannot process (damage inside the compressed data) is found by the server (see
-:class:`~mmproxy.DALIServer`). With ``on_error="raise"`` either raises, naming the shard and the
-key (:class:`~mmproxy.errors.SampleError`, :class:`~mmproxy.errors.PipelineError`); a shard that
-cannot be opened raises :class:`~mmproxy.errors.ShardError`. With ``on_error="skip"`` the sample
-(or shard) is left out and reported as a :class:`~mmproxy.skips.SkippedSample` ``(shard, key,
-reason, kind)`` in the next batch's ``"__skipped__"`` list, and in the loader's
-:attr:`~mmproxy.DataLoader.skipped` report. A batch that lost samples in a server is smaller:
-the loader removes those samples' rows from every field (every server's outputs, tokens, labels,
-keys), so the fields stay aligned. Records that no batch can carry (after a worker's last batch,
-or while nothing can be batched) travel on their own, so none is lost. An epoch that reads
-nothing, or skips more than ``max_skipped``, raises in the main loop (:mod:`mmproxy.skips`).
+docs/internals.md, ``mmproxy.datasets.multimodal``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
 """Shards: shard lists, where a worker sits, and the zero-copy tar readers.
-
-Built on ``webdataset``: brace expansion (``expand_urls``), tar reading with ``pipe:``
-(``tarfile_samples``), and the worker's rank and id (``pytorch_worker_info``). What is added:
-globs of local paths, an epoch that every worker of every rank agrees on (so a shard shuffle is
-the same everywhere and splits stay disjoint: :mod:`mmproxy.datasets.stages.plan` makes them), and a
-zero-copy reader for local shards:
-webdataset's streaming tar reader copies each member through small reads, which costs a worker
-CPU for every byte; a mapped local tar is sliced into its members without a copy, so a worker
-pays only for parsing the headers, and the members then travel to the server by reference (the
-shard's descriptor and offsets), not copied (what a worker spends per sample:
-``benchmarks/worker_cost.py``; what mapping gave: benchmarks/HISTORY.md, "What moved the figures").
-``http(s)://`` and ``s3://`` shards are read the same way from memory or the node cache as they
-stream in (:mod:`mmproxy.datasets.remote`). A gzip shard (``.tar.gz``, ``.tgz``, or any shard whose
-bytes start with gzip's signature) is decompressed into an anonymous memory file and read from
-there the same way (:mod:`mmproxy.datasets._compressed`: what it costs).
+docs/internals.md, ``mmproxy.datasets.shards``, has the rest.
 """
 
 from __future__ import annotations

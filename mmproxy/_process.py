@@ -1,19 +1,5 @@
 """Process hygiene: ids unique across processes, the servers of this process, and what a fork does.
-
-- :func:`new_id`: ``<process token>:<counter>``; a forked child gets a new token the first time it
-  asks, so ids made in a worker never collide with its parent's or another worker's.
-- :func:`register_local` / :func:`local`: the servers living in this process (weakly), so that a
-  proxy called in the server's own process hands inputs over directly instead of through a
-  socket. A forked child inherits the registry but is not the owner, so it sends.
-- :func:`on_fork_in_child` / :func:`keep`: the one at-fork hook of mmproxy. A forked child
-  inherits every object of its parent; whatever of mmproxy's it inherits must stay inert there:
-  it must never free a pipeline or a CUDA tensor (a CUDA call in a forked child aborts it), must
-  not hold a server's socket open, must not reuse a lock another thread of the parent held. Each
-  module registers what its objects need (``server``: keep every server and forget its socket;
-  ``_workers``: keep inherited DataLoader iterators; ``_transport``: a fresh lock; ``_dali``:
-  every DALI pipeline of the parent's, the user's too, kept from shutting down), and objects
-  handed to :func:`keep` live as long as the child does. The collector stays off from the fork
-  until these hooks have run in the child.
+docs/internals.md, ``mmproxy._process``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Command line: ``mmproxy demo``, ``mmproxy bench``, ``mmproxy make-shards``.
 
-This module runs a command and says how it ended; the parser, with each command's options, is
-``_commands``, and each command's body is an app (:mod:`mmproxy.apps`). Heavy modules load inside
-the commands, so ``mmproxy --help`` is quick. Values out of range are refused by the parser
-(exit 2), and an option whose optional package is missing before the command runs. Errors print
-one line, ``mmproxy COMMAND: error: MESSAGE``, and exit with 1: the user's making (mmproxy's own
-errors, missing files, bad values), a missing package (with the ``pip install`` that adds it),
-and anything else (said to be unexpected, to report); ``--debug``, anywhere on the line, adds the
-traceback.
-
 An interrupt (Ctrl-C) ends the command with one line, ``mmproxy COMMAND: interrupted``, and exit
 code 130: the first raises ``KeyboardInterrupt``, and the command cleans up on its way out (its
 servers and workers stop, half-written files go); one more while it does exits at once. An
 interrupt that lands in a callback that cannot raise (a fork's hooks, a callback from C) is
 raised again once the callback is over (:class:`_Interrupts`); a command still running
 :data:`GRACE` seconds after its first interrupt (swallowed without a trace) ends the process.
+docs/internals.md, ``mmproxy.cli``, has the rest.
 """
 
 from __future__ import annotations

@@ -4,15 +4,7 @@ It takes one server, a sequence of servers, or a name-to-server mapping (empty f
 fields are all plain functions: its batches pass through as they are). It starts the servers on
 iteration, tags every run with (loader, epoch) so that a new epoch drops the runs of an abandoned
 one, and in deterministic mode claims the next batch's runs one batch ahead so that the servers
-work while the training step runs.
-
-It also keeps the epoch's :class:`~mmproxy.skips.SkipReport` (:attr:`DataLoader.skipped`): the
-``"__skipped__"`` records of every batch, the samples servers dropped, the records that workers
-send on their own (a dict holding only ``"__skipped__"`` and ``"__shards_tried__"``: samples
-skipped after a worker's last batch, or while no batch could be made), and the shards the
-workers tried (``"__shards_tried__"``, taken out of each batch). With a dataset that declares
-``max_skipped`` (like :class:`~mmproxy.datasets.MultiModalDataset`), an epoch that reads nothing,
-skips too many samples or finds too many shards unreadable raises (see :mod:`mmproxy.skips`).
+work while the training step runs. docs/internals.md, ``mmproxy.loader``, has the rest.
 """
 
 from __future__ import annotations

@@ -2,16 +2,7 @@
 
 Each is a runtime-checkable :class:`typing.Protocol`; the engine asks ``isinstance(obj,
 Protocol)``, never ``hasattr``. A dataset or a callable takes part by having the members named
-here; nothing needs to subclass them.
-
-- What :class:`mmproxy.DataLoader` asks of its dataset: :class:`ChecksLoader` (refuse a wrong
-  loader when it is made), :class:`LimitsSkips` (the loader judges the epoch's skip report),
-  :class:`Reshardable` (redistribute a saved epoch over other numbers of ranks and workers),
-  :class:`FollowsLoaderEpoch` (its order and draws follow the loader's epoch).
-- What makes a callable a server's proxy (:class:`Proxy`): a dataset sends a field through a
-  server when its function is one, and :class:`mmproxy.Collate` knows servers by it.
-- What a pipeline's server-side stage does (:class:`Prepare`, given with ``SampleSeeded(...,
-  prepare=)``; not runtime-checked).
+here; nothing needs to subclass them. docs/internals.md, ``mmproxy.protocols``, has the rest.
 """
 
 from __future__ import annotations

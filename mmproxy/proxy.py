@@ -1,14 +1,5 @@
 """Proxy: the picklable callable that DataLoader workers use in place of a DALI pipeline.
-
-Calling it checks the arguments against the pipeline's ``external_source`` inputs and returns one
-:class:`~mmproxy.refs.DALIOutputSampleRef` per pipeline output (a single ref when there is one
-output). Nothing is sent then: the inputs ride inside the references until the batch is collated,
-so shuffling, dropping or calling twice per sample is safe. At collate time :meth:`submit` sends the
-batch's inputs to the server as one run (:meth:`run`), directly when the server lives in this
-process, otherwise through shared memory (:mod:`mmproxy._wire.transport`). A dataset that batches its
-samples itself can skip the references: :meth:`sample_inputs` gives what a call would carry, and
-:meth:`run` sends a batch of them (as :class:`~mmproxy.datasets.MultiModalDataset` does with its own
-collate).
+docs/internals.md, ``mmproxy.proxy``, has the rest.
 """
 
 from __future__ import annotations

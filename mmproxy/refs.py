@@ -6,11 +6,7 @@ the batch a server runs: the calls actually present, in batch order. The hook sh
 to the server and returns a :class:`DALIOutputBatchRef`, which names the server, the run and the
 output, and which the loader (or ``server.produce_data``) swaps for the real data; :func:`run_refs`
 makes the same references for a run sent without sample references.
-
-A sample reference never leaves the process that made it: one found uncollated where a batch is
-handed over (pickled by a DataLoader worker, or iterated by a collation that does not know it,
-such as webdataset's default ``collation_fn``) raises :class:`~mmproxy.errors.CollateError`
-naming the collation to use (:func:`uncollated_error`).
+docs/internals.md, ``mmproxy.refs``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,38 +1,5 @@
 """Server: runs a DALI pipeline (or copies of it side by side) in the main process behind its
-own threads.
-
-::
-
-    DataLoader worker (any start method)                main process
-    ─────────────────────────────────────               ─────────────────────────────────────────
-    dataset: proxy(jpeg) -> SampleRef(call: inputs)
-    collate: refs of one field -> one run
-       proxy.submit(calls) ── memfd (+ shard fds) ──>  [listener thread] unpack -> Request(run id)
-       returns BatchRef(server uid, run id)                  │   (a server in this process gets
-    batch ── DataLoader result queue ──────────┐             │    the Request directly)
-                                               │             v  RunTable.accept (PENDING)
-                                               │   [runner threads] (_runner.Runner, one a
-                                               │    pipeline: pipelines=N copies take runs)
-                                               │     RunTable.next (SCHEDULED); with a Prepare
-                                               │     stage (_prepare.PreparedRuns) each sample
-                                               │     goes to [prepare threads] (NVDEC decoders)
-                                               │     first and the run is fed once all are done;
-                                               │     keeps up to prefetch_queue_depth in flight;
-                                               │     outputs -> torch -> RunTable.finish (READY)
-                                               v             │
-                                  main loop: loader / produce_data(batch)
-                                     BatchRef(run id) -> RunTable.wait -> tensors
-
-A server is a thin composition: its :class:`~mmproxy._server.runs.RunTable` (lifecycle and runs, the
-interface proxies, loaders and resolvers use), a :class:`~mmproxy._server.dali.Pipe` (the only code that
-touches DALI's internals), the listener thread (:mod:`mmproxy._wire.transport`), the threads of the
-pipeline's :class:`~mmproxy.Prepare` stage where it has one (given with
-:class:`~mmproxy.proxy.SampleSeeded`; the runner then takes its runs through
-:class:`~mmproxy.PreparedRuns`) and the runner thread (:mod:`mmproxy._server.runner`, which
-searches a failed run for its bad samples with :mod:`mmproxy._server.isolation`). Run ids are unique per
-process and never reused, so an output can only be paired with the batch that asked for it. Each
-run is tagged with (loader id, epoch); when a loader starts a new epoch, its older runs are
-dropped.
+own threads. docs/internals.md, ``mmproxy.server``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """Skip report: what a loader dropped in one epoch (samples and whole shards), why, and when
 that is too much.
 
-A sample is skipped where it fails: in a worker (a missing or corrupt field, a field function
-that raises) or in a server (the pipeline cannot process it; the server finds the sample and runs
-the rest of its batch); a whole shard is skipped when it cannot be read or holds no files. Each
-skip is a :class:`SkippedSample` record with its :class:`SkipKind`; every batch of a
-:class:`~mmproxy.datasets.MultiModalDataset` carries its records in ``"__skipped__"`` and the
-number of shards its worker began since its previous batch in ``"__shards_tried__"``, and the
-loader adds them all up in :attr:`mmproxy.DataLoader.skipped`.
-
-The loader turns a run that reads (almost) nothing into an error instead of an empty success:
-
-- nothing delivered yet and ``EMPTY_AFTER`` (1,000) samples or shards skipped:
-  :class:`EmptyEpochError` at once (so a resampled or ``epoch_length`` run that can read nothing
-  fails within seconds instead of spinning);
-- an epoch that ends without delivering a sample: :class:`EmptyEpochError`;
-- more than ``max_skipped`` of the samples read skipped (skipped / (delivered + skipped)), at the
-  end of an epoch or at any multiple of ``CHECK_EVERY`` (10,000) samples read:
-  :class:`SkipLimitError`. Damage is often clustered (one bad shard early in an epoch), so the
-  fraction is not judged on fewer samples than that;
-- separately, more than ``max_skipped`` of the shards this rank tried in the epoch unreadable or
-  empty, at the end of an epoch or at any multiple of ``SHARD_CHECK_EVERY`` (100) shards tried:
-  :class:`SkipLimitError` naming the share and the first shards with their reasons. A shard's
-  samples were never read, so nobody counted them: a shard counts as a shard, never as one sample.
-
 Each error gives the counts and the first record of each kind of failure, each sample named by
 the file it was made from where a lookup given to :func:`add_file_lookup` knows it.
+docs/internals.md, ``mmproxy.skips``, has the rest.
 """
 
 from __future__ import annotations

@@ -2,38 +2,7 @@
 
 The pipeline is a graph function (:func:`audio_graph`: DALI nodes in, DALI nodes out) behind a
 named ``fn.external_source``; the same graph serves behind a DALI reader in a ``pipeline_def`` of
-your own.
-
-Inputs:
-    ``audio``: the encoded bytes of one file per sample (uint8, 1-D): WAV, FLAC, OGG/Vorbis,
-    anything DALI's audio decoder reads.
-
-Outputs (in this order):
-    ``audio``: float32; ``[time]`` when ``mono`` else ``[time, channels]``; or, with ``n_mels``,
-    ``[n_mels, frames]`` log-mel in decibels. Lengths differ between samples unless
-    ``duration`` is set: serve with ``DALIServer(..., pad=True)`` to get a padded batch.
-    ``length``: int64 scalar on the CPU, the number of valid time steps (samples, or frames with ``n_mels``)
-    before any padding, so that a padded batch can be masked.
-
-Cost: decoding runs on CPU threads (DALI has no GPU audio decoder); with a GPU the resampling,
-trimming and spectrogram run on the GPU, with DALI's windowed-sinc resampler. A GPU pipeline
-decodes to 16-bit integers, moves those to the GPU and makes them float32 there: half the bytes of
-float32 to move, and DALI's decoder is faster without its float conversion (BENCHMARKS.md, "Audio
-decoded to 16 bits"). That is exact for 16-bit mono sources (the same values as a float32 decode)
-and rounds to 16 bits, noise 96 dB under full scale, what has more: a downmix of several channels,
-24- and 32-bit sources, lossy ones (MP3, Vorbis); ``full_precision=True`` decodes to float32
-instead.
-
-On CPU DALI's resampler (16 lobes of its sinc at its default quality) is most of the whole
-pipeline and costs about twice torchaudio's, and torchaudio's about three times libsoxr's, so CPU
-pipelines resample with libsoxr (``soxr``, its "HQ" quality) inside the DALI pipeline
-(``fn.python_function``, the clips of a batch on a pool of threads) unless ``cpu_resample`` says
-"torchaudio" (its windowed-sinc resampler with its defaults, a Hann window over 6 zero crossings,
-the kernel made once per input rate) or "dali". The three give the same log-mel to within 0.1 dB
-down to 40 dB under its peak; further down, in their filters' transition bands near the new
-Nyquist frequency, they differ by a few dB (libsoxr's is flat to 7.3 kHz for 16 kHz and steeper
-past it; torchaudio's and DALI's roll off from 6 kHz). ``cpu_resample="dali"`` gives a GPU
-pipeline's filter on CPU too. BENCHMARKS.md ("Audio, 2-core CPU") has the figures.
+your own. docs/internals.md, ``mmproxy.pipelines.audio``, has the rest.
 """
 
 from __future__ import annotations

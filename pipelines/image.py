@@ -3,28 +3,7 @@
 Each pipeline is a graph function (:func:`image_train_graph`, :func:`image_eval_graph`: DALI nodes
 in, DALI nodes out) behind a named ``fn.external_source``; the same graph serves behind a DALI
 reader (``fn.readers.webdataset``, ``fn.readers.file``) inside a ``pipeline_def`` of your own.
-
-Inputs:
-    ``images``: the encoded bytes of one image per sample (uint8, 1-D): JPEG, PNG, BMP, TIFF,
-    WebP, JPEG 2000, anything DALI's decoder reads. Grayscale and RGBA files are converted to RGB.
-    A JPEG is turned as its EXIF Orientation tag says (the decoders' ``adjust_orientation``, on
-    by default), where PIL's ``Image.open`` and torchvision's ``decode_image`` keep the stored
-    pixels: ``PIL.ImageOps.exif_transpose`` (or ``apply_exif_orientation=True``) gives the
-    image these pipelines see (``tests/test_image_orientation.py``).
-
-Outputs:
-    One tensor per sample, ``size x size`` RGB, in ``layout`` ("CHW" or "HWC") and ``dtype``
-    (float32 and float16 are normalized with ``mean``/``std`` given in 0-255 units; uint8 is not
-    normalized).
-
-Cost: decoding dominates. On a GPU the decode is ``mixed`` (nvJPEG / nvImageCodec, hardware
-decoder where present) and the crop happens inside the decoder (only the region of interest is
-decoded); resize, flip and normalize run on the GPU. On CPU the same operators run on
-``num_threads`` threads, except the resize: DALI's CPU ``fn.resize`` costs several times
-torchvision's for the same image and would be most of the whole CPU pipeline, so CPU pipelines
-resize with torchvision inside the DALI pipeline (``fn.python_function``, antialiased bilinear
-like ``fn.resize``) unless ``cpu_resize="dali"``. BENCHMARKS.md ("Images, 2-core CPU") has the
-figures, stage by stage (``benchmarks/cpu_image_stages.py``).
+docs/internals.md, ``mmproxy.pipelines.image``, has the rest.
 """
 
 from __future__ import annotations

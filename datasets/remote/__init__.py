@@ -1,56 +1,10 @@
 """Remote shards: ``http(s)://`` and ``s3://`` shards streamed into memory (or the node cache)
 and read like local ones: zero copy, members yielded as their bytes arrive.
 
-From the socket to DALI, in a DataLoader worker (or the main process with ``num_workers=0``)::
-
-    GET (urllib / boto3) -> download thread: readinto() a shared mapping of
-      - an anonymous memfd sized to the shard, or
-      - the node cache's part file (renamed into place when complete)
-    worker's thread: tar headers parsed from the same mapping, waiting for each member's last
-      byte -> samples whose fields are memoryviews of the mapping (no copy)
-    proxy -> transport: the mapping is registered (``mmproxy.worker.register_file_mapping``), so
-      the server gets the memfd / file descriptor and offsets and maps the same pages
-
-The body lands once, in the mapping, straight from the socket (``readinto``); nothing is copied
-after that on the worker side. Bytes are published to the reader read by read (64 KB first, then
-twice as much each time up to 1 MB), so a sample is ready as soon as the read holding its last
-byte is in, not the whole shard. A cached shard is read like a local file. The download runs at
-network speed in its own thread (so a shard finishes for the cache even if the reader stops
-early), and the reader waits only for the bytes it needs.
-
-Retries: a reset or cut connection, a server that does not answer (no answer within
-``connect_timeout`` seconds: 10 by default, so a stopped or stuck server is reported in seconds),
-a stall (no byte of the body for ``read_timeout`` seconds), a 5xx or throttling answer is retried
-``retries`` times with exponential backoff (``backoff`` seconds, doubling, with jitter), resuming
-where the bytes stopped (a ``Range`` request, checked against the shard's ETag); each retry is a
-warning on the ``mmproxy.datasets.remote`` logger, and the count starts again after every answer
-that brings bytes. After the last one (with the defaults, within
-:attr:`RemoteOptions.give_up_after`: under two minutes for a server that stops answering), or at
-once for a missing shard, refused credentials or a TLS failure no retry mends (a certificate that
-does not verify, a refused handshake), :class:`RemoteError` names the reason;
-:class:`~mmproxy.datasets.MultiModalDataset` records it in ``__skipped__`` (skip mode) or raises
-:class:`~mmproxy.errors.ShardError` with the URL (raise mode). URLs in messages and logs are
-:func:`redact`-ed and other texts masked likewise, secrets by where they stand (a URL's user
-info, a signed URL's signature, credential and token, an ``Authorization`` header), and S3
-credentials come only from the AWS environment and config files.
-
 TLS: ``https://`` servers are verified with Python's default settings (``SSL_CERT_FILE`` or
 ``SSL_CERT_DIR`` when set, else the system's CA certificates), S3 endpoints as boto3 verifies
 them (``AWS_CA_BUNDLE``, else botocore's bundle); a certificate that does not verify fails at
-once, saying which variable to set.
-
-Memory: a streamed (uncached) shard is anonymous shared memory until the worker and the server
-let go of its mapping (the transport keeps the last few mappings of each); with large shards,
-set a ``cache_dir`` so that shards live in the page cache, which the kernel can reclaim.
-
-Gzip: a shard whose first bytes are gzip's is downloaded the same way (into the memfd or the
-cache, compressed) and decompressed as its bytes arrive into a memfd of its own, read once the
-stream ends (:func:`~mmproxy.datasets.shards.read_remote_tar`); streamed, the two are in memory
-together until the decompression ends.
-
-Modules: this one (options, opening a shard from the cache or the network), ``_download`` (the
-thread and the retry policy), ``_sources`` (one GET per scheme, failures sorted; texts masked
-in ``_answers``), ``_cache`` (the node cache, and what a download does with it).
+once, saying which variable to set. docs/internals.md, ``mmproxy.datasets.remote``, has the rest.
 """
 
 from __future__ import annotations

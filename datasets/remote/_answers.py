@@ -1,17 +1,7 @@
 """Answers: what one GET of a remote shard gives (a :class:`Response`) or raises
 (:class:`Transient`, :class:`Permanent`), and what the HTTP and S3 GETs share: the range and ETag
 checks, a stdlib body's reads, failures in words, the TLS failures no retry mends, and texts fit
-to show.
-
-Secrets are masked by where they stand, never by searching a text for their values (a short
-access key such as ``x`` would mask every ``x`` of the text): a URL's user info (``***@host``),
-the value of a query parameter, or of a ``name=value`` pair or a quoted field of a message, whose
-name says it is one (``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``,
-``Signature``, ``AWSAccessKeyId``: a name that ends in signature, credential, token, secret,
-password, auth or key), and the value of an ``Authorization``, ``Proxy-Authorization``,
-``Cookie`` or ``X-Amz-Security-Token`` header. :func:`redact` masks one URL, :func:`masked` a
-message and every URL in it; :class:`Transient` and :class:`Permanent` mask their own text, so a
-GET's failure reads safe wherever it goes.
+to show. docs/internals.md, ``mmproxy.datasets.remote._answers``, has the rest.
 """
 
 from __future__ import annotations

@@ -5,25 +5,7 @@ progress under ``.partial/`` with the same name, and one empty ``.lock`` file. L
 open-file-description byte-range locks on ``.lock`` (``F_OFD_SETLK``): byte 0 guards the space
 accounting, and each shard has its own byte (from its name's hash), so any number of shards need
 one file and a lock dies with the process that held it.
-
-- **One download per shard per node.** A process that misses takes the shard's lock; whoever
-  holds it downloads, the others wait for it and then read the finished file (a download that
-  failed leaves no file, and the next waiter downloads).
-- **No torn files.** A shard is written under ``.partial/`` (its blocks allocated first, so a
-  full disk is an error, not a crash) and renamed into place when complete; a crashed writer's
-  part is deleted by the next space reservation (its lock is free).
-- **No growth past the bound.** Space is reserved under the space lock before a download
-  starts: finished shards are evicted, least recently used first (their mtime is touched on every
-  read), until finished + partial sizes + the new shard fit in ``cache_bytes``. A shard that does
-  not fit is streamed without the cache. Evicting a shard that a process is still reading is safe:
-  its mapping outlives the name.
-
-:func:`reserve` gives a download its part file (or says why the shard goes past the cache, in a
-warning), :class:`Finish` commits or abandons it at the download's end, and :func:`unusable` says
-once per process and folder that a folder cannot be used.
-
-A shard is cached under its URL: the cache assumes that a shard never changes on the server (as
-WebDataset shards do not); after rewriting shards, empty the cache folder.
+docs/internals.md, ``mmproxy.datasets.remote._cache``, has the rest.
 """
 
 from __future__ import annotations

@@ -4,16 +4,7 @@ boto3 takes its endpoint, region and credentials from the standard AWS environme
 config files (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, ...). boto3's own retries are off: one retry policy, the
 caller's (:mod:`mmproxy.datasets.remote`), covers the request and the body alike.
-
-A GET is signed by boto3 in the process (a presigned URL, SigV4, no request) and sent over a
-kept-alive ``http.client`` connection (verified with boto3's CA bundle): boto3's
-``get_object`` and its body spend much more CPU per GET (botocore's header parsing, signing and
-event hooks), which DataLoader workers pay per shard (the workers' CPU per batch over S3:
-BENCHMARKS.md, "Remote shards, one H200"; with ``get_object``: benchmarks/HISTORY.md, "Remote
-shards"). Any answer but the bytes or a retryable failure (a missing key, refused credentials, a
-redirect to another region, a changed shard) is asked again through ``get_object``, so that
-errors, redirects and messages are boto3's; so is every GET of a bucket that needed it once, and
-every GET when a proxy is set.
+docs/internals.md, ``mmproxy.datasets.remote._s3``, has the rest.
 """
 
 from __future__ import annotations

@@ -6,15 +6,7 @@ connection, a read timeout, a 5xx or throttling answer) or :class:`Permanent` (a
 refused credentials, a shard that changed on the server); the retrying belongs to the caller
 (:mod:`mmproxy.datasets.remote`). Texts of both name no URL (the caller adds the shard's redacted
 URL) and never hold a credential.
-
-Two timeouts: ``connect_timeout`` for connecting and then for the answer's first byte (a server
-that accepts connections but does not answer, stopped or overloaded, is told apart in seconds),
-``read_timeout`` for each read of the body once it flows.
-
-Modules: this one (the choice of scheme), ``_answers`` (what a GET gives or raises, and what the
-schemes share), ``_http`` (``urllib``: proxies from the environment, redirects), ``_s3`` (presigned
-GETs over kept-alive connections, boto3's ``get_object``, listing a prefix) and ``_s3_clients``
-(boto3's sessions and clients, TLS settings, the kept-alive connections).
+docs/internals.md, ``mmproxy.datasets.remote._sources``, has the rest.
 """
 
 from __future__ import annotations

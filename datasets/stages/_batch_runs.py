@@ -1,16 +1,5 @@
 """Batch runs: a batch's server fields sent as one run each by the batcher, not through collate.
-
-With the dataset's own collate (:class:`~mmproxy.Collate` over ``default_collate``), a server
-field whose function is a server's proxy itself (a :class:`~mmproxy.DALIProxy`) takes the batch
-route: for each sample the field stage keeps only what its run needs, the pipeline's inputs
-(:meth:`~mmproxy.DALIProxy.sample_inputs`: the checked bytes as a view of the shard's mapping,
-and the inputs the proxy draws from the sample's seed, drawn there as a call draws them) and the
-sample's key; the batcher then sends each such field as one run (:meth:`~mmproxy.DALIProxy.run`)
-and puts the run's batch references where ``default_collate`` would have put them. The other
-fields (text, labels, keys) are collated as before. The batch is the same dict, with the same
-references, that the per-sample route makes (a reference per call, collated into a run), at the
-cost of neither. A collate of the user's, or a field function that wraps a proxy, keeps the
-per-sample route.
+docs/internals.md, ``mmproxy.datasets.stages._batch_runs``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
 """Stage: one step of the worker-side pipeline, a small object that owns its state.
-
-A :class:`~mmproxy.datasets.MultiModalDataset` worker runs a chain of stages, each over the one
-before it::
-
-    ShardPlan -> ShardReader -> ShuffleBuffer   (one chain per source)
-      -> SourceMixer -> FieldStage -> Batcher -> PositionStamp
-
-Every stage has ``state_dict()`` (a plain dict: its own values under the key constants of its
-class, its child's state nested under the child's name, and its ``version``) and
-``load_state_dict()``, which refuses another version, unknown keys and missing keys with a
-:class:`~mmproxy.errors.StateError` naming the stage; and ``remaining(state)``, the work that a
-state of it has left (for an elastic resume). Samples are named by their *address* (shard, index
-in the shard), so a state holds addresses, not bytes; a stage that loads buffered addresses reads
-those samples again from their shards.
+docs/internals.md, ``mmproxy.datasets.stages._stage``, has the rest.
 """
 
 from __future__ import annotations

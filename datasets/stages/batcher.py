@@ -1,19 +1,9 @@
 """Batcher: a worker's samples into batches, each carrying the skip records that came before it.
 
-Every ``batch_size`` samples become one batch: the collate (the composite :class:`~mmproxy.Collate`
-by default: one run per server field; with it, the fields of a server's proxy go as one run each
-without a reference per sample, :mod:`mmproxy.datasets.stages._batch_runs`) and the batch transform run
-here, in the worker, and a dict batch gets the records so far in ``"__skipped__"`` and the number
-of shards begun since the last batch in ``"__shards_tried__"`` (the loader judges the unreadable
-shards' share by it). Records that no batch can carry travel on their own as ``{"__skipped__":
-records, "__shards_tried__": n}``: after the worker's last batch, after a batch that is not a
-dict, and whenever as many records as a batch holds samples are waiting (so a run that skips
-everything still reports, and the loader's limits can stop it). With a quota (``epoch_length``)
-the batcher stops after that many batches; the last, smaller batch is made only with ``partial``.
-
 Its state: the batches made, the quota, and the addresses of the samples of the batch being
 filled; a resumed batcher reads those samples again and processes them (their proxies run again,
 and nothing of them had reached a server before, as their batch was not collated).
+docs/internals.md, ``mmproxy.datasets.stages.batcher``, has the rest.
 """
 
 from __future__ import annotations

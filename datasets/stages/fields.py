@@ -1,15 +1,5 @@
 """Fields: what each output field of a dataset reads from a sample, and where it goes.
-
-A field names the sample's extensions to read (the first one present is used) and a function.
-A *server* field's function is a server's proxy: its bytes first pass the header checks
-(:func:`~mmproxy.datasets.check_header`: an empty file is a bad sample) and reach the proxy as a
-uint8 array that travels to the server without a copy. Any other field's function gets
-``bytes``, as the shard holds them (``b""`` for an empty member: an empty caption is the
-function's to handle), and runs in the worker (text, labels). :func:`process` turns one raw
-sample into the dict of its fields, or raises :class:`Skip` with the reason: this is where a
-sample's skip record is made. :class:`FieldStage` is the stage of the worker's chain that applies
-it to every sample the source mixer gives, and reports the record or raises
-:class:`~mmproxy.errors.SampleError`, according to the dataset's ``on_error``.
+docs/internals.md, ``mmproxy.datasets.stages.fields``, has the rest.
 """
 
 from __future__ import annotations

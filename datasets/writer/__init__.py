@@ -1,24 +1,11 @@
 """Writer: turn a folder of images or videos (with captions or labels) or audio files (with
 labels) into shards.
 
-Each sample of a shard holds the media (``jpg``, ``png``, ``webp``, ``bmp``, ``tiff``; ``flac``,
-``wav``, ``ogg``; or ``mp4``, ``mov``, ``webm``, ``mkv``, ``avi``), its caption (``txt``,
-image-text and video-text) and class index (``cls``, when the file is in a class folder), and
-``src``: the file's path relative to the source folder, so that an error naming
-``shard-000001.tar:00000010`` can be traced back to the file. Beside the shards go
-``classes.json`` (class names, sorted; ``cls`` indexes it) and ``manifest.jsonl`` (one line per
-sample: ``key``, ``shard``, ``source``, ``caption_from`` = "txt" | "folder" | null: where its
-caption came from), and where files were left out ``left_out.jsonl`` (one line per file:
-``source``, ``why``, ``reason``).
-
 A file is stored under the extension of what it holds, whatever its name says (a PNG named
 ``.jpg`` as ``png``, a WAV named ``.flac`` as ``wav``); every extension written is one the
 recipes read by default (``IMAGE_EXTS``, ``AUDIO_EXTS``, ``VIDEO_EXTS`` of
 :mod:`mmproxy.datasets.recipes`). Other files are left out and reported by reason, never silently.
-
-Modules: this one (the shard set written, all or nothing), ``_source_files`` (the files found in
-the source folder, their captions and classes, and what each holds) and ``_written`` (what was
-written and left out, and its summary).
+docs/internals.md, ``mmproxy.datasets.writer``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """Indexed samples: a map-style dataset whose samples are named for the proxy calls they make.
 
-:class:`mmproxy.DataLoader` hands torch this view of a map-style dataset. Each ``dataset[index]``
-then runs inside :func:`mmproxy.worker.sample_key`, in whichever worker (or the main process), so
-a proxy called there, e.g. as torchvision's ``transform=server.proxy``, names the sample in its
-runs: a message about a sample the pipeline cannot process, or an input the proxy refuses, says
-``index 5, file /data/train/cat/0005.jpg`` instead of a position in a batch. The index is what
-the loader's sampler passed; the file is known for torchvision's ``DatasetFolder`` (and so
-``ImageFolder``: ``samples[index][0]``) and for a ``torch.utils.data.Subset`` of one.
-
 A dataset with its own ``__getitems__`` (torch's batched fetching) is left as it is.
+docs/internals.md, ``mmproxy._loader.indexed``, has the rest.
 """
 
 from __future__ import annotations

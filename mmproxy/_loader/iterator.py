@@ -1,20 +1,10 @@
 """Loader iterator: one epoch of an mmproxy DataLoader, from torch's iterator to batches with data.
 
-Each item torch's iterator gives is, in order:
-
-1. unwrapped: a :class:`~mmproxy._context.Stamped` item gives its batch and its worker's position
-   (kept in the epoch's :class:`~mmproxy._loader.progress.Progress` once the item is used);
-2. taken as records when it is a worker's ``"__skipped__"`` / ``"__shards_tried__"`` dict sent on
-   its own (added to the epoch's :class:`~mmproxy.skips.SkipReport`, no batch);
-3. claimed: in deterministic mode the runs of a batch are claimed one batch ahead, so the
-   servers work on the next batch while the training step runs on this one;
-4. resolved: every server reference swapped for its data; samples a server dropped are removed
-   from every field and recorded; a batch that lost every sample is passed over.
-
 After each batch and at the epoch's end the skip limit is judged (a dataset that declares
 ``max_skipped``: :class:`~mmproxy.protocols.LimitsSkips`); an epoch that reads nothing, skips too
 many samples or finds too many shards unreadable raises there (:mod:`mmproxy.skips`). Any error
 ends the epoch and shuts the workers down at once.
+docs/internals.md, ``mmproxy._loader.iterator``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """DALI adapter: the only code that touches DALI's internals.
 
-Everything the server needs from a pipeline goes through :class:`Pipe`: its inputs (the
-``external_source`` nodes without a source, found in the Python graph), feeding a run and
-scheduling it (``feed_input`` + ``_run_once``), taking a run's outputs as torch tensors (on the
-server's CUDA stream for a GPU pipeline), whether the pipeline survives an error (DALI's dynamic
-executor does; the classic executors invalidate the pipeline: "Current pipeline object is no
-longer valid"), and rebuilding it from its own graph or from the function that built it. DALI's
-error texts are read here too (:func:`summary`, :func:`named_sample`).
-
 Private DALI attributes used, all on ``nvidia.dali.Pipeline`` (DALI 2.x): ``_py_graph_built``,
 ``_build_graph``, ``_ops`` / ``op._op`` (to find the inputs), ``_deserialized``, ``_run_once``,
 ``_shutdown`` / ``_built`` / ``_backend_prepared`` (to rebuild from the same graph, and to
 build copies of it with their own seed and threads: :meth:`Pipe.copy`), and
 ``Pipeline._pipes`` / ``_pipe`` (every live pipeline and its native part: a forked child keeps
 the parent's from shutting down, :func:`_keep_inherited_pipelines`).
+docs/internals.md, ``mmproxy._server.dali``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Isolation: finding the samples of a failed run that the pipeline cannot process.
 
-A failed run is searched on the runner thread (:mod:`mmproxy._server.runner`), with nothing else in
-the pipeline:
-
-1. the sample a DALI error names (``sample #i``) is run alone to confirm it, otherwise the batch
-   is bisected; parts that fail are split again down to single samples, so a batch of ``n`` with
-   one bad sample costs about ``1 + log2(n)`` extra runs of shrinking size;
-2. if every sample of the run may be skipped (:class:`~mmproxy._context.SampleId` ``skip``), the
-   good ones run once more as one batch and the run is READY with the bad ones listed in
-   ``Run.dropped`` (the resolver removes their rows from every field of the batch); otherwise the
-   run fails with a :class:`~mmproxy.errors.PipelineError` naming the first bad sample. A run
-   whose parts all succeed alone is run whole once more (a transient failure); if it fails
-   again, it fails with the pipeline's own error. The server stays healthy.
-
 The search checks the server's stop event before each attempt and leaves with :class:`Stopped`,
 so ``stop_thread()`` is not held up.
+docs/internals.md, ``mmproxy._server.isolation``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,20 +1,5 @@
 """Runner: the server thread that feeds runs to the pipeline and takes their outputs.
-
-Its loop is *fill -> outputs -> finish, or recover*: it fills the pipeline with up to
-``prefetch_queue_depth`` runs (takes the next run from the run table, feeds and schedules it),
-takes the oldest run's outputs as torch and marks the run READY. Inputs the pipeline refuses
-(``feed_input`` or ``_run_once`` raising) fail their run alone: the runs before it are finished,
-the pipeline is rebuilt before anything else runs on it (it may hold part of those inputs), and
-a run before it that failed is searched from its inputs. When a run's outputs fail:
-
-1. the runs queued behind it are finished first (the dynamic executor keeps them), or, with the
-   classic executors, which invalidate the pipeline, it is rebuilt and every one of them is run
-   again (the synchronous executor may even report an error against the run before the one that
-   caused it);
-2. each failed run is searched for the samples the pipeline cannot process
-   (:mod:`mmproxy._server.isolation`), which finishes it without them or fails it naming one.
-
-Anything else (an error outside a run) fails the server.
+docs/internals.md, ``mmproxy._server.runner``, has the rest.
 """
 
 from __future__ import annotations

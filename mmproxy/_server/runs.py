@@ -1,29 +1,5 @@
 """Run table: a server's shared state, and the internal interface of proxies, loaders and resolvers.
-
-One :class:`RunTable` per server holds the server's lifecycle state and its runs (one run = one
-batch of one server), under one lock. Everything that talks to a server goes through it:
-
-=====================  ====================================================  ==================
-caller                 method                                                thread
-=====================  ====================================================  ==================
-proxy (same process),  :meth:`accept` (a run's inputs arrived)               worker collate or
-listener thread                                                              listener
-loader                 :meth:`begin_epoch`, :meth:`claim`                    main loop
-resolver               :meth:`wait`, :meth:`release`                         main loop
-runner thread          :meth:`next`, :meth:`finish`, :meth:`fail_run`        runner (one a
-                       (through its :meth:`lane`)                            pipeline)
-server lifecycle       :meth:`set_state`, :meth:`fail`, :meth:`clear`        caller of start/stop
-=====================  ====================================================  ==================
-
-Locking rules: every method takes ``self.cond`` (a ``threading.Condition``) itself and returns
-with it released; none calls out to DALI, torch or user code while holding it; a caller never
-holds it while calling a method (the lock is not re-entrant). Waits poll every 50 ms so that a
-state change is seen even without a notification.
-
-The server's and the runs' lifecycles are checked (:mod:`mmproxy._server.run`);
-which runs belong to an abandoned or a coming epoch is :mod:`mmproxy._server.schedule`', and which run goes
-next is :mod:`mmproxy._server.schedule`'s. This module imports nothing of DALI or torch, so it is tested
-alone.
+docs/internals.md, ``mmproxy._server.runs``, has the rest.
 """
 
 from __future__ import annotations

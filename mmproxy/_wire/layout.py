@@ -1,15 +1,5 @@
 """Layout: where a run's arrays lie and whose samples they are, as a few numpy columns.
-
-:func:`mmproxy._wire.transport.pack` writes a run as a small pickled header and the payloads that
-must be copied. The header holds, per pipeline input, a :class:`Placed`: the dtype, and one entry
-per sample in each of its arrays (which file holds the sample's bytes, or the memfd; at which
-offset; how many bytes; the shape when it is not 1-D); and for the keys, a :class:`KeyColumns`
-(the key strings, a table of shards and an index into it per sample, the skip flags, the seeds).
-Packing finds a whole input's arrays among the worker's registered file mappings in one sorted
-search (:func:`place`); unpacking (:func:`arrays`, :meth:`KeyColumns.keys`) rebuilds the same
-arrays (views of the mappings) and the same :class:`~mmproxy._context.SampleId` keys that were
-packed. The per-sample work left is what cannot be vectorized: one look at each array (its
-address, size and shape) and one view per array made on the server.
+docs/internals.md, ``mmproxy._wire.layout``, has the rest.
 """
 
 from __future__ import annotations

@@ -4,11 +4,7 @@ A server listens on ``$TMPDIR/mmproxy-<pid>-<server uid>/inputs.sock`` (in ``/tm
 ``TMPDIR`` is too long for a socket's path). The folder is ``0700``,
 so no other user can connect to the socket or take its name (a Linux abstract address would leave
 nothing on disk, but anyone may bind a freed abstract name and receive what workers send next).
-
-The folder goes when the server stops, and at the latest when its process exits normally (an
-``atexit`` hook of the process that made it; a forked child removes nothing of its parent's). A
-process killed outright (SIGKILL, a crash) cannot clean up: the next server started by the same
-user removes every folder whose process is gone.
+docs/internals.md, ``mmproxy._wire.sockdir``, has the rest.
 """
 
 from __future__ import annotations

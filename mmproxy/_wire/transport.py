@@ -1,29 +1,11 @@
 """Transport: how a batch of inputs travels from a DataLoader worker to a server.
 
-The worker writes the batch (a small pickled header that holds the run as a few numpy columns,
-:mod:`mmproxy._wire.layout`, then every payload that is copied, 64-byte aligned) into an anonymous
-``memfd`` with one ``writev`` call, sends the file descriptor over the server's Unix
-datagram socket (``SCM_RIGHTS``) and closes its copy. The server maps the memfd and hands DALI
-numpy views into the mapping, so payloads are never pickled and never copied in the main process.
-Each array arrives as it was packed: its shape (0-d and empty dimensions included), its dtype
-(byte order included) and its values; a non-contiguous array arrives as its C-order copy.
-
 Payloads that already live in a mapped file (the members of a local shard, see
 :func:`register_file_mapping`) are not copied at all: the worker sends the shard's descriptor
 along with the memfd and only the members' offsets; the server maps the shard read-only (one
 mapping per shard, kept for later batches) and DALI reads the page cache directly
 (:mod:`mmproxy._wire.mappings` holds both sides' mappings).
-
-Lifetime: a memfd has no name, so nothing appears in ``/dev/shm`` and nothing can leak there. Its
-memory is freed when the last holder lets go: the worker closes its descriptor after sending, the
-kernel holds it while in flight (and frees it if the socket closes first), and the server keeps
-the mapping until the pipeline run that reads it has produced its outputs, so DALI's ``no_copy``
-never reads recycled memory. A shard's mapping stays valid while mapped even if the file is
-deleted; a shard must not be rewritten in place while it is read (true of every tar reader).
-
-The socket is a file in a private ``0700`` folder (:mod:`mmproxy._wire.sockdir`): only this user's
-processes can send to it, and nobody else can take its name once it is gone. The listener also
-asks the kernel for each datagram's sender and drops any other user's.
+docs/internals.md, ``mmproxy._wire.transport``, has the rest.
 """
 
 from __future__ import annotations

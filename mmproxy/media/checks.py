@@ -1,25 +1,5 @@
 """Checks: cheap header checks that keep corrupt or dangerous bytes away from the servers.
-
-They look at a few bytes: the format's signature, a PNG's or JPEG's declared size (an image that
-claims to be 100,000 x 100,000 pixels would make the decoder allocate tens of gigabytes), whether a
-WAV file has a sound ``fmt `` chunk and any audio frames, and whether a JPEG, PNG, OGG, WAV or
-video was cut short (the most common damage in web-scale corpora: an interrupted download). A
-JPEG without an end-of-image marker after its first scan, or a PNG without its ``IEND`` chunk,
-fails DALI's decoders every time, an OGG whose last page does not end the stream decodes to
-nothing, and a video whose container declares more bytes than follow decodes to fewer frames
-than its header promises, so catching them here saves the server a failed run (or a clip of
-made-up frames); a good file pays for a look at its last bytes or its top-level boxes.
-Trailing bytes after the end marker are allowed (decoders ignore them).
-
-The JPEG header walk also refuses a malformed Huffman table and data where a marker belongs (a
-stuffed zero among the header's segments too): DALI 2.4's image decoders (CPU and GPU) can crash
-the whole process on such files when a large batch holds one (BENCHMARKS.md, "Damaged data";
-``benchmarks/dali_decoder_crash.py`` shows it without mmproxy), so they must never reach a
-pipeline. For the same reason a TIFF's first image header is read: samples of more than 16 bits
-or too many samples a pixel crashed DALI's CPU decoder, and the variants it refuses every time
-(signed samples, 2- to 7-bit ones, LZMA or WebP compression) are named as such. No check sees
-other corruption inside compressed data; the server finds those samples when the pipeline fails
-on them (see docs/reliability.md).
+docs/internals.md, ``mmproxy.media.checks``, has the rest.
 """
 
 from __future__ import annotations

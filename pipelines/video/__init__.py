@@ -4,71 +4,7 @@ normalized.
 Inputs:
     ``videos`` (the proxy's argument): the encoded bytes of one video file per sample (uint8,
     1-D): MP4/MOV, WebM/Matroska or AVI.
-
-Outputs:
-    One clip per sample, ``frames x size x size`` RGB, as ``"CTHW"`` (a batch is NCTHW, what 3-D
-    CNNs take) or ``"THWC"`` (NTHWC, what video transformers often take), in ``dtype`` (float32 and
-    float16 normalized with ``mean``/``std`` in 0-255 units; uint8 not normalized). With
-    ``every_frame=True`` a second output, ``length``: every frame of each video is decoded, the
-    clips are zero-padded to the longest of the batch, and ``length`` (int64) says how many frames
-    are real.
-
-Clip sampling: training clips start at a random frame (uniform over the starts that fit the
-clip; a video shorter than the clip repeats its last frame), evaluation clips are centred. The
-start, the crop position and the flip are drawn by the proxy in the worker from the sample's seed
-(a :class:`~mmproxy.datasets.MultiModalDataset` derives it from its seed, the epoch and the key),
-so a resumed run repeats them exactly. The start needs the number of frames: read from the MP4 or
-AVI header, or counted by PyAV for WebM (without PyAV a WebM clip starts at frame 0).
-
-Damaged videos: only a video whose header says it is shorter than the clip has frames repeated.
-A file that ends before the frames its header promises (an interrupted download) fails in the
-worker before any decoder sees it, whichever the decoder and the clip's position (its boxes,
-elements or chunks declare more bytes than follow:
-:func:`~mmproxy.media.checks.video_cut`), and a PyAV decode that ends early for any other
-reason fails saying why (:func:`decode_clip`): a skip record with ``on_error="skip"``.
-
-Decoders, and which codec is decoded where (DALI 2.4):
-
-=============  ===================================  ============================================
-``decoder``    where                                codecs
-=============  ===================================  ============================================
-``"dali"``     the server: NVDEC (``mixed``) on a   GPU: H.264, HEVC, VP8, VP9, AV1, MPEG-4,
-               GPU, FFmpeg on CPU threads           MJPEG. CPU: VP8, VP9, MJPEG only (DALI's
-                                                    wheel has no CPU H.264 decoder)
-``"pyav"``     the worker (PyAV, FFmpeg), only the  everything FFmpeg decodes; the server
-               frames of the clip; the server       resizes, crops and normalizes
-               resizes, crops, normalizes
-``"nvdec"``    the server: NVDEC, driven by         H.264, HEVC (TorchCodec only), VP8, VP9,
-               PyNvVideoCodec or TorchCodec         AV1 in MP4/MOV; the rest (WebM, AVI, MJPEG,
-               (``nvdec_library``), on              MPEG-4, HEVC with PyNvVideoCodec, and clips
-               ``decode_threads`` threads; frames   NVDEC refuses) decoded by PyAV, in the
-               stay on the GPU                      worker (or the decode thread)
-``"mixed"``    ``"nvdec"``, and PyAV in the workers  as ``"nvdec"``
-               for the clips NVDEC's queue would
-               keep waiting longer than a worker
-               takes to decode them (``cpu_share=
-               "auto"``), or for a share drawn
-               from each seed
-=============  ===================================  ============================================
-
-``"auto"`` is ``"nvdec"`` on a GPU where ``nvdec_library`` loads (PyNvVideoCodec: ``pip install
-pynvvideocodec`` and the driver's NVDEC library; TorchCodec: ``pip install
-torchcodec`` and FFmpeg's shared libraries), else ``"pyav"`` when PyAV is
-installed, else ``"dali"``. On a GPU, ``"nvdec"`` gives more clips a second than PyAV in the
-workers for far less CPU, and DALI's in-memory decoder (``"dali"``) far fewer than either
-(BENCHMARKS.md, "Video", has the figures); a sample the chosen decoder cannot decode fails with
-a message naming its codec (a skip record with ``on_error="skip"``).
-
-Cost: the decode dominates. With ``"pyav"`` the workers decode only the clip's frames (seeking
-to the key frame before its start, after reading the packets' timestamps: a small part of the
-decode) and send them to the server as RGB frames, through shared memory (``frames`` times the
-size of one decoded frame, far more than the encoded clip); the resize, crop and normalize run
-on the GPU, or on CPU in torchvision inside the pipeline (``cpu_resize``). With ``"dali"``,
-``"nvdec"`` and ``"mixed"`` on a GPU the worker reads only the container header (a few boxes or
-elements) and sends the encoded bytes; with ``"nvdec"`` and PyNvVideoCodec each clip is written
-once into a decode thread's memory file (its re-pointing takes a path) and its frames are copied
-out of the decoder on the GPU; TorchCodec reads the clip's bytes where they are
-(:mod:`mmproxy.pipelines.video._nvdec`).
+docs/internals.md, ``mmproxy.pipelines.video``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,23 +1,5 @@
 """NVDEC's backlog, published by the server's clip decoder and read by the workers' clip draws.
-
-``video_pipeline(decoder="mixed", cpu_share="auto")`` balances the clips between the NVDEC
-engines and the workers' cores by load instead of by a fixed share. The server's
-:class:`~mmproxy.pipelines.video._nvdec.ClipDecoder` writes how many seconds of NVDEC work wait for it
-(the clips queued for its threads, times their recent time a clip, over the threads); a worker's
-:class:`~mmproxy.pipelines.video._clip_draw.ClipDraw` decodes a clip itself with PyAV when that wait is
-longer than its own recent time to decode a clip, and sends it to NVDEC otherwise::
-
-    server: ClipDecoder ── seconds of NVDEC work waiting ──> [one page of shared memory]
-    worker: ClipDraw reads it per clip: wait > my PyAV time a clip ? decode here : send to NVDEC
-
-The page is an anonymous memory file (``memfd``) of the process that publishes (the server's);
-a worker opens it as ``/proc/<pid>/fd/<fd>`` (any start method; nothing to clean up in
-``/dev/shm``), once per process, after checking that the descriptor is still this page. One
-writer, one aligned 8-byte value: a reader sees an old value or a new one, never a torn one. A
-worker that cannot open the page reads a wait of 0 (every clip goes to NVDEC, as with
-``decoder="nvdec"``) and says so once; one that has mapped it reads the last value published (a
-server that stops publishes 0). A process other than the page's that publishes (a server run in
-a forked child) makes a page of its own, which the workers it starts after that read.
+docs/internals.md, ``mmproxy.pipelines.video._backlog``, has the rest.
 """
 
 from __future__ import annotations

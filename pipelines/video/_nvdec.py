@@ -1,34 +1,10 @@
 """NVDEC clip decoder: the video pipeline's server-side decode on the GPU's NVDEC engines.
 
-With ``video_pipeline(decoder="nvdec")`` (or ``"mixed"``) the worker reads the container header
-and draws the clip as for every decoder (start, crop, flip), then sends the encoded bytes (as the
-heavy fields travel: by reference, no copy) and the start frame. In the server process this
-stage (a :class:`~mmproxy.Prepare`) decodes each clip's frames into GPU memory before
-the run is fed; DALI's GPU ``external_source`` takes them for the resize, crop, flip and
-normalize::
-
-    worker: header, draws, bytes ─> server: PreparedRuns ─> ClipDecoder.submit (per clip)
-                                        [mmproxy-nvdec_0 .. _N threads: one session each]
-                                        session.clip(bytes, start) -> torch [T, H, W, 3] uint8
-                                  <─ all clips of the run decoded: the run is fed (GPU frames)
-
 Each thread holds one session of the library that drives NVDEC (``nvdec_library``):
 NVIDIA's PyNvVideoCodec, one decoder re-pointed at every clip, or TorchCodec, a decoder per clip
 over its NVDEC decoder cache (:mod:`mmproxy.pipelines.video._nvdec_session`). A session decodes on the
 thread's own CUDA stream, which is synchronized before the clip counts as done, so the pipeline
-reads finished frames.
-
-A clip the worker already decoded (``"mixed"``'s CPU share, or a codec NVDEC does not decode)
-arrives as its frames and is only copied to the GPU. A clip NVDEC refuses (a size or profile its
-engines lack) is decoded by PyAV on the same thread, when PyAV is installed (a warning says so
-once: PyAV there is much slower); one that neither decodes is a damaged sample, with both
-decoders' messages: a skipped sample with ``on_error="skip"``. Other errors (CUDA out of memory,
-a failing driver) fail the run: they are not the sample's fault.
-
-The threads start at the first clip and end when the server stops (``close``): clips not started
-are cancelled, and the stop waits a bounded time for a decode under way (a warning names a thread
-stuck in the driver, which is left to end on its own); a closed decoder refuses new clips until
-the server starts again.
+reads finished frames. docs/internals.md, ``mmproxy.pipelines.video._nvdec``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """NVDEC sessions: one decode thread's state, for each library that drives NVDEC, and what the
 libraries' sessions share.
-
-A session (:class:`Session`) decodes one clip at a time (:meth:`clip`: the frames
-``[T, H, W, 3]``, uint8 RGB on the GPU, or :class:`Refused`) on its thread's CUDA stream, and
-copies frames a worker decoded to the GPU (:meth:`to_device`):
-
-- :class:`~mmproxy.pipelines.video._pynvvideocodec.PyNvSession`, NVIDIA's PyNvVideoCodec: one
-  ``SimpleDecoder`` for the thread's life, re-pointed at every clip through a memory file.
-- :class:`~mmproxy.pipelines.video._torchcodec.TorchCodecSession`, TorchCodec's NVDEC backend: a new
-  ``VideoDecoder`` per clip over the clip's bytes as they are (no memory file); TorchCodec keeps
-  the NVDEC decoders cached itself.
+docs/internals.md, ``mmproxy.pipelines.video._nvdec_session``, has the rest.
 """
 
 from __future__ import annotations

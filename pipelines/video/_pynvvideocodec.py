@@ -1,13 +1,5 @@
 """PyNvVideoCodec's NVDEC decoding as a decode thread's session (``nvdec_library="pynvvideocodec"``,
-the default).
-
-NVIDIA's PyNvVideoCodec (``pip install pynvvideocodec``, mmproxy's ``[nvdec]`` extra) brings its
-own demuxer. A session
-holds one ``SimpleDecoder`` for the thread's life, re-pointed at every clip (creating a decoder
-session costs far more than a clip's decode). Re-pointing takes a path, so each clip's bytes
-are written into one of the thread's two anonymous memory files (``memfd``: nothing on disk)
-and opened as ``/proc/self/fd/N``; the frames are copied out of the decoder's surfaces, which
-it reuses. What the libraries' sessions share is in :mod:`mmproxy.pipelines.video._nvdec_session`.
+the default). docs/internals.md, ``mmproxy.pipelines.video._pynvvideocodec``, has the rest.
 """
 
 from __future__ import annotations

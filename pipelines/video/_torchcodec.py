@@ -1,18 +1,8 @@
 """TorchCodec's NVDEC decoding as a decode thread's session (``nvdec_library="torchcodec"``).
 
-TorchCodec (``pip install torchcodec``, mmproxy's ``[torchcodec]`` extra) demuxes with FFmpeg
-and, for a CUDA device,
-decodes on NVDEC through its own backend, which keeps NVDEC decoders cached across
-``VideoDecoder`` objects. A session makes one ``VideoDecoder`` per clip, over a tensor that views
-the clip's bytes where the worker sent them (no copy, no memory file), asks for the clip's frames
-in NHWC (TorchCodec's own order, so no transpose), and refuses the clip
-(:class:`~mmproxy.pipelines.video._nvdec_session.Refused`) where TorchCodec cannot open or decode it,
-or would decode it on the CPU because NVDEC does not take it (TorchCodec falls back silently;
-PyAV then decodes it, and the clip decoder says so). The session's stream is synchronized before
-the clip's decoder is let go: TorchCodec hands its NVDEC decoder to the next clip.
-
 TorchCodec loads the system's FFmpeg shared libraries (majors 4 to 9) when it is imported;
 without them it imports but decodes nothing, and :func:`load_torchcodec` says so.
+docs/internals.md, ``mmproxy.pipelines.video._torchcodec``, has the rest.
 """
 
 from __future__ import annotations
