@@ -16,7 +16,7 @@ import webdataset as wds
 from mmproxy.datasets._compressed import HEAD, SUFFIXES, Decompressed, compression, decompress
 from mmproxy.datasets._tar import members, streamed_members
 from mmproxy.datasets.remote import RemoteOptions, RemoteShard, is_remote, open_remote, redact
-from mmproxy.datasets.remote._sources import Permanent, list_s3
+from mmproxy.datasets.remote._get import Permanent, list_s3
 
 from mmproxy import worker
 from mmproxy.errors import ShardError

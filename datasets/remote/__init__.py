@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from mmproxy.datasets.remote._answers import redact
 from mmproxy.datasets.remote._cache import Finish, NodeCache, reserve, unusable
 from mmproxy.datasets.remote._download import MAX_BACKOFF, Attempts, Download, RemoteError, Waiting
-from mmproxy.datasets.remote._sources import Response, prepare_s3
+from mmproxy.datasets.remote._get import Response, prepare_s3
 
 from mmproxy import worker
 

@@ -1,7 +1,7 @@
 """Download: one remote shard fetched by a thread into a mapping, with the retry policy.
 
 :class:`Download` fills the mapping (or appends to a descriptor when the size is unknown) from a
-:class:`~mmproxy.datasets.remote._sources.Response`, resuming after failures as :class:`Attempts`
+:class:`~mmproxy.datasets.remote._get.Response`, resuming after failures as :class:`Attempts`
 allows; readers :meth:`~Download.wait` for the bytes they need, and :class:`Waiting` is a view
 whose slicing waits, for a tar parser. See :mod:`mmproxy.datasets.remote` for the whole path.
 """
@@ -17,7 +17,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Protocol
 
-from mmproxy.datasets.remote._sources import Permanent, Response, Transient, open_source
+from mmproxy.datasets.remote._get import Permanent, Response, Transient, open_source
 
 __all__ = ["MAX_BACKOFF", "Attempts", "Download", "Policy", "RemoteError", "Stopped", "Waiting"]
 

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import webdataset as wds
-from mmproxy.datasets.writer._source_files import (
+from mmproxy.datasets.writer._folder import (
     AUDIO_SUFFIXES as AUDIO_SUFFIXES,  # the suffixes read, importable here too
 )
-from mmproxy.datasets.writer._source_files import IMAGE_SUFFIXES as IMAGE_SUFFIXES
-from mmproxy.datasets.writer._source_files import KINDS, Kind, class_folders, other_kind, plan, sniff
-from mmproxy.datasets.writer._source_files import VIDEO_SUFFIXES as VIDEO_SUFFIXES
+from mmproxy.datasets.writer._folder import IMAGE_SUFFIXES as IMAGE_SUFFIXES
+from mmproxy.datasets.writer._folder import KINDS, Kind, class_folders, other_kind, plan, sniff
+from mmproxy.datasets.writer._folder import VIDEO_SUFFIXES as VIDEO_SUFFIXES
 from mmproxy.datasets.writer._written import MANIFEST, LeftOut, Reason, WrittenShards
 
 from mmproxy.errors import MmproxyError

@@ -99,7 +99,7 @@ def test_overwrite_with_another_prefix_replaces_the_old_set(tmp_path):
 
 def test_an_interrupted_or_failed_make_shards_leaves_the_old_set_and_no_parts(tmp_path,
                                                                              monkeypatch):
-    import mmproxy.datasets.writer._source_files as source_files
+    import mmproxy.datasets.writer._folder as source_files
 
     src, out = image_folder(tmp_path / "src", per_class=3), tmp_path / "out"
     make_shards(src, out, max_count=2)

@@ -1,4 +1,4 @@
-"""Source files: what :func:`~mmproxy.datasets.make_shards` finds in a source folder, and what each
+"""Folder: what :func:`~mmproxy.datasets.make_shards` finds in a source folder, and what each
 file holds.
 
 :func:`plan` walks the folder in name order, following symbolic links as torchvision's

@@ -1,4 +1,4 @@
-"""Sources: one GET of a remote shard (HTTP(S) or S3) from a byte offset, its failures sorted.
+"""GET: one GET of a remote shard (HTTP(S) or S3) from a byte offset, its failures sorted.
 
 :func:`open_source` returns a :class:`Response` whose ``readinto`` writes the body straight into
 the caller's buffer. Every failure is raised as :class:`Transient` (worth a retry: a reset or cut
@@ -6,7 +6,7 @@ connection, a read timeout, a 5xx or throttling answer) or :class:`Permanent` (a
 refused credentials, a shard that changed on the server); the retrying belongs to the caller
 (:mod:`mmproxy.datasets.remote`). Texts of both name no URL (the caller adds the shard's redacted
 URL) and never hold a credential.
-docs/internals.md, ``mmproxy.datasets.remote._sources``, has the rest.
+docs/internals.md, ``mmproxy.datasets.remote._get``, has the rest.
 """
 
 from __future__ import annotations
