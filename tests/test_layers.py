@@ -134,3 +134,13 @@ def test_imports_inside_functions_are_read(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from mmproxy.datasets._tar import x\n", encoding="utf-8")
     assert ("mmproxy.datasets._tar", 2) in imports("mmproxy.pipelines.m", module)
+
+
+def test_every_package_folder_is_installed():
+    """A regular install takes the packages pyproject.toml lists: every folder with an
+    ``__init__.py`` under the three top packages is one of them."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {module for module, path in _modules() if path.name == "__init__.py"}
+    assert found == listed, (sorted(found - listed), sorted(listed - found))
