@@ -97,9 +97,9 @@ class DataLoader(torch.utils.data.DataLoader):
             (the servers' threads, the batches in flight) make Python run full collections, and
             a full collection walks every object not frozen while every Python thread waits:
             with torch and DALI loaded, a pause long enough to leave DALI unfed and lower the
-            epoch's rate (BENCHMARKS.md, "The garbage collector"). Frozen objects are still
-            freed when their last reference goes; only reference cycles among them that become
-            garbage later stay until ``gc.unfreeze()``. The one ``gc.collect()`` runs every
+            epoch's rate (benchmarks/HISTORY.md, "The garbage collector's heap frozen"). Frozen
+            objects are still freed when their last reference goes; only reference cycles among
+            them that become garbage later stay until ``gc.unfreeze()``. The one ``gc.collect()`` runs every
             pending finalizer then (in a process holding much cyclic garbage, a long pause
             once). Nothing happens while the collector is disabled (``gc.disable()``); a
             loader's later first iteration tries again. ``False`` leaves the collector as it is.
