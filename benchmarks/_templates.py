@@ -61,9 +61,9 @@ SUMMARY_LEGEND = f"""
 mmproxy's rate over each system's: the median (range) over the runs of one bench run, sustained
 (epochs 2 to N by wall clock). {APART} Rates of separate runs one after the other on the same
 machine, not of one run. {BEST} Best epoch after the first (that run predates the sustained rate).
-The DALI graph alone is the workload's graph fed from memory, outputs copied into torch, no loader: the most a loader
-reaches with it. The measured column dates mmproxy's run, and any peer's run of another date;
-each section names the code measured.
+The DALI graph alone is the workload's graph fed from memory, outputs copied into torch, no
+loader: the most a loader reaches with it. The measured column dates mmproxy's run, and any
+peer's run of another date; each section names the code measured.
 """
 
 METHOD = """
@@ -86,7 +86,8 @@ one after the other on one machine.
 
 - **mmproxy**: `MultiModalDataset` and `DALIServer` (with `pipelines=N` copies of the pipeline where
   a row says so: [docs/pipelines.md](docs/pipelines.md)).
-- **dali-graph**: the workload's graph (as the reader runs it) fed from memory to the same number of pipelines, outputs copied into torch, no loader and no workers: the limit.
+- **dali-graph**: the workload's graph (as the reader runs it) fed from memory to the same number
+  of pipelines, outputs copied into torch, no loader and no workers: the limit.
 - **dali-reader**: `fn.readers.webdataset` feeding the same operators, no Python in the loop.
 - **dali-proxy**: DALI 2.4.0's own proxy with the same pipeline and its defaults.
 - **torch**: DataLoader workers: PIL and torchvision v2 (random-resized crop, flip, normalize);
