@@ -18,7 +18,7 @@ from mmproxy.datasets.stages import elastic
 from mmproxy.datasets.stages._batch_runs import BatchRuns, batch_fields
 from mmproxy.datasets.stages.batcher import Batcher
 from mmproxy.datasets.stages.buffer import ShuffleBuffer
-from mmproxy.datasets.stages.fields import Field, FieldSpec, FieldStage, parse_field
+from mmproxy.datasets.stages.fields import Field, FieldSpec, FieldStage, SampleFields, parse_field
 from mmproxy.datasets.stages.mixer import OnExhausted, Source, SourceMixer, check_weights
 from mmproxy.datasets.stages.plan import Layout, ShardPlan, Work, check_shares, split_quota
 from mmproxy.datasets.stages.position import PositionStamp
@@ -272,22 +272,29 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         if rank is None or world is None:
             rank, world, _, _ = worker_info()
         layout = Layout(self.seed, epoch, rank, world, worker_id, workers)
-        buffers = {s.name: ShuffleBuffer(ShardReader(ShardPlan(
-            s.urls, layout, source=i, shuffle=self.shuffle_shards, resampled=self.resampled,
-            dealt=None if dealt is None else dealt[i]), self._read), self.shuffle_buffer)
-            for i, s in enumerate(self.sources)}
+        read, buffers, with_work = self._read, {}, []
+        for i, s in enumerate(self.sources):
+            plan = ShardPlan(s.urls, layout, source=i, shuffle=self.shuffle_shards,
+                             resampled=self.resampled, dealt=None if dealt is None else dealt[i])
+            with_work.append(bool(plan.items()))
+            reader = ShardReader(plan, read, layout,
+                                 drawn_from=len(s.urls) if self.resampled else None)
+            buffers[s.name] = ShuffleBuffer(reader, self.shuffle_buffer, fetch=read.fetch,
+                                            layout=layout, source=i)
         mixer = SourceMixer(buffers, [s.weight for s in self.sources], self.on_exhausted,
-                            self.epoch_length is not None, layout)
-        fields = FieldStage(mixer, [(s.name, s.fields) for s in self.sources], seed=self.seed,
-                            epoch=epoch, mixed=self.mixed, keep_keys=self.keep_keys,
-                            max_pixels=self.max_pixels, skip=self.on_error == "skip",
-                            batched=self._batched)
+                            self.epoch_length is not None, layout, with_work)
+        process = SampleFields([(s.name, s.fields) for s in self.sources], seed=self.seed,
+                               epoch=epoch, mixed=self.mixed, keep_keys=self.keep_keys,
+                               max_pixels=self.max_pixels, skip=self.on_error == "skip",
+                               batched=self._batched)
         if quota is None and self.epoch_length is not None:
             quota = split_quota(self.epoch_length, workers)[worker_id]
-        batcher = Batcher(fields, self._read, batch_size=self.batch_size, partial=self.partial,
-                          quota=quota, collate=self.collate, transform=self.batch_transform,
+        batcher = Batcher(FieldStage(mixer, process), batch_size=self.batch_size,
+                          partial=self.partial, collate=self.collate,
+                          transform=self.batch_transform,
                           runs=BatchRuns(self._batched, [s.fields for s in self.sources],
-                                         self.collate) if self._batched else None)
+                                         self.collate) if self._batched else None,
+                          quota=quota, fetch=read.fetch, process=process, tried=read.take_tried)
         return PositionStamp(batcher, layout)
 
     def _resumed(self, epoch: int, point: worker.ResumePoint | None) -> PositionStamp:
@@ -296,7 +303,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         if point is None or point.state is None:
             return self._chain(epoch, worker_id if point is None else point.worker, workers)
         chain = self._chain(*PositionStamp.where(point.state))
-        chain.load_state_dict(point.state)
+        chain.reset(point.state)
         return chain
 
     def reshard(self, saved: Sequence[LoaderState], *, rank: int, world: int,

@@ -4,8 +4,9 @@ docs/internals.md, ``mmproxy.datasets.stages._stage``, has the rest.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
@@ -15,23 +16,61 @@ __all__ = ["VERSION_KEY", "Draws", "Stage", "generator", "pack_addresses", "unpa
 
 VERSION_KEY = "version"
 
+T = TypeVar("T", covariant=True)
 
-class Stage:
-    """Base of the stages: the state's version and keys, checked in one place.
 
-    Subclasses set ``NAME`` (how errors name the stage), ``KEYS`` (their state's keys, children
-    included) and, when the meaning of their state changes, ``VERSION``.
+class Stage(ABC, Generic[T]):
+    """The one protocol of the stages, and their state checked in one place.
+
+    A stage is made over its source (the stage before it, none for a shard plan) and is given
+    then whatever else it needs; it speaks to its source through this protocol alone:
+
+    - :meth:`next`: the next item; ``StopIteration`` at the end of the stage's pass.
+    - :meth:`reset`: back to a state :meth:`state_dict` made, or (None) on to the next pass.
+    - :meth:`state_dict`: the state now, its source's nested under the source's name.
+
+    ``remaining(state)`` says what a state has left (an elastic resume). Subclasses set ``NAME``
+    (how errors name the stage), ``KEYS`` (their state's keys, the source's included) and, when
+    the meaning of their state changes, ``VERSION``.
     """
 
     NAME: ClassVar[str]
     KEYS: ClassVar[tuple[str, ...]]
     VERSION: ClassVar[int] = 1
 
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+    def __iter__(self) -> Stage[T]:
+        return self
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        raise NotImplementedError
+    def __next__(self) -> T:
+        return self.next()
+
+    @abstractmethod
+    def next(self) -> T:
+        """The next item; raises ``StopIteration`` once the pass is over."""
+
+    def reset(self, state: Mapping[str, Any] | None = None) -> None:
+        """Back to where ``state`` (of this stage, checked first) was saved; with None, on to
+        the start of the next pass: the source's next pass (a shard plan's next order)."""
+        if state is None:
+            self._next_pass()
+        else:
+            self._load(self._unpack(state))
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The state now: a plain dict of the ``KEYS`` and the version (:meth:`_pack`)."""
+
+    @abstractmethod
+    def remaining(self, state: Mapping[str, Any]) -> Sequence[Any]:
+        """The work items a state of this stage has left (per source, above the mixer)."""
+
+    @abstractmethod
+    def _load(self, state: Mapping[str, Any]) -> None:
+        """:meth:`reset` to ``state``, a state of this stage's version with exactly its keys."""
+
+    @abstractmethod
+    def _next_pass(self) -> None:
+        """:meth:`reset` without a state."""
 
     def _pack(self, **values: Any) -> dict[str, Any]:
         """The state with this stage's version; ``values`` are exactly its ``KEYS``."""

@@ -12,51 +12,54 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mmproxy.datasets.stages._stage import Stage, pack_addresses, unpack_addresses
-from mmproxy.datasets.stages.fields import FieldStage, Processed
+from mmproxy.datasets.stages.fields import FieldStage, Processed, SampleFields
 from mmproxy.datasets.stages.plan import Work
-from mmproxy.datasets.stages.reader import Taken, TarReader
+from mmproxy.datasets.stages.reader import Fetch, Taken
 
 from mmproxy.skips import SHARDS_TRIED, SKIPPED, SkippedSample
 
 __all__ = ["Batcher"]
 
 
-class Batcher(Stage):
+class Batcher(Stage[Any]):
     """Batches of one worker's samples (see the module docstring).
 
     Args:
         fields: The field stage, which gives processed samples and records.
-        read: The shard reader, to read again the samples of a loaded state's batch.
         batch_size: Samples per batch.
         partial: Make the last, smaller batch.
-        quota: Batches to make at most (None: until the samples run out).
         collate: Turns a list of samples into a batch.
         transform: Applied to each collated batch (e.g. tokenization), or None.
         runs: Makes the batch of the processed samples in place of ``collate`` when the
             fields have batch-route fields (:mod:`mmproxy.datasets.stages._batch_runs`), or None.
+        quota: Batches to make at most (None: until the samples run out).
+        fetch: Reads the samples at given addresses again (those of a loaded state's batch).
+        process: Makes their fields (what the field stage applies to every sample).
+        tried: The shards begun since it was last called (carried with each batch's records).
     """
 
     NAME = "batcher"
     MADE, QUOTA, URLS, BATCH, FIELDS = "made", "quota", "urls", "batch", "fields"
     KEYS = (MADE, QUOTA, URLS, BATCH, FIELDS)
 
-    def __init__(self, fields: FieldStage, read: TarReader, *, batch_size: int, partial: bool,
-                 quota: int | None, collate: Callable[[list[Any]], Any],
-                 transform: Callable[[Any], Any] | None,
-                 runs: Callable[[list[Processed]], Any] | None = None) -> None:
-        self.fields, self.read = fields, read
-        self.batch_size, self.partial, self.quota = batch_size, partial, quota
+    def __init__(self, fields: FieldStage, *, batch_size: int, partial: bool,
+                 collate: Callable[[list[Any]], Any], transform: Callable[[Any], Any] | None,
+                 runs: Callable[[list[Processed]], Any] | None, quota: int | None, fetch: Fetch,
+                 process: SampleFields, tried: Callable[[], int]) -> None:
+        self.fields, self.quota = fields, quota
+        self.batch_size, self.partial = batch_size, partial
         self.collate, self.transform, self.runs = collate, transform, runs
+        self.fetch, self.process, self.tried = fetch, process, tried
+        self._start()
+
+    def _start(self) -> None:
         self.made = 0
         self.batch: list[Processed] = []
         self.pending: list[SkippedSample] = []  # records not yet sent
         self._out: list[Any] = []  # items made, not yet given
         self._over = False
 
-    def __iter__(self) -> Batcher:
-        return self
-
-    def __next__(self) -> Any:
+    def next(self) -> Any:
         while not self._out:
             if self._over:
                 raise StopIteration
@@ -107,25 +110,27 @@ class Batcher(Stage):
         """The records so far and the shards begun since the last ones went (emptying both),
         as a batch carries them (:mod:`mmproxy.skips`)."""
         records, self.pending = self.pending, []
-        return {SKIPPED: records, SHARDS_TRIED: self.read.take_tried()}
+        return {SKIPPED: records, SHARDS_TRIED: self.tried()}
+
+    def _next_pass(self) -> None:
+        self.fields.reset()
+        self._start()
 
     def state_dict(self) -> dict[str, Any]:
         urls, batch = pack_addresses([(p.source, p.url, p.index) for p in self.batch])
         return self._pack(**{self.MADE: self.made, self.QUOTA: self.quota, self.URLS: urls,
                              self.BATCH: batch, self.FIELDS: self.fields.state_dict()})
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def _load(self, state: Mapping[str, Any]) -> None:
         """Back to a saved position: the batch being filled is read and processed again."""
-        state = self._unpack(state)
-        self.fields.load_state_dict(state[self.FIELDS])
+        self.fields.reset(state[self.FIELDS])
+        self._start()
         self.made, self.quota = int(state[self.MADE]), state[self.QUOTA]
-        self._out, self._over = [], False
         addresses = unpack_addresses(state[self.URLS], state[self.BATCH])
-        found, self.pending = self.read.fetch([(url, i) for _, url, i in addresses])
-        self.batch = []
+        found, self.pending = self.fetch([(url, i) for _, url, i in addresses])
         for source, url, i in addresses:
             if (url, i) in found:
-                got = self.fields.apply(source, Taken(url, i, found[url, i]))
+                got = self.process(source, Taken(url, i, found[url, i]))
                 if isinstance(got, SkippedSample):
                     self.pending.append(got)
                 else:

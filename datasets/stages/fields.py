@@ -24,7 +24,8 @@ from mmproxy.protocols import Proxy
 from mmproxy.skips import SkipKind, SkippedSample
 from mmproxy.worker import SampleId, naming
 
-__all__ = ["Field", "FieldSpec", "FieldStage", "Processed", "Skip", "parse_field", "process"]
+__all__ = ["Field", "FieldSpec", "FieldStage", "Processed", "SampleFields", "Skip", "parse_field",
+           "process"]
 
 
 class Field(NamedTuple):
@@ -183,15 +184,12 @@ class Processed:
     key: SampleId | None = None
 
 
-class FieldStage(Stage):
-    """Every sample's fields (:func:`process`), from the source mixer's raw samples.
-
-    Iterating gives a :class:`Processed`, or a :class:`~mmproxy.skips.SkippedSample` (a shard's,
-    passed on, or a bad sample's with ``skip``; without it a bad sample raises
-    :class:`~mmproxy.errors.SampleError`). It has no state of its own: its state is the mixer's.
+class SampleFields:
+    """Every source's fields, applied to one raw sample at a time (:func:`process`): what the
+    field stage does to each sample, and what a batcher does to the samples of a loaded state's
+    batch.
 
     Args:
-        mixer: The source mixer.
         sources: Per source, its name and its parsed fields.
         seed: The dataset's seed (each sample's own seed is drawn from it, the epoch, the source
             and the key).
@@ -199,53 +197,70 @@ class FieldStage(Stage):
         mixed: Name the source of each sample in ``"__source__"``.
         keep_keys: Keep ``"__key__"`` and ``"__url__"``.
         max_pixels: Images whose header declares more pixels are bad samples.
-        skip: Bad samples are records, not errors.
+        skip: Bad samples are records, not errors (:class:`~mmproxy.errors.SampleError`).
         batched: The fields that take the batch route (see :func:`process`).
+    """
+
+    def __init__(self, sources: Sequence[tuple[str, Mapping[str, Parsed]]], *, seed: int,
+                 epoch: int, mixed: bool, keep_keys: bool, max_pixels: int, skip: bool,
+                 batched: frozenset[str] = frozenset()) -> None:
+        self.names = [name for name, _ in sources]
+        self.mixed, self.keep_keys, self.max_pixels = mixed, keep_keys, max_pixels
+        self.skip, self.batched = skip, batched
+        self.seeds = SampleSeeds(seed, epoch, self.names)
+        self.plans = [_plan(fields, batched) for _, fields in sources]
+
+    def __call__(self, source: int, taken: Taken) -> Processed | SkippedSample:
+        """The fields of one raw sample of ``source``, or its record."""
+        raw = taken.raw
+        key = str(raw.get("__key__", "?"))
+        skip = self.skip
+        sample_id = SampleId(key, raw.get("__url__", "?"), skip, self.seeds(source, key))
+        try:
+            out = _fields(raw, self.plans[source], sample_id, self.keep_keys, self.max_pixels)
+        except Skip as bad:
+            if not skip:
+                url, key, reason, _ = bad.record
+                raise SampleError(f"shard {url}, sample {key!r}: {reason}") from bad.__cause__
+            return bad.record
+        if self.mixed:
+            out["__source__"] = self.names[source]
+        return Processed(source, taken.url, taken.index, out, sample_id if self.batched else None)
+
+
+class FieldStage(Stage[Processed | SkippedSample]):
+    """Every sample's fields, from the source mixer's raw samples.
+
+    :meth:`~Stage.next` gives a :class:`Processed`, or a :class:`~mmproxy.skips.SkippedSample`
+    (a shard's, passed on, or a bad sample's in skip mode). It has no state of its own: its
+    state is the mixer's.
+
+    Args:
+        mixer: The source mixer.
+        fields: What each sample's fields are made by.
     """
 
     NAME = "fields"
     MIXER = "mixer"
     KEYS = (MIXER,)
 
-    def __init__(self, mixer: SourceMixer, sources: Sequence[tuple[str, Mapping[str, Parsed]]], *,
-                 seed: int, epoch: int, mixed: bool, keep_keys: bool, max_pixels: int,
-                 skip: bool, batched: frozenset[str] = frozenset()) -> None:
-        self.mixer, self.sources, self.batched = mixer, list(sources), batched
-        self.seed, self.epoch, self.mixed = seed, epoch, mixed
-        self.keep_keys, self.max_pixels, self.skip = keep_keys, max_pixels, skip
-        self.seeds = SampleSeeds(seed, epoch, [name for name, _ in self.sources])
-        self.plans = [_plan(fields, batched) for _, fields in self.sources]
+    def __init__(self, mixer: SourceMixer, fields: SampleFields) -> None:
+        self.mixer, self.fields = mixer, fields
 
-    def __iter__(self) -> FieldStage:
-        return self
-
-    def __next__(self) -> Processed | SkippedSample:
-        got = next(self.mixer)
+    def next(self) -> Processed | SkippedSample:
+        got = self.mixer.next()
         if isinstance(got, SkippedSample):
             return got
-        return self.apply(*got)
+        return self.fields(*got)
 
-    def apply(self, source: int, taken: Taken) -> Processed | SkippedSample:
-        """The fields of one raw sample of ``source``, or its record."""
-        raw = taken.raw
-        key = str(raw.get("__key__", "?"))
-        sample_id = SampleId(key, raw.get("__url__", "?"), self.skip, self.seeds(source, key))
-        try:
-            out = _fields(raw, self.plans[source], sample_id, self.keep_keys, self.max_pixels)
-        except Skip as skip:
-            if not self.skip:
-                url, key, reason, _ = skip.record
-                raise SampleError(f"shard {url}, sample {key!r}: {reason}") from skip.__cause__
-            return skip.record
-        if self.mixed:
-            out["__source__"] = self.sources[source][0]
-        return Processed(source, taken.url, taken.index, out, sample_id if self.batched else None)
+    def _next_pass(self) -> None:
+        self.mixer.reset()
 
     def state_dict(self) -> dict[str, Any]:
         return self._pack(**{self.MIXER: self.mixer.state_dict()})
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.mixer.load_state_dict(self._unpack(state)[self.MIXER])
+    def _load(self, state: Mapping[str, Any]) -> None:
+        self.mixer.reset(state[self.MIXER])
 
     def remaining(self, state: Mapping[str, Any]) -> list[list[Work]]:
         """What a state of this stage has left, per source: the mixer's."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -53,10 +54,11 @@ def check_weights(weights: Sequence[float]) -> None:
                          f"it), got {list(weights)}")
 
 
-class SourceMixer(Stage):
+class SourceMixer(Stage[tuple[int, Taken] | SkippedSample]):
     """One worker's raw samples for one epoch, from one or several sources' buffers.
 
-    Iterating gives ``(source number, Taken)``, or a shard's record.
+    :meth:`~Stage.next` gives ``(source number, Taken)``, or a shard's record. It counts, per
+    source, the passes it has begun and ended and the samples of the pass (its state).
 
     Args:
         buffers: Each source's buffer, by source name.
@@ -64,21 +66,33 @@ class SourceMixer(Stage):
         on_exhausted: What a source that runs out does (see the module docstring).
         endless: Sources always restart (the batcher's quota ends the epoch).
         layout: Where the worker sits.
+        with_work: Per source, whether its plan gives this worker any shard (an elastic resume
+            may deal it none); by default every source has.
     """
 
     NAME = "source mixer"
-    RNG, ACTIVE, SOURCES = "rng", "active", "sources"
-    KEYS = (RNG, ACTIVE, SOURCES)
+    VERSION = 2
+    RNG, ACTIVE, PASSES, SOURCES = "rng", "active", "passes", "sources"
+    KEYS = (RNG, ACTIVE, PASSES, SOURCES)
 
     def __init__(self, buffers: Mapping[str, ShuffleBuffer], weights: Sequence[float],
-                 on_exhausted: OnExhausted, endless: bool, layout: Layout) -> None:
+                 on_exhausted: OnExhausted, endless: bool, layout: Layout,
+                 with_work: Sequence[bool] | None = None) -> None:
         self.names = list(buffers)
         self.buffers = list(buffers.values())
         self.weights = list(weights)
         self.on_exhausted, self.endless, self.layout = on_exhausted, endless, layout
+        self.with_work = [True] * len(self.buffers) if with_work is None else list(with_work)
+        self.reasons: list[Counter[str]] = [Counter() for _ in self.buffers]  # records, for messages
+        self._start()
+
+    def _start(self) -> None:
+        layout = self.layout
         self._draws = Draws(generator(layout.seed, layout.epoch, layout.rank, layout.worker, 3),
                             lambda g, count: g.random(count))  # one per sample of several sources
         self._set_active(list(range(len(self.buffers))))
+        # per source: [passes begun after the first, whether the pass ended, samples of the pass]
+        self.passes = [[0, False, 0] for _ in self.buffers]
 
     def _set_active(self, active: list[int]) -> None:
         self._active = active
@@ -86,56 +100,72 @@ class SourceMixer(Stage):
             shares = [self.weights[s] for s in active]
             self._cumulative = np.cumsum([w / sum(shares) for w in shares]).tolist()
 
-    def __iter__(self) -> SourceMixer:
-        return self
-
-    def __next__(self) -> tuple[int, Taken] | SkippedSample:
+    def next(self) -> tuple[int, Taken] | SkippedSample:
         while self._active:
             s = self._active[0] if len(self._active) == 1 else self._active[min(
                 bisect.bisect_right(self._cumulative, self._draws()),
                 len(self._active) - 1)]
-            buffer = self.buffers[s]
-            got = buffer.take()
-            if isinstance(got, SkippedSample):
-                return got
-            if got is not None:
-                return s, got
-            if not self.endless and buffer.pass_ == 0 and buffer.taken == 0:
-                if buffer.reader.plan.items() and len(self.buffers) > 1:  # shards, no sample
-                    raise ShardError(f"{self.layout}: source {s}'s shards hold no samples "
-                                     f"(reasons: {self._reasons(s)}); the other sources would "
-                                     "take its share unnoticed")
-                self._set_active([a for a in self._active if a != s])  # no work of its own here
+            count = self.passes[s]
+            try:
+                got = self.buffers[s].next()
+            except StopIteration:
+                count[1] = True
+                self._ended(s)
                 continue
-            if self.endless:
-                if buffer.taken == 0:
-                    which = f" of source {s}" if len(self.buffers) > 1 else ""
-                    raise ShardError(f"{self.layout}: its shards{which} hold no samples, so it "
-                                     "cannot make its share of epoch_length "
-                                     f"(reasons: {self._reasons(s)})")
-            elif self.on_exhausted == "stop" or all(b.pass_ + b.ended >= 1 for b in self.buffers):
-                raise StopIteration
-            buffer.restart()
+            if isinstance(got, SkippedSample):
+                self.reasons[s][got.reason] += 1
+                return got
+            count[2] += 1
+            return s, got
         raise StopIteration
 
+    def _ended(self, s: int) -> None:
+        """Source ``s``'s pass is over: it restarts, leaves the draw, or ends the epoch (raising
+        ``StopIteration``), or it raises for a source without samples."""
+        passes, _, taken = self.passes[s]
+        if not self.endless and passes == 0 and taken == 0:
+            if self.with_work[s] and len(self.buffers) > 1:  # shards, no sample
+                raise ShardError(f"{self.layout}: source {s}'s shards hold no samples "
+                                 f"(reasons: {self._reasons(s)}); the other sources would "
+                                 "take its share unnoticed")
+            self._set_active([a for a in self._active if a != s])  # no work of its own here
+            return
+        if self.endless:
+            if taken == 0:
+                which = f" of source {s}" if len(self.buffers) > 1 else ""
+                raise ShardError(f"{self.layout}: its shards{which} hold no samples, so it "
+                                 "cannot make its share of epoch_length "
+                                 f"(reasons: {self._reasons(s)})")
+        elif self.on_exhausted == "stop" or all(p + e >= 1 for p, e, _ in self.passes):
+            raise StopIteration
+        self.buffers[s].reset()
+        self.passes[s] = [passes + 1, False, 0]
+
     def _reasons(self, source: int) -> list[tuple[str, int]]:
-        return self.buffers[source].reader.reasons.most_common(3)
+        return self.reasons[source].most_common(3)
+
+    def _next_pass(self) -> None:
+        for buffer in self.buffers:
+            buffer.reset()
+        self._start()
 
     def state_dict(self) -> dict[str, Any]:
         return self._pack(**{self.RNG: self._draws.state,
                              self.ACTIVE: [self.names[s] for s in self._active],
+                             self.PASSES: {name: tuple(p) for name, p in zip(self.names, self.passes)},
                              self.SOURCES: {name: b.state_dict()
                                             for name, b in zip(self.names, self.buffers)}})
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        state = self._unpack(state)
-        sources = state[self.SOURCES]
-        if sorted(sources) != sorted(self.names) or not set(state[self.ACTIVE]) <= set(sources):
+    def _load(self, state: Mapping[str, Any]) -> None:
+        sources, passes = state[self.SOURCES], state[self.PASSES]
+        if (sorted(sources) != sorted(self.names) or sorted(passes) != sorted(self.names)
+                or not set(state[self.ACTIVE]) <= set(sources)):
             raise self._other_sources(sorted(sources))
         self._draws.state = state[self.RNG]
         self._set_active([self.names.index(name) for name in state[self.ACTIVE]])
+        self.passes = [[int(p), bool(e), int(t)] for p, e, t in (passes[n] for n in self.names)]
         for name, buffer in zip(self.names, self.buffers):
-            buffer.load_state_dict(sources[name])
+            buffer.reset(sources[name])
 
     def _other_sources(self, names: list[str]) -> StateError:
         return StateError(f"the {self.NAME} state is of sources {names}; this dataset's are "

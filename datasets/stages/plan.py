@@ -104,8 +104,11 @@ def split_quota(batches: int, workers: int) -> list[int]:
     return [batches // workers + (1 if w < batches % workers else 0) for w in range(workers)]
 
 
-class ShardPlan(Stage):
-    """One source's work items for one worker: the item being read, pass after pass.
+class ShardPlan(Stage[Work]):
+    """One source's work items for one worker, pass after pass: the first stage of a source.
+
+    :meth:`~Stage.next` gives the pass's next item (without end when resampling);
+    :meth:`~Stage.reset` without a state starts the next pass (its own shuffle).
 
     Args:
         urls: The source's shards.
@@ -117,6 +120,7 @@ class ShardPlan(Stage):
     """
 
     NAME = "shard plan"
+    VERSION = 2
     PASS, ITEM, DEALT, SHARDS = "pass", "item", "dealt", "shards"
     KEYS = (PASS, ITEM, DEALT, SHARDS)
 
@@ -126,7 +130,7 @@ class ShardPlan(Stage):
         self.shuffle, self.resampled = shuffle, resampled
         self.dealt = None if dealt is None else [Work(*w) for w in dealt]
         self.pass_ = 0
-        self.item = 0  # the work item being read
+        self.item = 0  # the work items given in this pass
         self._items: list[Work] | None = None
 
     def items(self, pass_: int | None = None) -> list[Work] | None:
@@ -139,23 +143,22 @@ class ShardPlan(Stage):
         return shard_plan(self.urls, self.layout, source=self.source, shuffle=self.shuffle,
                           pass_=pass_)
 
-    def current(self) -> Work | None:
-        """The work item being read; None once the pass is over."""
+    def next(self) -> Work:
         lay = self.layout
         if self.resampled:  # every rank and worker draws from all shards, with replacement
             pick = generator(lay.seed, lay.epoch, self.source, lay.rank, lay.worker, self.item, 2)
-            return Work(self.urls[int(pick.integers(len(self.urls)))])
-        if self._items is None:
-            self._items = self.items()
-        assert self._items is not None
-        return self._items[self.item] if self.item < len(self._items) else None
-
-    def advance(self) -> None:
-        """On to the next work item."""
+            work = Work(self.urls[int(pick.integers(len(self.urls)))])
+        else:
+            if self._items is None:
+                self._items = self.items()
+            assert self._items is not None
+            if self.item >= len(self._items):
+                raise StopIteration
+            work = self._items[self.item]
         self.item += 1
+        return work
 
-    def restart(self) -> None:
-        """On to the next pass."""
+    def _next_pass(self) -> None:
         self.pass_, self.item, self._items = self.pass_ + 1, 0, None
 
     def _shards(self) -> list[Any]:
@@ -192,24 +195,19 @@ class ShardPlan(Stage):
                              [tuple(w) for w in self.dealt],  # tuples: torch's weights_only
                              self.SHARDS: self._shards()})
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        state = self._unpack(state)
+    def _load(self, state: Mapping[str, Any]) -> None:
         self._same_shards(state)
         dealt = state[self.DEALT]
         self.dealt = None if dealt is None else [Work(*w) for w in dealt]
         self.pass_, self.item, self._items = int(state[self.PASS]), int(state[self.ITEM]), None
 
-    def remaining(self, state: Mapping[str, Any], start: int) -> list[Work]:
-        """What a state of this plan has left: the item being read from sample ``start`` on,
-        and the items after it (nothing when resampling: there is no end to draw up to)."""
+    def remaining(self, state: Mapping[str, Any]) -> list[Work]:
+        """What a state of this plan has left: the items it had not given (nothing when
+        resampling: there is no end to draw up to)."""
         state = self._unpack(state)
         self._same_shards(state)
         dealt = state[self.DEALT]
         plan = ShardPlan(self.urls, self.layout, source=self.source, shuffle=self.shuffle,
                          resampled=self.resampled,
                          dealt=None if dealt is None else [Work(*w) for w in dealt])
-        items = plan.items(int(state[self.PASS])) or []
-        item = int(state[self.ITEM])
-        if item >= len(items):
-            return []
-        return [items[item].starting_at(start), *items[item + 1:]]
+        return (plan.items(int(state[self.PASS])) or [])[int(state[self.ITEM]):]

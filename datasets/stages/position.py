@@ -24,7 +24,7 @@ from mmproxy.errors import StateError
 __all__ = ["PositionStamp"]
 
 
-class PositionStamp(Stage):
+class PositionStamp(Stage[Any]):
     """A worker's items, stamped with its position.
 
     Args:
@@ -40,11 +40,11 @@ class PositionStamp(Stage):
     def __init__(self, batcher: Batcher, layout: Layout) -> None:
         self.batcher, self.layout = batcher, layout
 
-    def __iter__(self) -> PositionStamp:
-        return self
+    def next(self) -> Any:
+        return worker.stamp(self.batcher.next(), self.layout.worker, self.state_dict)
 
-    def __next__(self) -> Any:
-        return worker.stamp(next(self.batcher), self.layout.worker, self.state_dict)
+    def _next_pass(self) -> None:
+        self.batcher.reset()
 
     @classmethod
     def where(cls, state: Any) -> tuple[int, int, int]:
@@ -57,14 +57,14 @@ class PositionStamp(Stage):
         return self._pack(**{self.EPOCH: lay.epoch, self.WORKER: lay.worker,
                              self.WORKERS: lay.workers, self.BATCHER: self.batcher.state_dict()})
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def _load(self, state: Mapping[str, Any]) -> None:
         where = self.where(state)
         lay = self.layout
         if where != (lay.epoch, lay.worker, lay.workers):
             raise StateError(f"the {self.NAME} state is of epoch {where[0]}, worker {where[1]} "
                              f"of {where[2]}; this chain is of epoch {lay.epoch}, worker "
                              f"{lay.worker} of {lay.workers}")
-        self.batcher.load_state_dict(state[self.BATCHER])
+        self.batcher.reset(state[self.BATCHER])
 
     def remaining(self, state: Mapping[str, Any]) -> list[list[Work]]:
         """What a state of this worker has left, per source."""

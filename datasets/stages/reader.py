@@ -4,17 +4,16 @@
 decompressed into memory first), others through webdataset; a shard that cannot be read, or
 holds nothing, becomes one :class:`~mmproxy.skips.SkippedSample` record (``on_error="skip"``)
 or a :class:`~mmproxy.errors.ShardError`. This is where a shard's skip record is made.
-:class:`ShardReader` is the stage: one source's samples for one worker, item after item, with the
-next sample index as its state; a resumed reader opens its item again from that index, passing
-over the samples before it without processing them.
+:class:`ShardReader` is the stage: one source's samples for one worker, item after item of its
+plan, with the item being read and the next sample index in it as its state; a resumed reader
+opens that item again from that index, passing over the samples before it unprocessed.
 """
 
 from __future__ import annotations
 
 import re
 import tarfile
-from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,12 +21,12 @@ import webdataset as wds
 from mmproxy.datasets.remote import RemoteOptions, redact
 from mmproxy.datasets.shards import is_local, is_remote, read_local_tar, read_remote_tar
 from mmproxy.datasets.stages._stage import Stage
-from mmproxy.datasets.stages.plan import ShardPlan, Work
+from mmproxy.datasets.stages.plan import Layout, ShardPlan, Work
 
 from mmproxy.errors import ShardError
 from mmproxy.skips import SkipKind, SkippedSample
 
-__all__ = ["ShardReader", "Taken", "TarReader"]
+__all__ = ["Fetch", "ShardReader", "Taken", "TarReader"]
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass is slower to make, once per sample
@@ -40,6 +39,9 @@ class Taken:
 
 
 Read = Iterator[tuple[int, dict[str, Any]] | SkippedSample]
+# addresses (shard, index) -> the raw samples found there, and the records of shards that failed
+Fetch = Callable[[Sequence[tuple[str, int]]],
+                 tuple[dict[tuple[str, int], dict[str, Any]], list[SkippedSample]]]
 
 
 class TarReader:
@@ -126,74 +128,88 @@ class TarReader:
         return found, records
 
 
-class ShardReader(Stage):
+class ShardReader(Stage[Taken | SkippedSample]):
     """One source's raw samples for one worker, read item after item of its :class:`ShardPlan`.
 
-    :meth:`take` gives a :class:`Taken`, or a shard's record, or None once the pass is over
-    (until :meth:`restart`). ``reasons`` counts this reader's records by reason (for messages).
+    :meth:`~Stage.next` gives a :class:`Taken` or a shard's record; the pass ends with the
+    plan's.
+
+    Args:
+        plan: The source's shard plan.
+        read: Reads a work item (:class:`TarReader`).
+        layout: Where the worker sits (for messages).
+        drawn_from: When the plan draws shards without end (``resampled``), how many it draws
+            from: a reader that meets more than twice as many empty ones in a row (and 100)
+            raises rather than drawing forever.
     """
 
     NAME = "shard reader"
-    NEXT, PLAN = "next", "plan"
-    KEYS = (NEXT, PLAN)
+    VERSION = 2
+    WORK, NEXT, PLAN = "work", "next", "plan"
+    KEYS = (WORK, NEXT, PLAN)
 
-    def __init__(self, plan: ShardPlan, read: TarReader) -> None:
-        self.plan, self.read = plan, read
-        self.next = 0  # the next sample index to read in the current item
+    def __init__(self, plan: ShardPlan, read: Callable[[Work], Read], layout: Layout, *,
+                 drawn_from: int | None = None) -> None:
+        self.plan, self.read, self.layout, self.drawn_from = plan, read, layout, drawn_from
+        self.work: Work | None = None  # the item being read
+        self.next_index = 0  # the next sample index to read in it
         self._open: Read | None = None
-        self._url = ""
         self._records: list[SkippedSample] = []  # more records of a shard that failed
-        self.reasons: Counter[str] = Counter()
 
-    def take(self) -> Taken | SkippedSample | None:
+    def next(self) -> Taken | SkippedSample:
         if self._records:
             return self._records.pop(0)
         empty = 0  # shards in a row that held nothing
         while True:
+            work = self.work
+            if work is None:
+                work = self.work = self.plan.next()  # StopIteration: the pass is over
             if self._open is None:
-                work = self.plan.current()
-                if work is None:
-                    return None
-                self._open, self._url = self.read(work.starting_at(self.next)), work.url
+                self._open = self.read(work.starting_at(self.next_index))
             got = next(self._open, None)
             if got is None:
                 self._close()
                 empty += 1
-                if self.plan.resampled and empty > 2 * len(self.plan.urls) + 100:
-                    raise ShardError(f"{self.plan.layout}: {empty} shards drawn in a row held "
+                if self.drawn_from is not None and empty > 2 * self.drawn_from + 100:
+                    raise ShardError(f"{self.layout}: {empty} shards drawn in a row held "
                                      "no samples (resampled=True draws forever)")
                 continue
             if isinstance(got, SkippedSample):  # the shard failed or was empty: it is over
                 self._records = [r for r in self._open if isinstance(r, SkippedSample)]
                 self._close()
-                for record in (got, *self._records):
-                    self.reasons[record.reason] += 1
                 return got
             index, raw = got
-            self.next = index + 1
-            return Taken(self._url, index, raw)
+            self.next_index = index + 1
+            return Taken(work.url, index, raw)
 
     def _close(self) -> None:
-        self._open, self.next = None, 0
-        self.plan.advance()
+        self._open, self.work, self.next_index = None, None, 0
 
-    def restart(self) -> None:
-        """Starts the next pass (after :meth:`take` gave None)."""
-        self._open, self.next = None, 0
-        self.plan.restart()
+    def _next_pass(self) -> None:
+        self._close()
+        self._records = []
+        self.plan.reset()
 
     def state_dict(self) -> dict[str, Any]:
-        return self._pack(**{self.NEXT: self.next, self.PLAN: self.plan.state_dict()})
+        work = None if self.work is None else tuple(self.work)  # a tuple: torch's weights_only
+        return self._pack(**{self.WORK: work, self.NEXT: self.next_index,
+                             self.PLAN: self.plan.state_dict()})
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        state = self._unpack(state)
-        self.plan.load_state_dict(state[self.PLAN])
-        self._open, self.next = None, int(state[self.NEXT])
+    def _load(self, state: Mapping[str, Any]) -> None:
+        self.plan.reset(state[self.PLAN])
+        work = state[self.WORK]
+        self._open, self._records = None, []
+        self.work, self.next_index = None if work is None else Work(*work), int(state[self.NEXT])
 
     def remaining(self, state: Mapping[str, Any]) -> list[Work]:
-        """What a state of this reader has left: the rest of its item, and the items after."""
+        """What a state of this reader has left: the rest of its item, and the items after
+        (nothing of a plan that draws without end)."""
         state = self._unpack(state)
-        return self.plan.remaining(state[self.PLAN], int(state[self.NEXT]))
+        work = state[self.WORK]
+        rest = self.plan.remaining(state[self.PLAN])
+        if work is None or self.drawn_from is not None:
+            return rest
+        return [Work(*work).starting_at(int(state[self.NEXT])), *rest]
 
 
 # webdataset's errors: a failed pipe's "(args, kwargs): exit N (read) ...", a tar error's

@@ -62,35 +62,15 @@ def _dataset(shards, mixed=False, **options):
     return MultiModalDataset(a, TEXT, **common)
 
 
-END = object()
-
-
-def _taking(stage):
-    got = stage.take()
-    return END if got is None else got
-
-
-def _next(stage):
-    return next(stage, END)
-
-
-def _plan_step(plan):
-    work = plan.current()
-    if work is None:
-        return END
-    plan.advance()
-    return work
-
-
-# stage name -> (where it sits in a chain, how to take its next item)
+# stage name -> where it sits in a chain
 STAGES = {
-    "shard plan": (lambda c: c.batcher.fields.mixer.buffers[0].reader.plan, _plan_step),
-    "shard reader": (lambda c: c.batcher.fields.mixer.buffers[0].reader, _taking),
-    "shuffle buffer": (lambda c: c.batcher.fields.mixer.buffers[0], _taking),
-    "source mixer": (lambda c: c.batcher.fields.mixer, _next),
-    "fields": (lambda c: c.batcher.fields, _next),
-    "batcher": (lambda c: c.batcher, _next),
-    "position stamp": (lambda c: c, _next),
+    "shard plan": lambda c: c.batcher.fields.mixer.buffers[0].reader.plan,
+    "shard reader": lambda c: c.batcher.fields.mixer.buffers[0].reader,
+    "shuffle buffer": lambda c: c.batcher.fields.mixer.buffers[0],
+    "source mixer": lambda c: c.batcher.fields.mixer,
+    "fields": lambda c: c.batcher.fields,
+    "batcher": lambda c: c.batcher,
+    "position stamp": lambda c: c,
 }
 
 
@@ -108,11 +88,12 @@ def _described(item):
     return item  # a batch: lists of keys, texts and records
 
 
-def _run(stage, step, limit):
+def _run(stage, limit):
     out = []
     while len(out) < limit:
-        item = step(stage)
-        if item is END:
+        try:
+            item = stage.next()
+        except StopIteration:
             break
         out.append(_described(item))
     return out
@@ -121,25 +102,25 @@ def _run(stage, step, limit):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("name", list(STAGES))
 def test_every_stage_resumes_where_its_state_was_saved(shards, name, case):
-    where, step = STAGES[name]
+    where = STAGES[name]
 
     def build():
         return where(_dataset(shards, **CASES[case])._chain(1, 0, 1, rank=0, world=1))
 
-    whole = _run(build(), step, LIMIT)
+    whole = _run(build(), LIMIT)
     assert len(whole) > 3
     half_full: set[int] = set()
     for n in range(len(whole) + 1):  # 0, mid-buffer, the last item, past the end: every one
         stage = build()
-        first = _run(stage, step, n)
+        first = _run(stage, n)
         state = pickle.loads(pickle.dumps(stage.state_dict()))
         if name == "shuffle buffer" and n == 3 and CASES[case]["shuffle_buffer"]:
             assert state["held"], "the state is saved while the buffer holds samples"
         if name == "batcher" and state["batch"]:
             half_full.add(n)
         again = build()
-        again.load_state_dict(state)
-        assert first + _run(again, step, LIMIT - n) == whole, f"after {n} items"
+        again.reset(state)
+        assert first + _run(again, LIMIT - n) == whole, f"after {n} items"
     if name == "batcher" and case == "one source":
         assert half_full, "some state is saved while a batch is being filled"
 
@@ -155,14 +136,66 @@ def test_the_chain_carries_records_of_damaged_shards_and_samples(shards):
 
 @pytest.mark.parametrize("name", list(STAGES))
 def test_a_stage_refuses_a_state_of_another_stage(shards, name):
-    where, _ = STAGES[name]
+    where = STAGES[name]
     chain = _dataset(shards, **CASES["one source"])._chain(1, 0, 1, rank=0, world=1)
     others = [where(chain).state_dict()]
     wrong = {**others[0], "version": 99}
     with pytest.raises(mmproxy.StateError, match="of version 99"):
-        where(chain).load_state_dict(wrong)
+        where(chain).reset(wrong)
     with pytest.raises(mmproxy.StateError, match=r"unknown keys \['surprise'\]"):
-        where(chain).load_state_dict({**others[0], "surprise": 1})
+        where(chain).reset({**others[0], "surprise": 1})
+
+
+def _stages_in(value):
+    """The stages ``value`` holds: itself, or those of a list."""
+    from mmproxy.datasets.stages._stage import Stage
+
+    items = value if isinstance(value, list) else [value]
+    return [v for v in items if isinstance(v, Stage)]
+
+
+def test_every_stage_speaks_the_one_protocol_and_holds_only_its_source(shards):
+    """Every stage is a :class:`Stage` (``next``, ``reset``, ``state_dict``, ``remaining``), has
+    no other way to its items or its state, and holds no stage but its own source."""
+    from mmproxy.datasets.stages._stage import Stage
+
+    chain = _dataset(shards, mixed=True, shuffle_buffer=3)._chain(1, 0, 1, rank=0, world=1)
+    stages = {name: where(chain) for name, where in STAGES.items()}
+    sources = {"shard plan": [], "shard reader": ["shard plan"],
+               "shuffle buffer": ["shard reader"], "source mixer": ["shuffle buffer"] * 2,
+               "fields": ["source mixer"], "batcher": ["fields"], "position stamp": ["batcher"]}
+    for name, stage in stages.items():
+        assert isinstance(stage, Stage), name
+        for old in ("take", "current", "advance", "restart", "load_state_dict"):
+            assert not hasattr(stage, old), f"{name}.{old}"
+        held = [s for value in vars(stage).values() for s in _stages_in(value)]
+        assert sorted(type(s).NAME for s in held) == sorted(
+            type(stages[n]).NAME for n in sources[name]), name
+        assert held[:1] == [stages[n] for n in sources[name]][:1], name
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_a_reset_without_a_state_starts_the_next_pass_which_resumes_too(shards, name):
+    """After the end of a pass, ``reset()`` starts the next one (the source's shards again, in
+    their next order), and a state saved in it resumes there like any other."""
+    where = STAGES[name]
+
+    def build():
+        return where(_dataset(shards, **CASES["one source"])._chain(1, 0, 1, rank=0, world=1))
+
+    stage = build()
+    first = _run(stage, LIMIT)
+    assert _run(stage, LIMIT) == []  # the pass stays over
+    stage.reset()
+    second = _run(stage, 4)
+    state = pickle.loads(pickle.dumps(stage.state_dict()))
+    second += _run(stage, LIMIT)
+    assert second and (name in ("batcher", "position stamp") or len(second) == len(first))
+    if name in ("shard plan", "shard reader", "shuffle buffer"):
+        assert sorted(map(repr, second)) == sorted(map(repr, first)) and second != first
+    again = build()
+    again.reset(state)
+    assert second[:4] + _run(again, LIMIT) == second
 
 
 @pytest.mark.parametrize("kind", ["integers", "random"])
@@ -199,11 +232,11 @@ def test_the_shuffle_buffer_draws_one_index_per_sample_in_order(shards):
         return _dataset(shards, shuffle_buffer=5)._chain(0, 0, 1).batcher.fields.mixer.buffers[0]
 
     buffer, reader = fresh(), fresh().reader  # the buffer, and a reader of its own to check it
-    plan, lay = reader.plan, reader.plan.layout
-    rng = generator(lay.seed, lay.epoch, plan.source, lay.rank, lay.worker, plan.pass_, 1)
+    lay = buffer.layout
+    rng = generator(lay.seed, lay.epoch, buffer.source, lay.rank, lay.worker, buffer.pass_, 1)
     held: list[Taken] = []
     while True:
-        while len(held) < 5 and (got := reader.take()) is not None:
+        while len(held) < 5 and (got := next(reader, None)) is not None:
             if isinstance(got, Taken):
                 held.append(got)
         if not held:
@@ -211,9 +244,10 @@ def test_the_shuffle_buffer_draws_one_index_per_sample_in_order(shards):
         j = int(rng.integers(len(held)))
         held[j], held[-1] = held[-1], held[j]
         want = held.pop()
-        got = buffer.take()
+        got = buffer.next()
         while isinstance(got, SkippedSample):
-            got = buffer.take()
+            got = buffer.next()
         assert (got.url, got.index) == (want.url, want.index)
         assert buffer.state_dict()[buffer.RNG] == rng.bit_generator.state
-    assert buffer.take() is None
+    with pytest.raises(StopIteration):
+        buffer.next()
