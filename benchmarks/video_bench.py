@@ -162,12 +162,13 @@ def _mmproxy(args: Any, gpu: bool, device_id: Any, shards: list[str], files: lis
                           decoder_options=None if isinstance(options, (float, str)) else options,
                           decode_threads=args.decode_threads, cpu_share=share,
                           nvdec_library=library)  # type: ignore[arg-type]
-    with mmproxy.DALIServer(pipe, name="video") as server:
+    with mmproxy.DALIServer(pipe, name="video", pipelines=args.pipelines) as server:
         ds = video_label_dataset(shards, server, batch_size=args.batch_size, shuffle_buffer=64,
                                  keep_keys=False, on_error="skip")
         loader = ds.loader(server, num_workers=args.workers, persistent_workers=True,
                            worker_init_fn=_pin_worker(args))
         result = time_epochs(lambda: loader, args.epochs, gpu, server)
+        result["pipelines"] = server.pipelines
     if pipe.prepare is not None:  # NVDEC: where the clips were decoded, over all epochs (the
         # warm-up too), the workers' including any in a codec NVDEC does not take
         clips = pipe.prepare.clips
@@ -275,6 +276,9 @@ def main() -> None:
     parser.add_argument("--cpu-share", type=lambda v: v if v == "auto" else float(v),
                         default="auto", help="mmproxy-mixed: the share of the clips the workers "
                         "decode, or 'auto' (balanced by NVDEC's backlog)")
+    parser.add_argument("--pipelines", type=lambda v: v if v == "auto" else int(v), default=1,
+                        help="the mmproxy systems' pipelines side by side (N or auto; NVDEC's "
+                        "decode threads are the server's, shared by them)")
     parser.add_argument("--resolution", default="320x240", help="WIDTHxHEIGHT of the clips")
     parser.add_argument("--stacks", action="store_true",
                         help="sample the threads' Python frames (and NVDEC's utilization) while "
