@@ -8,7 +8,7 @@ import itertools
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
-from typing import Any, Literal
+from typing import Any
 
 import torch.utils.data
 from mmproxy.datasets.remote import RemoteOptions
@@ -29,6 +29,7 @@ from mmproxy.collate import Collate
 from mmproxy.errors import BatchSizeError
 from mmproxy.media.checks import MAX_PIXELS
 from mmproxy.protocols import Proxy
+from mmproxy.skips import ErrorPolicy, OnError
 from mmproxy.state import LoaderState
 
 __all__ = ["Field", "MultiModalDataset", "NextEpoch", "OnError", "Source"]
@@ -58,9 +59,6 @@ class NextEpoch:
         except Exception:  # noqa: BLE001 - raised again, in its own epoch
             return
         self._held = (epoch, first, items)
-
-
-OnError = Literal["raise", "skip"]
 
 
 class _Source:
@@ -154,14 +152,11 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                  keep_keys: bool = True, max_pixels: int = MAX_PIXELS,
                  prefetch_next_epoch: bool = True, remote: RemoteOptions | None = None) -> None:
         super().__init__()
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.policy = ErrorPolicy(on_error, max_skipped)  # the one owner of both
         if on_exhausted not in ("stop", "restart"):
             raise ValueError(f"on_exhausted must be 'stop' or 'restart', got {on_exhausted!r}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if max_skipped is not None and not 0 <= max_skipped <= 1:
-            raise ValueError(f"max_skipped is a fraction of the samples (0-1), got {max_skipped}")
         if resampled and epoch_length is None:
             raise ValueError("resampled=True needs epoch_length (batches per rank per epoch)")
         if sources is None:
@@ -188,7 +183,6 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         self.on_exhausted, self.batch_size, self.partial = on_exhausted, batch_size, partial
         self.shuffle_shards, self.shuffle_buffer, self.seed = shuffle_shards, shuffle_buffer, seed
         self.resampled, self.epoch_length = resampled, epoch_length
-        self.on_error, self.max_skipped = on_error, max_skipped
         proxies = [f.fn for s in self.sources for f in s.fields.values() if f.server]
         known = all(isinstance(p, Proxy) for p in proxies)
         self.collate = collate or Collate(proxies if known else None)
@@ -199,9 +193,19 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         self.max_pixels, self.prefetch_next_epoch = max_pixels, prefetch_next_epoch
         self.remote = remote or RemoteOptions()
         prepare_remote(self.urls)
-        self._read = TarReader(on_error, self.remote)
+        self._read = TarReader(self.policy, self.remote)
         self._epoch: int | None = None
         self._next_epoch = NextEpoch()  # prefetch_next_epoch's
+
+    @property
+    def on_error(self) -> OnError:
+        """``"raise"`` or ``"skip"`` (its owner: :attr:`policy`)."""
+        return self.policy.on_error
+
+    @property
+    def max_skipped(self) -> float | None:
+        """The skip limit the loader judges each epoch by (its owner: :attr:`policy`)."""
+        return self.policy.max_skipped
 
     def set_epoch(self, epoch: int) -> None:
         """Fixes the epoch used for seeding (otherwise mmproxy's DataLoader supplies it)."""
@@ -285,7 +289,7 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                             self.epoch_length is not None, layout, with_work)
         process = SampleFields([(s.name, s.fields) for s in self.sources], seed=self.seed,
                                epoch=epoch, mixed=self.mixed, keep_keys=self.keep_keys,
-                               max_pixels=self.max_pixels, skip=self.on_error == "skip",
+                               max_pixels=self.max_pixels, policy=self.policy,
                                batched=self._batched)
         if quota is None and self.epoch_length is not None:
             quota = split_quota(self.epoch_length, workers)[worker_id]

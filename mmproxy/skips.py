@@ -11,12 +11,14 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
 
 from mmproxy.errors import EmptyEpochError, SkipLimitError, StateError
 
-__all__ = ["CHECK_EVERY", "EMPTY_AFTER", "FileLookup", "SHARDS_TRIED", "SHARD_CHECK_EVERY",
-           "SKIPPED", "SkipKind", "SkipReport", "SkippedSample", "add_file_lookup"]
+__all__ = ["CHECK_EVERY", "EMPTY_AFTER", "ErrorPolicy", "FileLookup", "OnError", "SHARDS_TRIED",
+           "SHARD_CHECK_EVERY", "SKIPPED", "SkipKind", "SkipReport", "SkippedSample",
+           "add_file_lookup"]
 
 SKIPPED = "__skipped__"  # the batch key that carries skip records
 SHARDS_TRIED = "__shards_tried__"  # the batch key that carries the shards a worker began since
@@ -28,6 +30,37 @@ _MORE_OF_A_KIND = 4  # records of a kind a summary lists after the first
 _LISTED = 3  # shards named in a shard limit's message
 # (shard, key) pairs -> {(shard, key): the file the sample was made from}, for those it knows
 FileLookup = Callable[[Sequence[tuple[str, str]]], dict[tuple[str, str], str]]
+
+
+OnError = Literal["raise", "skip"]
+
+
+@dataclass(frozen=True)
+class ErrorPolicy:
+    """What a dataset does with a bad sample or shard, given once: the dataset holds it, and
+    hands it to the stages that meet bad data when they are made.
+
+    Attributes:
+        on_error: ``"raise"``: a bad sample or shard raises, naming it; ``"skip"``: it is left
+            out and reported as a :class:`SkippedSample`.
+        max_skipped: In skip mode, the largest fraction of the samples read, and separately of
+            the shards tried, that an epoch may skip (:meth:`SkipReport.check`); None: no limit.
+    """
+
+    on_error: OnError = "raise"
+    max_skipped: float | None = 0.1
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
+        if self.max_skipped is not None and not 0 <= self.max_skipped <= 1:
+            raise ValueError(
+                f"max_skipped is a fraction of the samples (0-1), got {self.max_skipped}")
+
+    @property
+    def skip(self) -> bool:
+        """Whether bad samples and shards are records, not errors."""
+        return self.on_error == "skip"
 
 
 class SkipKind(str, enum.Enum):

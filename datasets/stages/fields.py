@@ -21,7 +21,7 @@ from mmproxy.datasets.stages.reader import Taken
 from mmproxy.errors import SampleError
 from mmproxy.media.checks import check_header
 from mmproxy.protocols import Proxy
-from mmproxy.skips import SkipKind, SkippedSample
+from mmproxy.skips import ErrorPolicy, SkipKind, SkippedSample
 from mmproxy.worker import SampleId, naming
 
 __all__ = ["Field", "FieldSpec", "FieldStage", "Processed", "SampleFields", "Skip", "parse_field",
@@ -197,16 +197,17 @@ class SampleFields:
         mixed: Name the source of each sample in ``"__source__"``.
         keep_keys: Keep ``"__key__"`` and ``"__url__"``.
         max_pixels: Images whose header declares more pixels are bad samples.
-        skip: Bad samples are records, not errors (:class:`~mmproxy.errors.SampleError`).
+        policy: The dataset's error policy: in skip mode a bad sample is a record, else it
+            raises :class:`~mmproxy.errors.SampleError`.
         batched: The fields that take the batch route (see :func:`process`).
     """
 
     def __init__(self, sources: Sequence[tuple[str, Mapping[str, Parsed]]], *, seed: int,
-                 epoch: int, mixed: bool, keep_keys: bool, max_pixels: int, skip: bool,
+                 epoch: int, mixed: bool, keep_keys: bool, max_pixels: int, policy: ErrorPolicy,
                  batched: frozenset[str] = frozenset()) -> None:
         self.names = [name for name, _ in sources]
         self.mixed, self.keep_keys, self.max_pixels = mixed, keep_keys, max_pixels
-        self.skip, self.batched = skip, batched
+        self.policy, self.batched = policy, batched
         self.seeds = SampleSeeds(seed, epoch, self.names)
         self.plans = [_plan(fields, batched) for _, fields in sources]
 
@@ -214,7 +215,7 @@ class SampleFields:
         """The fields of one raw sample of ``source``, or its record."""
         raw = taken.raw
         key = str(raw.get("__key__", "?"))
-        skip = self.skip
+        skip = self.policy.skip
         sample_id = SampleId(key, raw.get("__url__", "?"), skip, self.seeds(source, key))
         try:
             out = _fields(raw, self.plans[source], sample_id, self.keep_keys, self.max_pixels)

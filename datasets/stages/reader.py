@@ -15,7 +15,7 @@ import re
 import tarfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import webdataset as wds
 from mmproxy.datasets.remote import RemoteOptions, redact
@@ -24,7 +24,7 @@ from mmproxy.datasets.stages._stage import Stage
 from mmproxy.datasets.stages.plan import Layout, ShardPlan, Work
 
 from mmproxy.errors import ShardError
-from mmproxy.skips import SkipKind, SkippedSample
+from mmproxy.skips import ErrorPolicy, SkipKind, SkippedSample
 
 __all__ = ["Fetch", "ShardReader", "Taken", "TarReader"]
 
@@ -48,13 +48,13 @@ class TarReader:
     """Reads work items of shards; picklable (it travels to the workers with the dataset).
 
     Args:
-        on_error: ``"skip"``: a shard that cannot be read or is empty is a record; ``"raise"``:
-            a :class:`~mmproxy.errors.ShardError`.
+        policy: The dataset's error policy; in skip mode a shard that cannot be read or is
+            empty is a record, else a :class:`~mmproxy.errors.ShardError`.
         remote: How ``http(s)://`` and ``s3://`` shards are read.
     """
 
-    def __init__(self, on_error: Literal["raise", "skip"], remote: RemoteOptions) -> None:
-        self.skip, self.remote = on_error == "skip", remote
+    def __init__(self, policy: ErrorPolicy, remote: RemoteOptions) -> None:
+        self.policy, self.remote = policy, remote
         self._tried = 0  # shards begun since take_tried() last said
 
     def take_tried(self) -> int:
@@ -99,13 +99,13 @@ class TarReader:
             yield self._failed(url, exn)
             return
         yield from failures
-        if count == 0 and self.skip and not failures:
+        if count == 0 and self.policy.skip and not failures:
             yield SkippedSample(redact(url), "", "empty shard: it holds no files",
                                 SkipKind.EMPTY_SHARD)
 
     def _failed(self, url: str, exn: BaseException) -> SkippedSample:
         reason = _describe(exn)
-        if not self.skip:
+        if not self.policy.skip:
             raise ShardError(f"shard {redact(url)}: cannot be read: {reason}") from exn
         return SkippedSample(redact(url), "", f"unreadable shard: {reason}",
                              SkipKind.UNREADABLE_SHARD)

@@ -105,16 +105,16 @@ def test_a_pipe_shard_that_fails_is_named_once_in_words(tmp_path):
     from mmproxy.datasets.stages.plan import Work
     from mmproxy.datasets.stages.reader import TarReader
 
-    from mmproxy.skips import SkippedSample
+    from mmproxy.skips import ErrorPolicy, SkippedSample
 
     write_tar(tmp_path / "whole.tar", [{"__key__": f"k{i}", "bin": bytes(5000)} for i in range(4)])
     (tmp_path / "cut.tar").write_bytes((tmp_path / "whole.tar").read_bytes()[:7000])
     # the command's end is seen before the end of its output (which a child holds a while)
     failed, cut = "pipe:sleep 1 & exit 3", f"pipe:cat {tmp_path / 'cut.tar'}"
     with pytest.raises(mmproxy.ShardError) as raised:
-        list(TarReader("raise", RemoteOptions(cache_dir=None))(Work(failed)))
+        list(TarReader(ErrorPolicy("raise"), RemoteOptions(cache_dir=None))(Work(failed)))
     assert str(raised.value) == f"shard {failed}: cannot be read: the command exited with status 3"
-    read = TarReader("skip", RemoteOptions(cache_dir=None))
+    read = TarReader(ErrorPolicy("skip"), RemoteOptions(cache_dir=None))
     got = [item.reason if isinstance(item, SkippedSample) else item[0]
            for url in (failed, cut) for item in read(Work(url))]
     assert got == ["unreadable shard: the command exited with status 3",
@@ -419,3 +419,24 @@ def test_a_skip_summary_lists_the_first_records_of_each_kind_and_counts_the_rest
         "    and 2 more"]
     assert lines[7] == "  1 x unreadable shard; first: b.tar: unreadable shard: cut"
     assert len(lines) == 8
+
+
+def test_the_error_policy_has_one_owner(good_shard):
+    """The dataset's policy (``on_error``, ``max_skipped``) is made once and handed to the
+    stages that use it: every stage and the loader read the same object."""
+    from mmproxy.skips import ErrorPolicy
+
+    ds = MultiModalDataset(str(good_shard / "g-000.tar"), {"c": ("cls", bytes.decode)},
+                           batch_size=3, on_error="skip", max_skipped=0.3)
+    assert ds.policy == ErrorPolicy("skip", 0.3) and ds.policy.skip
+    assert (ds.on_error, ds.max_skipped, ds.batch_size) == ("skip", 0.3, 3)
+    chain = ds._chain(1, 0, 1, rank=0, world=1)
+    batcher = chain.batcher
+    assert batcher.process.policy is ds.policy
+    assert batcher.fields.fields.policy is ds.policy
+    assert batcher.fields.mixer.buffers[0].reader.read.policy is ds.policy
+    with pytest.raises(ValueError, match="on_error must be 'raise' or 'skip', got 'drop'"):
+        MultiModalDataset(str(good_shard / "g-000.tar"), {"c": ("cls", bytes.decode)},
+                          batch_size=3, on_error="drop")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_skipped is a fraction of the samples \(0-1\)"):
+        ErrorPolicy("skip", 1.5)
