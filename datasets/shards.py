@@ -16,7 +16,8 @@ import webdataset as wds
 from mmproxy.datasets._compressed import HEAD, SUFFIXES, Decompressed, compression, decompress
 from mmproxy.datasets._tar import members, streamed_members
 from mmproxy.datasets.remote import RemoteOptions, RemoteShard, is_remote, open_remote, redact
-from mmproxy.datasets.remote._get import Permanent, list_s3
+from mmproxy.datasets.remote._stores import SCHEMES as STORES
+from mmproxy.datasets.remote._stores import list_objects
 
 from mmproxy import worker
 from mmproxy.errors import ShardError
@@ -28,9 +29,10 @@ __all__ = ["current_epoch", "expand", "folder_shards", "is_local", "is_remote", 
 def expand(urls: str | Sequence[str]) -> list[str]:
     """Expands brace patterns (``data-{000..009}.tar``), ``::``-separated lists, globs of local
     paths (``/data/*.tar``: the regular files matching, sorted; one that matches none is a
-    :class:`ShardError`), ``~`` at the start of a local path, and ``s3://`` prefixes and globs
-    (listed with boto3). A local path that exists is taken as written, ``[`` in its name or not; see
-    :func:`local_glob` for a glob under a folder whose name holds ``[``."""
+    :class:`ShardError`), ``~`` at the start of a local path, and ``s3://``, ``gs://`` and
+    ``az://`` prefixes and globs (listed with obstore). A local path that exists is taken as
+    written, ``[`` in its name or not; see :func:`local_glob` for a glob under a folder whose
+    name holds ``[``."""
     items = [urls] if isinstance(urls, str) else list(urls)
     out: list[str] = []
     for item in items:
@@ -84,25 +86,27 @@ def _folder_glob(folder: str) -> str:
 
 
 def _expand_remote(url: str) -> list[str]:
-    """The shards a remote URL names: itself, or for an ``s3://`` prefix ending in ``/`` (or a
-    bucket) its ``.tar``, ``.tar.gz`` and ``.tgz`` objects and for an ``s3://`` glob the objects
-    it matches, listed with boto3 (``_sources.list_s3``). HTTP cannot list a folder: an
+    """The shards a remote URL names: itself, or for an object-store prefix ending in ``/`` (or a
+    bucket) its ``.tar``, ``.tar.gz`` and ``.tgz`` objects and for a glob the objects it
+    matches, listed with obstore (``_stores.list_objects``). HTTP cannot list a folder: an
     ``http(s)://`` URL ending in ``/`` or holding ``*`` or ``[`` is refused. Raises
     :class:`~mmproxy.errors.ShardError`."""
     path = urlsplit(url).path
-    if url[:5].lower() != "s3://":
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() not in STORES:
         if path.endswith("/") or any(c in path for c in "*["):
             raise ShardError(f"{redact(url)} names a folder or a glob, which HTTP cannot list: "
-                             "folders and globs work for local paths and s3:// only; name the "
-                             "shards, e.g. with a brace pattern like .../shard-{000000..000099}.tar")
+                             "folders and globs work for local paths and s3://, gs:// and az:// "
+                             "only; name the shards, e.g. with a brace pattern like "
+                             ".../shard-{000000..000099}.tar")
         return [url]
-    key = url[5:].partition("/")[2]
+    key = rest.partition("/")[2]
     if key and not key.endswith("/") and not any(c in key for c in "*?["):
         return [url]
     try:
-        found, listed = list_s3(url, RemoteOptions(cache_dir=None).connect_timeout)
-    except Permanent as err:
-        raise ShardError(f"cannot list {url}: {err}") from None
+        found, listed = list_objects(url, RemoteOptions(cache_dir=None).connect_timeout)
+    except OSError as err:
+        raise ShardError(f"cannot list {redact(url)}: {err.args[-1]}") from None
     if not found:
         seen = f"{listed} object(s) listed, none matching" if listed else "nothing listed"
         rule = ("; a prefix ending in / names its .tar, .tar.gz and .tgz objects"
@@ -184,10 +188,10 @@ def read_local_tar(url: str, name: str | None = None, *,
 
 
 def read_remote_tar(url: str, options: RemoteOptions) -> Iterator[dict[str, Any]]:
-    """Samples of an ``http(s)://`` or ``s3://`` shard, like :func:`read_local_tar`'s: streamed
-    (each sample as soon as its bytes are in), or from the node cache (see
-    :mod:`mmproxy.datasets.remote`); a gzip shard decompressed as it streams in, and read once
-    whole. Raises :class:`~mmproxy.datasets.remote.RemoteError` for a shard that cannot be
+    """Samples of a remote shard (``http(s)://``, ``s3://``, ``gs://``, ``az://``), like
+    :func:`read_local_tar`'s: streamed (each sample as soon as its bytes are in), or from the
+    node cache (see :mod:`mmproxy.datasets.remote`); a gzip shard decompressed as it streams in,
+    and read once whole. Raises :class:`~mmproxy.datasets.remote.RemoteError` for a shard that cannot be
     fetched."""
     with open_remote(url, options) as remote:
         remote.wait(min(HEAD, len(remote.view)))

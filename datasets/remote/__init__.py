@@ -1,17 +1,18 @@
-"""Remote shards: ``http(s)://`` and ``s3://`` shards streamed into memory (or the node cache)
-and read like local ones: zero copy, members yielded as their bytes arrive.
+"""Remote shards: ``http(s)://``, ``s3://``, ``gs://`` and ``az://`` shards streamed into
+memory (or the node cache) and read like local ones: zero copy, members yielded as they arrive.
 
-TLS: ``https://`` servers are verified with Python's default settings (``SSL_CERT_FILE`` or
-``SSL_CERT_DIR`` when set, else the system's CA certificates), S3 endpoints as boto3 verifies
-them (``AWS_CA_BUNDLE``, else botocore's bundle); a certificate that does not verify fails at
-once, saying which variable to set. docs/internals.md, ``mmproxy.datasets.remote``, has the rest.
+HTTP goes through urllib, the object stores through obstore. TLS: ``https://`` servers are
+verified with Python's settings (``SSL_CERT_FILE`` or ``SSL_CERT_DIR``, else the system's CA
+certificates), object stores with the system's and ``AWS_CA_BUNDLE`` (S3) or ``SSL_CERT_FILE``;
+a certificate that does not verify fails at once, saying which variable to set. docs/remote.md
+has each scheme; docs/internals.md, ``mmproxy.datasets.remote``, the rest.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -19,14 +20,14 @@ from urllib.parse import urlsplit
 from mmproxy.datasets.remote._answers import redact
 from mmproxy.datasets.remote._cache import Finish, NodeCache, reserve, unusable
 from mmproxy.datasets.remote._download import MAX_BACKOFF, Attempts, Download, RemoteError, Waiting
-from mmproxy.datasets.remote._get import Response, prepare_s3
+from mmproxy.datasets.remote._get import STORES, Response, prepare_stores
 
 from mmproxy import worker
 
 __all__ = ["RemoteError", "RemoteOptions", "RemoteShard", "is_remote", "open_remote", "prepare",
            "redact"]
 
-SCHEMES = ("http", "https", "s3")
+SCHEMES = ("http", "https", *STORES)
 
 
 def _env_bytes() -> int | None:
@@ -52,9 +53,12 @@ class RemoteOptions:
         retries: Retries after a failure (a fresh count after every answer that brings bytes).
         backoff: Seconds before the first retry; doubles on each (at most 30 s), with jitter.
         read_timeout: Seconds without a byte of the body before a connection counts as stalled.
-        connect_timeout: Seconds to connect, and then to get the answer's first byte (HTTP and
-            S3; boto3's own ``get_object``, used for answers other than the bytes and behind a
-            proxy, has one timeout for both and for the body's reads: this one).
+        connect_timeout: Seconds to connect, and then to get the answer's first byte (obstore,
+            for ``s3://``, ``gs://`` and ``az://``, has one timeout for the answer and the body's
+            reads: the shorter of the two).
+        headers: Request headers of ``http(s)://`` GETs (``{"Authorization": "Bearer ..."}``),
+            sent to the shard's host only, not past a redirect to another host; the Hugging Face
+            Hub's hosts get ``Authorization: Bearer $HF_TOKEN`` unless given one here.
     """
 
     cache_dir: str | None = field(default_factory=lambda: os.environ.get("MMPROXY_CACHE_DIR") or None)
@@ -63,8 +67,12 @@ class RemoteOptions:
     backoff: float = 0.5
     read_timeout: float = 30.0
     connect_timeout: float = 10.0
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
 
     def __post_init__(self) -> None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.headers.items()):
+            raise ValueError("headers must map names to values, both str")
+        object.__setattr__(self, "headers", dict(self.headers))
         if self.retries < 0 or self.backoff < 0 or self.read_timeout <= 0 or self.connect_timeout <= 0:
             raise ValueError(f"retries and backoff must be >= 0, timeouts > 0: {self}")
         if self.cache_bytes is not None and self.cache_bytes <= 0:
@@ -80,15 +88,15 @@ class RemoteOptions:
 
 
 def is_remote(url: str) -> bool:
-    """Whether ``url`` is an ``http://``, ``https://`` or ``s3://`` shard."""
+    """Whether ``url`` is an ``http://``, ``https://``, ``s3://``, ``gs://`` or ``az://`` shard."""
     return url.split("://", 1)[0].lower() in SCHEMES and "://" in url
 
 
 def prepare(urls: list[str]) -> None:
-    """Readies this process for ``urls`` before DataLoader workers fork from it: with ``s3://``
-    shards, boto3 is loaded with the S3 model and the credentials (ImportError without boto3)."""
-    if any(url[:5].lower() == "s3://" for url in urls):
-        prepare_s3()
+    """Readies this process for ``urls`` before DataLoader workers fork from it: with
+    object-store shards, obstore is imported (ImportError, with what to install, without it)."""
+    if any(url.partition("://")[0].lower() in STORES for url in urls):
+        prepare_stores()
 
 
 class RemoteShard:
@@ -127,7 +135,8 @@ def open_remote(url: str, options: RemoteOptions) -> Iterator[RemoteShard]:
         raise ValueError(f"not a remote shard URL: {redact(url)}")
     if urlsplit(url).username is not None:
         raise RemoteError("credentials do not belong in shard URLs (they would show in logs): "
-                          "use the AWS environment or config files for S3, a signed URL for HTTP")
+                          "use each cloud's environment or files for object stores, a signed URL "
+                          "or RemoteOptions(headers=...) for HTTP")
     shard = _open(url, options)
     try:
         yield shard

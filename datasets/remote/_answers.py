@@ -163,8 +163,8 @@ _OUT_OF_DATE = frozenset({9, 10})  # X509_V_ERR_CERT_NOT_YET_VALID, X509_V_ERR_C
 
 
 def tls_refusal(err: BaseException, server: str, trust: Callable[[], str]) -> Permanent | None:
-    """:class:`Permanent` for a TLS failure in ``err`` (or in what it wraps: urllib's and
-    botocore's errors) that no retry mends: the certificate of ``server`` (words such as "the
+    """:class:`Permanent` for a TLS failure in ``err`` (or in what it wraps: urllib's
+    errors) that no retry mends: the certificate of ``server`` (words such as "the
     server") did not verify, said with why and what to do (``trust()``: how this process is
     made to trust it, asked only then), or the handshake was refused (no TLS version or cipher
     in common, no TLS on that port). None for anything else, a cut or reset connection
@@ -190,7 +190,7 @@ def tls_refusal(err: BaseException, server: str, trust: Callable[[], str]) -> Pe
 
 def _wrapped(err: BaseException) -> Iterator[BaseException]:
     """``err`` and the errors it wraps: explicit causes, an error's arguments, urllib's
-    ``reason``, botocore's ``kwargs``; each once. Not contexts: an error raised while another
+    ``reason``, a ``kwargs`` dict's values; each once. Not contexts: an error raised while another
     was handled (a reconnection after a failed read) is not that error."""
     seen: set[int] = set()
     todo: list[object] = [err]

@@ -14,7 +14,7 @@ import random
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from mmproxy.datasets.remote._get import Permanent, Response, Transient, open_source
@@ -48,6 +48,9 @@ class Policy(Protocol):
     @property
     def connect_timeout(self) -> float: ...
 
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
 
 class RemoteError(OSError):
     """A remote shard that cannot be read (missing, refused, or still failing after the retries)."""
@@ -69,7 +72,7 @@ class Attempts:
         while True:
             try:
                 response = open_source(self.url, start, self.etag, self.options.read_timeout,
-                                       self.options.connect_timeout)
+                                       self.options.connect_timeout, self.options.headers)
             except Transient as err:
                 self.failed(err)
                 continue

@@ -1,5 +1,8 @@
 """HTTP: one GET of an ``http(s)://`` shard through ``urllib`` (proxies from the environment,
-redirects), with a timeout for the answer apart from the body's (:mod:`._sources`).
+redirects), with a timeout for the answer apart from the body's, and the request's headers.
+
+Headers (``RemoteOptions.headers``, and ``Authorization: Bearer $HF_TOKEN`` for the Hugging Face
+Hub's hosts) go to the shard's host only: a redirect to another host (the Hub's CDN) carries none.
 
 ``https://`` servers are verified with Python's default TLS settings, made for each connection:
 the CA certificates of ``SSL_CERT_FILE`` (a file) and ``SSL_CERT_DIR`` (a folder) when set, else
@@ -10,11 +13,14 @@ the system's. A certificate that does not verify, or a refused handshake, fails 
 from __future__ import annotations
 
 import http.client
+import os
 import socket
 import ssl
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from mmproxy.datasets.remote._answers import (
     Permanent,
@@ -28,7 +34,46 @@ from mmproxy.datasets.remote._answers import (
     tls_refusal,
 )
 
-__all__ = ["HttpBody"]
+__all__ = ["HttpBody", "hub_hosts", "hub_token"]
+
+_HUB = ("huggingface.co", "hf.co")
+
+
+def hub_hosts() -> set[str]:
+    """The Hugging Face Hub's hosts: ``huggingface.co``, ``hf.co`` and ``HF_ENDPOINT``'s."""
+    hosts = set(_HUB)
+    endpoint = os.environ.get("HF_ENDPOINT")
+    if endpoint:
+        hosts.add(urlsplit(endpoint).netloc.lower())
+    return hosts
+
+
+def hub_token() -> str | None:
+    """The Hub token as ``huggingface_hub`` finds it: ``HF_TOKEN``, else the token file
+    (``HF_TOKEN_PATH``, else ``$HF_HOME/token``, ``HF_HOME`` by default
+    ``~/.cache/huggingface``)."""
+    token = os.environ.get("HF_TOKEN", "").strip()
+    if token:
+        return token
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    try:
+        with open(os.environ.get("HF_TOKEN_PATH") or os.path.join(home, "token")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _headers(url: str, given: Mapping[str, str]) -> dict[str, str]:
+    """The headers of a GET of ``url``: ``given``, and the Hub's token for the Hub's hosts."""
+    headers = dict(given)
+    parts = urlsplit(url)
+    if (parts.netloc.lower() in hub_hosts()
+            and not any(k.lower() == "authorization" for k in headers)):
+        token = hub_token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+    return headers
 
 
 class _BodyTimeout:
@@ -80,6 +125,22 @@ class _Handler(urllib.request.AbstractHTTPHandler):
         return super().do_open(connection, req, **kwargs)
 
 
+class _Redirects(urllib.request.HTTPRedirectHandler):
+    """urllib's redirects, less ``private`` headers when they lead to another host."""
+
+    def __init__(self, private: set[str]) -> None:
+        super().__init__()
+        self.private = private
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> urllib.request.Request | None:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urlsplit(newurl).netloc != urlsplit(req.full_url).netloc:
+            for name in [k for k in new.headers if k.lower() in self.private]:
+                del new.headers[name]
+        return new
+
+
 class _HttpHandler(_Handler, urllib.request.HTTPHandler):
     pass
 
@@ -108,14 +169,30 @@ def _trust() -> str:
             f"trust (or SSL_CERT_DIR, a folder of them); trusted now: {trusted}")
 
 
+def _refused(url: str, sent: bool) -> str:
+    """What to do about a 401 or 403 answer to ``url`` (``sent``: with an Authorization header)."""
+    if urlsplit(url).netloc.lower() in hub_hosts():
+        if sent:
+            return (": the Hub refused the token (HF_TOKEN): it needs read access to the "
+                    "repository, and a gated one's terms accepted on its page")
+        return (": the Hub wants a token: set HF_TOKEN (or run `hf auth login`), one with read "
+                "access to the repository")
+    if sent:
+        return ": the server refused the credentials in RemoteOptions(headers=...)"
+    return (": the server wants credentials: a signed URL, or "
+            "RemoteOptions(headers={'Authorization': ...})")
+
+
 class HttpBody(StdlibBody):
     def __init__(self, url: str, start: int, etag: str | None, read_timeout: float,
-                 connect_timeout: float) -> None:
-        headers = {"User-Agent": "mmproxy", "Accept-Encoding": "identity"}
+                 connect_timeout: float, given: Mapping[str, str]) -> None:
+        private = _headers(url, given)
+        headers = {"User-Agent": "mmproxy", "Accept-Encoding": "identity", **private}
         if start:
             headers["Range"] = f"bytes={start}-"
         opener = urllib.request.build_opener(_HttpHandler(read_timeout),
-                                             _HttpsHandler(read_timeout))
+                                             _HttpsHandler(read_timeout),
+                                             _Redirects({k.lower() for k in private}))
         try:
             self._resp = opener.open(urllib.request.Request(url, headers=headers),
                                      timeout=connect_timeout)
@@ -126,6 +203,8 @@ class HttpBody(StdlibBody):
             text = f"HTTP {err.code} {err.reason}"
             if retried(err.code):
                 raise Transient(text) from None
+            if err.code in (401, 403):
+                text += _refused(url, "Authorization" in headers)
             raise Permanent(text) from None
         except (OSError, http.client.HTTPException) as err:  # urllib's URLError among them
             raise _failed(err, connect_timeout) from None

@@ -89,7 +89,12 @@ def run(urls, server, workers=0, epochs=1, **kw):
     kw.setdefault("remote", RemoteOptions(**FAST))
     ds = MultiModalDataset(urls, {"image": ("jpg", server.proxy), "label": ("cls", int)},
                            batch_size=4, shuffle_shards=False, max_skipped=None, **kw)
-    loader = ds.loader(server, num_workers=workers, persistent_workers=workers > 0 and epochs > 1)
+    # obstore's I/O thread does not survive a fork, and this process has read object stores
+    stores = any(u.partition("://")[0] in ("s3", "gs", "az") for u in ([urls] if isinstance(
+        urls, str) else urls))
+    context = {"multiprocessing_context": "spawn"} if workers and stores else {}
+    loader = ds.loader(server, num_workers=workers, persistent_workers=workers > 0 and epochs > 1,
+                       **context)
     out = []
     for _ in range(epochs):
         images = {}
@@ -135,11 +140,10 @@ QUICK = {"retries": 2, "backoff": 0.01, "connect_timeout": 0.5, "read_timeout": 
 
 @pytest.fixture(autouse=True)
 def fresh_s3_state():
-    """Each test starts with no kept connection and no bucket sent to boto3 by an earlier one."""
-    from mmproxy.datasets.remote import _s3_clients
+    """Each test starts with no object store (nor its kept connections) made by an earlier one."""
+    from mmproxy.datasets.remote import _stores
 
-    _s3_clients.clients.slow.clear()
-    _s3_clients.clients.idle.clear()
+    _stores._stores.clear()
 
 
 def read_whole(url, **options):

