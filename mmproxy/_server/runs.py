@@ -213,8 +213,10 @@ class RunTable:
     def release(self, run: Run) -> None:
         """A batch has taken the run's outputs: keep it briefly (its other outputs may follow)."""
         with self.cond:
-            if self.runs.pop(run.id, None) is not None:
-                self._keep_done(run)
+            evicted = self._keep_done(run) if self.runs.pop(run.id, None) is not None else []
+        # freed outside the lock: a run's GPU outputs and its inputs' buffers take a while to
+        # free, and the runners and the listener need the table meanwhile
+        del evicted
 
     # -- the runner thread ----------------------------------------------------------------------
 
@@ -263,10 +265,14 @@ class RunTable:
 
     # -- helpers (called with the lock held) ----------------------------------------------------
 
-    def _keep_done(self, run: Run) -> None:
+    def _keep_done(self, run: Run) -> list[Run]:
+        """Keeps ``run`` among the released ones; returns those it pushes out, for the caller
+        to drop once it has let go of the lock."""
         self._done[run.id] = run
+        evicted = []
         while len(self._done) > _DONE_KEPT:
-            self._done.popitem(last=False)
+            evicted.append(self._done.popitem(last=False)[1])
+        return evicted
 
     def _note_dropped(self, run_id: str, why: str) -> None:
         self._dropped[run_id] = why
