@@ -178,9 +178,9 @@ def padded(payloads: list[np.ndarray]) -> list[Any]:
 _PADS = tuple(bytes(n) for n in range(ALIGN))
 
 
-def arrays(placed: Placed, memfd: mmap.mmap, base: int, files: list[mmap.mmap]) -> list[np.ndarray]:
-    """The arrays of one input, as views of the memfd's payload area (from byte ``base``) and
-    of the request's files.
+def arrays(placed: Placed, memfd: bytes | mmap.mmap, base: int, files: list[mmap.mmap]) -> list[np.ndarray]:
+    """The arrays of one input, as views of the memfd's payload area (its bytes read, or its
+    mapping; from byte ``base``) and of the request's files.
 
     Raises:
         TransportError: The layout does not fit the buffers (a header mmproxy did not write).

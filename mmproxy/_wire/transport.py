@@ -85,11 +85,22 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
     return fd, files
 
 
+# A run's memfd up to this size (its header, and payloads not sent by reference) is read into
+# memory; a larger one is mapped.
+_READ_MAX = 256 << 10
+
+
 def unpack(fds: list[int]) -> Request:
     """Maps a memfd written by :func:`pack` (and the files it references); returns views of the
     payloads and the keys as they were packed. The caller closes ``fds``."""
     size = os.fstat(fds[0]).st_size
-    mm = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
+    mm: bytes | mmap.mmap
+    if size <= _READ_MAX:  # read, not mapped: no map and unmap (which interrupts every core
+        mm = os.pread(fds[0], size, 0)  # running this process's threads) for each run
+        if len(mm) != size:
+            raise TransportError(f"short read from shared memory: {len(mm)} of {size} bytes")
+    else:
+        mm = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
     if mm[:4] != _MAGIC:
         raise TransportError("received a buffer that mmproxy did not write")
     (hlen,) = struct.unpack_from("<Q", mm, 4)
