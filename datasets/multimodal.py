@@ -16,7 +16,7 @@ from mmproxy.datasets.remote import prepare as prepare_remote
 from mmproxy.datasets.shards import current_epoch, expand, require_files, worker_info
 from mmproxy.datasets.stages import elastic
 from mmproxy.datasets.stages._batch_runs import BatchRuns, batch_fields
-from mmproxy.datasets.stages.batcher import Batcher
+from mmproxy.datasets.stages.batcher import Batcher, Batching
 from mmproxy.datasets.stages.buffer import ShuffleBuffer
 from mmproxy.datasets.stages.fields import Field, FieldSpec, FieldStage, SampleFields, parse_field
 from mmproxy.datasets.stages.mixer import OnExhausted, Source, SourceMixer, check_weights
@@ -180,22 +180,44 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"source names repeat: {[s.name for s in self.sources]}")
         self.urls = [url for s in self.sources for url in s.urls]
         self.fields = self.sources[0].fields
-        self.on_exhausted, self.batch_size, self.partial = on_exhausted, batch_size, partial
+        self.on_exhausted = on_exhausted
         self.shuffle_shards, self.shuffle_buffer, self.seed = shuffle_shards, shuffle_buffer, seed
         self.resampled, self.epoch_length = resampled, epoch_length
         proxies = [f.fn for s in self.sources for f in s.fields.values() if f.server]
         known = all(isinstance(p, Proxy) for p in proxies)
-        self.collate = collate or Collate(proxies if known else None)
         self._own_collate = collate is None
+        collate = collate or Collate(proxies if known else None)
         # with its own collate, the proxies' fields go as one run each (_batch_runs)
-        self._batched = batch_fields([s.fields for s in self.sources]) if collate is None else frozenset()
-        self.batch_transform, self.keep_keys = batch_transform, keep_keys
+        self._batched = batch_fields([s.fields for s in self.sources]) if self._own_collate else frozenset()
+        self.batching = Batching(batch_size, partial, collate, batch_transform, BatchRuns(
+            self._batched, [s.fields for s in self.sources], collate) if self._batched else None)
+        self.keep_keys = keep_keys
         self.max_pixels, self.prefetch_next_epoch = max_pixels, prefetch_next_epoch
         self.remote = remote or RemoteOptions()
         prepare_remote(self.urls)
         self._read = TarReader(self.policy, self.remote)
         self._epoch: int | None = None
         self._next_epoch = NextEpoch()  # prefetch_next_epoch's
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch (its owner: :attr:`batching`)."""
+        return self.batching.size
+
+    @property
+    def partial(self) -> bool:
+        """Whether each worker yields its last, smaller batch."""
+        return self.batching.partial
+
+    @property
+    def collate(self) -> Callable[[list[Any]], Any]:
+        """The collate of a list of sample dicts."""
+        return self.batching.collate
+
+    @property
+    def batch_transform(self) -> Callable[[Any], Any] | None:
+        """Applied to each collated batch in the worker, or None."""
+        return self.batching.transform
 
     @property
     def on_error(self) -> OnError:
@@ -293,12 +315,8 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                                batched=self._batched)
         if quota is None and self.epoch_length is not None:
             quota = split_quota(self.epoch_length, workers)[worker_id]
-        batcher = Batcher(FieldStage(mixer, process), batch_size=self.batch_size,
-                          partial=self.partial, collate=self.collate,
-                          transform=self.batch_transform,
-                          runs=BatchRuns(self._batched, [s.fields for s in self.sources],
-                                         self.collate) if self._batched else None,
-                          quota=quota, fetch=read.fetch, process=process, tried=read.take_tried)
+        batcher = Batcher(FieldStage(mixer, process), self.batching, quota=quota,
+                          fetch=read.fetch, process=process, tried=read.take_tried)
         return PositionStamp(batcher, layout)
 
     def _resumed(self, epoch: int, point: worker.ResumePoint | None) -> PositionStamp:

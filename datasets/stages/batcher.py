@@ -9,6 +9,7 @@ docs/internals.md, ``mmproxy.datasets.stages.batcher``, has the rest.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from mmproxy.datasets.stages._stage import Stage, pack_addresses, unpack_addresses
@@ -18,7 +19,28 @@ from mmproxy.datasets.stages.reader import Fetch, Taken
 
 from mmproxy.skips import SHARDS_TRIED, SKIPPED, SkippedSample
 
-__all__ = ["Batcher"]
+__all__ = ["Batcher", "Batching"]
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a worker's samples become batches: made once by the dataset, which reads its batch
+    size from it, and given to every batcher of its workers.
+
+    Attributes:
+        size: Samples per batch.
+        partial: Make the last, smaller batch.
+        collate: Turns a list of samples into a batch.
+        transform: Applied to each collated batch (e.g. tokenization), or None.
+        runs: Makes the batch of the processed samples in place of ``collate`` when the
+            fields have batch-route fields (:mod:`mmproxy.datasets.stages._batch_runs`), or None.
+    """
+
+    size: int
+    partial: bool
+    collate: Callable[[list[Any]], Any]
+    transform: Callable[[Any], Any] | None = None
+    runs: Callable[[list[Processed]], Any] | None = None
 
 
 class Batcher(Stage[Any]):
@@ -26,12 +48,7 @@ class Batcher(Stage[Any]):
 
     Args:
         fields: The field stage, which gives processed samples and records.
-        batch_size: Samples per batch.
-        partial: Make the last, smaller batch.
-        collate: Turns a list of samples into a batch.
-        transform: Applied to each collated batch (e.g. tokenization), or None.
-        runs: Makes the batch of the processed samples in place of ``collate`` when the
-            fields have batch-route fields (:mod:`mmproxy.datasets.stages._batch_runs`), or None.
+        batching: The batch size and how a batch is made.
         quota: Batches to make at most (None: until the samples run out).
         fetch: Reads the samples at given addresses again (those of a loaded state's batch).
         process: Makes their fields (what the field stage applies to every sample).
@@ -42,13 +59,9 @@ class Batcher(Stage[Any]):
     MADE, QUOTA, URLS, BATCH, FIELDS = "made", "quota", "urls", "batch", "fields"
     KEYS = (MADE, QUOTA, URLS, BATCH, FIELDS)
 
-    def __init__(self, fields: FieldStage, *, batch_size: int, partial: bool,
-                 collate: Callable[[list[Any]], Any], transform: Callable[[Any], Any] | None,
-                 runs: Callable[[list[Processed]], Any] | None, quota: int | None, fetch: Fetch,
-                 process: SampleFields, tried: Callable[[], int]) -> None:
-        self.fields, self.quota = fields, quota
-        self.batch_size, self.partial = batch_size, partial
-        self.collate, self.transform, self.runs = collate, transform, runs
+    def __init__(self, fields: FieldStage, batching: Batching, *, quota: int | None,
+                 fetch: Fetch, process: SampleFields, tried: Callable[[], int]) -> None:
+        self.fields, self.batching, self.quota = fields, batching, quota
         self.fetch, self.process, self.tried = fetch, process, tried
         self._start()
 
@@ -70,7 +83,7 @@ class Batcher(Stage[Any]):
         """Takes samples until a batch, or records alone, can go out, or the samples end."""
         if self.quota is not None and self.made >= self.quota:
             return self._finish()
-        batch, pending, size = self.batch, self.pending, self.batch_size
+        batch, pending, size = self.batch, self.pending, self.batching.size
         for got in self.fields:
             if isinstance(got, SkippedSample):
                 pending.append(got)
@@ -84,7 +97,8 @@ class Batcher(Stage[Any]):
 
     def _finish(self) -> None:
         self._over = True
-        if self.batch and self.partial and (self.quota is None or self.made < self.quota):
+        if (self.batch and self.batching.partial
+                and (self.quota is None or self.made < self.quota)):
             self._emit()
         sent = self._records()
         if sent[SKIPPED] or sent[SHARDS_TRIED]:
@@ -93,10 +107,11 @@ class Batcher(Stage[Any]):
     def _emit(self) -> None:
         processed, self.batch = self.batch, []
         self.made += 1
-        batch = (self.runs(processed) if self.runs is not None
-                 else self.collate([p.sample for p in processed]))
-        if self.transform is not None:
-            batch = self.transform(batch)
+        how = self.batching
+        batch = (how.runs(processed) if how.runs is not None
+                 else how.collate([p.sample for p in processed]))
+        if how.transform is not None:
+            batch = how.transform(batch)
         if isinstance(batch, dict):
             batch.update(self._records())
             self._out.append(batch)

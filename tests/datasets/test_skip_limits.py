@@ -421,9 +421,9 @@ def test_a_skip_summary_lists_the_first_records_of_each_kind_and_counts_the_rest
     assert len(lines) == 8
 
 
-def test_the_error_policy_has_one_owner(good_shard):
-    """The dataset's policy (``on_error``, ``max_skipped``) is made once and handed to the
-    stages that use it: every stage and the loader read the same object."""
+def test_the_error_policy_and_the_batch_size_each_have_one_owner(good_shard):
+    """The dataset's policy (``on_error``, ``max_skipped``) and its batching are made once and
+    handed to the stages that use them: every stage and the loader read the same objects."""
     from mmproxy.skips import ErrorPolicy
 
     ds = MultiModalDataset(str(good_shard / "g-000.tar"), {"c": ("cls", bytes.decode)},
@@ -432,7 +432,7 @@ def test_the_error_policy_has_one_owner(good_shard):
     assert (ds.on_error, ds.max_skipped, ds.batch_size) == ("skip", 0.3, 3)
     chain = ds._chain(1, 0, 1, rank=0, world=1)
     batcher = chain.batcher
-    assert batcher.process.policy is ds.policy
+    assert batcher.batching is ds.batching and batcher.process.policy is ds.policy
     assert batcher.fields.fields.policy is ds.policy
     assert batcher.fields.mixer.buffers[0].reader.read.policy is ds.policy
     with pytest.raises(ValueError, match="on_error must be 'raise' or 'skip', got 'drop'"):
