@@ -143,6 +143,14 @@ limit here, below what the GPU does, and the reader is nearest it.
 16 cores. One copy stops well below what three or four reach; `pipelines="auto"` takes as many as
 the cores hold at the pipeline's threads ([docs/pipelines.md](docs/pipelines.md)).
 """, kind="sweep"),
+    Section(H200, "What stops the image graph (one H200)", ["image-graph-limits.json"], """
+`benchmarks/pipeline_cost.py --kind image --only fed`: the graph fed from the shards' mappings,
+no loader, with one more freedom each. The hardware JPEG decoder tops near 40,000 images a second
+(its share 1.0 frees five cores and runs slower); the whole image decoded costs more than the
+window alone; several processes share the one GPU's decoders and run below one. The graph's
+ceiling on this machine is near 49,000 images a second, 1.2x the reader: 1.3x it is above what
+the graph reaches.
+""", kind="variants"),
     Section(H200, "Images against SPDL (one H200)", ["image-spdl.json"], """
 16,384 JPEGs, mmproxy with one pipeline. SPDL's CUDA build on that machine has no nvJPEG, so
 `spdl` decodes on the CPU with PyAV's bundled FFmpeg (the machine has none of its own) and moves
@@ -160,8 +168,15 @@ reader's images alone.
 8,192 WAV clips (`--samples 32768`) resampled to 16 kHz and padded, the README's recipe
 (`audio_pipeline` and `pad=[0]`). mmproxy and the graph with two pipelines of 7 threads, the
 reader with its one. The graph alone runs far above both: what a clip costs on its way from the
-workers to the pipeline is the gap (benchmarks/HISTORY.md).
+workers to the pipeline is the gap ("Audio part by part", below).
 """),
+    Section(H200, "Audio part by part (one H200)", ["audio-parts.json"], """
+`benchmarks/pipeline_cost.py --pipelines 2 --threads 7`: the bench's graph (16-bit decode, on the
+GPU resample and pad) fed from memory, behind a server fed in its own process (the runners, the
+run table, the batches' resolution), and with the runs sent by a forked process (the transport
+and the server's listener too). The listener's and transport's share is the largest step down;
+the workers and torch's DataLoader take the rest of the way to the loader's rate.
+""", kind="variants"),
     Section(H200, "Audio, one pipeline (one H200)", ["audio-one-pipeline.json"], """
 The same clips, every system with one pipeline of 8 threads, in one run.
 """),
@@ -245,8 +260,9 @@ commit before them, each against the reader in the same run, the two interleaved
 README's audio recipe.
 """, kind="compare"),
     Section(CPU, "Remote shards (2-core CPU)", ["remote.json"], """
-4,096 JPEGs, 64 a shard; the HTTP and S3 (moto) servers on the same two cores, so their CPU counts
-against the loader.
+`benchmarks/remote_bench.py`: 4,096 JPEGs, 64 a shard, local, HTTP, S3 (moto), GCS
+(fake-gcs-server), Azure (Azurite) and cached epochs taking turns, each round's ratio to local;
+the servers on the same two cores, so their CPU counts against the loader.
 """),
     Section(CPU, "Streaming: the first sample of one 512 MB shard (2-core CPU)",
             ["remote-first-sample.json"], """

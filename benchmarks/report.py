@@ -192,6 +192,19 @@ def memory(f: Result) -> str:
             "by the server after an epoch.")
 
 
+def clients_table(f: Result) -> str:
+    """The clients alone (``remote_bench.py``'s plain GETs), one row a client."""
+    rows = ["| client | MiB/s, median (range) | CPU a MiB | a 64 KiB GET |",
+            "| --- | ---: | ---: | ---: |"]
+    for name, c in f.data["clients"].items():
+        low, high = c["mib_per_s_range"]
+        rows.append(f"| {name} | {number(c['mib_per_s'])} ({number(low)}-{number(high)}) | "
+                    f"{c['cpu_ms_per_mib']:.2f} ms | {c['first_byte_ms']:.1f} ms |")
+    return ("**The clients alone**: each GETs the same objects from the same servers into one "
+            "buffer in the main process; `mmproxy-*` is mmproxy's own path (into a memfd, pages "
+            "touched for the first time).\n\n" + "\n".join(rows))
+
+
 def sweep_table(f: Result) -> str:
     rows = ["| pipelines | threads each | batch | sustained | best epoch |",
             "| ---: | ---: | ---: | ---: | ---: |"]
@@ -267,7 +280,19 @@ def profile_table(f: Result) -> str:
     return "\n".join(rows)
 
 
-KINDS = {"sweep": sweep_table, "compare": compare_table, "resume": resume_table,
+def variants_table(f: Result) -> str:
+    """``pipeline_cost.py``'s measurements: one row a variant, epochs after the first."""
+    unit = f.data["unit"]
+    rows = [f"| variant | {unit}, median (range) | CPU cores busy |", "| --- | ---: | ---: |"]
+    for r in f.data["runs"]:
+        cores = r.get("cpu_cores_busy")
+        rows.append(f"| {r['variant']} | {number(r['median'])} ({number(min(r['epochs']))}-"
+                    f"{number(max(r['epochs']))}) | "
+                    f"{f'{min(cores):.1f}-{max(cores):.1f}' if cores else '–'} |")
+    return "\n".join(rows) + "\n\nThree epochs after a first, no loader."
+
+
+KINDS = {"variants": variants_table, "sweep": sweep_table, "compare": compare_table, "resume": resume_table,
          "first-sample": first_sample_table, "ddp": ddp_table, "profile": profile_table}
 
 
@@ -288,6 +313,7 @@ def section(s: t.Section, files: dict[str, Result]) -> str:
         if any(t.APART in p for p in parts):
             parts.append(f"{t.APART} {t.APART_TEXT}")
         parts += [memory(f) for f in mine if f.data.get("memory")]
+        parts += [clients_table(f) for f in mine if f.data.get("clients")]
     else:
         parts.append(KINDS[s.kind](mine[0]))
     parts.append(provenance(mine))
