@@ -23,8 +23,9 @@ class RandomResizedCrop:
     (``scale`` of the area, aspect ``ratio`` drawn log-uniformly, 10 attempts, then the centre
     crop of the nearest allowed ratio) and a flip.
 
-    The window needs the image's size, read from its header (JPEG, PNG); for other formats the
-    window is drawn as if the image were square (its relative area is still within ``scale``).
+    The window needs the image's size, read from its header (JPEG, PNG), as DALI decodes it: a
+    JPEG's EXIF orientation 5-8 swaps its width and height; for other formats the window is drawn
+    as if the image were square (its relative area is still within ``scale``).
     """
 
     names = ("crop_anchor", "crop_shape", "flip")
@@ -36,11 +37,14 @@ class RandomResizedCrop:
 
     def __call__(self, given: dict[str, np.ndarray], rng: random.Random
                  ) -> dict[str, np.ndarray]:
-        from mmproxy.media.checks import image_size
+        from mmproxy.media.checks import image_size, jpeg_orientation
 
         data = given[self.input_name].data.cast("B")  # the header reader takes bytes
-        size = image_size("png" if data[:4] == b"\x89PNG" else "jpg", data)
+        png = data[:4] == b"\x89PNG"
+        size = image_size("png" if png else "jpg", data)
         width, height = size if size and min(size) > 0 else (1024, 1024)
+        if not png and jpeg_orientation(data) >= 5:  # decoded turned a quarter: the window is
+            width, height = height, width  # drawn, and cut, in the turned image
         x, y, w, h = self.window(width, height, rng)
         flip = rng.random() < self.flip_probability
         return {"crop_anchor": np.array((x / width, y / height), np.float32),

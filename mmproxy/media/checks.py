@@ -7,11 +7,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mmproxy.media.audio import ogg_cut, wav_problem
-from mmproxy.media.image import image_size, jpeg_header, jpeg_truncated, png_truncated, tiff_problem
+from mmproxy.media.image import (
+    image_size,
+    jpeg_header,
+    jpeg_orientation,
+    jpeg_truncated,
+    png_truncated,
+    tiff_problem,
+)
 from mmproxy.media.video import VIDEO_EXTS, VideoInfo, video_cut, video_info, video_problem
 
 __all__ = ["MAX_PIXELS", "SIGNATURES", "VIDEO_EXTS", "VideoInfo", "check_header", "image_size",
-           "video_cut", "video_info"]
+           "jpeg_orientation", "video_cut", "video_info"]
 
 MAX_PIXELS = 64 * 2**20  # 64 megapixels
 Data = bytes | memoryview  # a field: bytes, or a view of a mapped shard

@@ -17,7 +17,7 @@ from zlib import adler32
 
 from mmproxy.media import Unread
 
-__all__ = ["image_size", "jpeg_header", "jpeg_truncated", "png_truncated", "tiff_info",
+__all__ = ["image_size", "jpeg_header", "jpeg_orientation", "jpeg_truncated", "png_truncated", "tiff_info",
            "tiff_problem"]
 
 _SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
@@ -48,6 +48,45 @@ def image_size(ext: str, data: bytes | memoryview) -> tuple[int, int] | None:
                 return width, height
             i += 2 + length
     return None
+
+
+def jpeg_orientation(data: bytes | memoryview) -> int:
+    """The EXIF Orientation a JPEG declares (1-8; 1, as stored, when it has none or the EXIF
+    block cannot be read). 5-8 turn the image a quarter: DALI's decoders give it with its width
+    and height swapped."""
+    i, n = 2, min(len(data), 1 << 20)
+    while i + 4 <= n and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF:
+            i += 1
+            continue
+        if marker == 0xDA or marker in _SOF:  # the EXIF block comes before the frame
+            return 1
+        (length,) = struct.unpack_from(">H", data, i + 2)
+        if marker == 0xE1 and bytes(data[i + 4:i + 10]) == b"Exif\0\0":
+            return _exif_orientation(data[i + 10:min(n, i + 2 + length)])
+        i += 2 + length
+    return 1
+
+
+def _exif_orientation(tiff: bytes | memoryview) -> int:
+    """The Orientation tag (0x0112) of an EXIF block's first directory, or 1."""
+    order = {b"II": "<", b"MM": ">"}.get(bytes(tiff[:2]))
+    if order is None or len(tiff) < 8:
+        return 1
+    (ifd,) = struct.unpack_from(order + "I", tiff, 4)
+    if ifd + 2 > len(tiff):
+        return 1
+    (count,) = struct.unpack_from(order + "H", tiff, ifd)
+    for k in range(count):
+        at = ifd + 2 + 12 * k
+        if at + 12 > len(tiff):
+            return 1
+        tag, kind = struct.unpack_from(order + "HH", tiff, at)
+        if tag == 0x0112 and kind == 3:  # a SHORT
+            (value,) = struct.unpack_from(order + "H", tiff, at + 8)
+            return value if 1 <= value <= 8 else 1
+    return 1
 
 
 def jpeg_header(data: bytes | memoryview) -> tuple[int | None, tuple[int, int] | None]:
