@@ -47,7 +47,6 @@ class RunTable:
         self.deterministic = deterministic
         self.timeout = timeout
         self.device = device
-        self.lanes = lanes
         self.cond = threading.Condition()
         self.state = ServerState.CREATED
         self.error: BaseException | None = None  # why the server failed
@@ -171,6 +170,11 @@ class RunTable:
                         run.tag = tag
                     self._schedule.claim(run_id)
             self.cond.notify_all()
+
+    @property
+    def lanes(self) -> int:
+        """The server's pipelines (the schedule deals runs to them)."""
+        return self._schedule.lanes
 
     # -- resolvers ------------------------------------------------------------------------------
 
