@@ -1,4 +1,5 @@
-"""Stage: one step of the worker-side pipeline, a small object that owns its state.
+"""Stage: the one protocol of the worker-side pipeline's steps (``next``, ``reset``,
+``state_dict``), each a small object that owns its state and knows only its source.
 docs/internals.md, ``mmproxy.datasets.stages._stage``, has the rest.
 """
 
