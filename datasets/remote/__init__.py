@@ -95,8 +95,10 @@ def is_remote(url: str) -> bool:
 def prepare(urls: list[str]) -> None:
     """Readies this process for ``urls`` before DataLoader workers fork from it: with
     object-store shards, obstore is imported (ImportError, with what to install, without it)."""
-    if any(url.partition("://")[0].lower() in STORES for url in urls):
-        prepare_stores()
+    schemes = [url.partition("://")[0].lower() for url in urls]
+    stores = [scheme for scheme in schemes if scheme in STORES]
+    if stores:
+        prepare_stores(stores[0])
 
 
 class RemoteShard:

@@ -19,13 +19,13 @@ _CHUNK = 64 << 10  # obstore hands the body over in pieces of at least this much
 # the piece under way: a resumed GET asks for it again)
 
 
-def prepare_stores() -> None:
+def prepare_stores(scheme: str) -> None:
     """Imports obstore in this process before DataLoader workers fork from it (its stores are made
-    in each worker); ImportError, with what to install, without it."""
+    in each worker); ImportError, with what to install for ``scheme://`` shards, without it."""
     try:
         import obstore  # noqa: F401
     except ImportError:
-        raise ImportError(missing("s3")) from None
+        raise ImportError(missing(scheme)) from None
 
 
 def _failure(err: BaseException, scheme: str, timeout: float, answered: bool) -> Exception:

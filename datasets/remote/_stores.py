@@ -214,9 +214,11 @@ def list_objects(url: str, timeout: float) -> tuple[list[str], int]:
 
 
 def _list(url: str, timeout: float) -> tuple[list[str], int]:
-    import obstore
-
     scheme, bucket, pattern = bucket_key(url)
+    try:
+        import obstore
+    except ImportError:
+        raise OSError("import", missing(scheme)) from None
     suffixes = (".tar", ".tar.gz", ".tgz")
     patterns = ([pattern + "*" + suffix for suffix in suffixes]
                 if not pattern or pattern.endswith("/") else [pattern])
@@ -247,8 +249,6 @@ def _main(argv: list[str]) -> None:
     try:
         shards, listed = _list(url, float(timeout))
         print(json.dumps({"shards": shards, "listed": listed}))
-    except ImportError:
-        print(json.dumps({"error": "import", "words": missing(bucket_key(url)[0])}))
     except OSError as err:
         print(json.dumps({"error": err.args[0], "words": err.args[1]}))
     sys.stdout.flush()

@@ -290,3 +290,24 @@ def test_headers_go_to_the_shards_host_only(shard_dir, local, clean_env):
     with pytest.raises(ValueError, match="headers must map names to values"):
         RemoteOptions(headers={"Authorization": 1})  # type: ignore[dict-item]
     assert "mine" not in repr(RemoteOptions(headers={"Authorization": "Bearer mine"}))
+
+
+def test_without_obstore_each_scheme_names_its_extra(monkeypatch, tmp_path, clean_env):
+    """No obstore: reading, listing (in the listing's child process too) and preparing say what
+    to install, with the extra of the shard's cloud."""
+    from mmproxy.datasets.remote import prepare
+
+    import mmproxy
+
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "obstore.py").write_text("raise ImportError('no obstore here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hide"))  # the listing's child
+    monkeypatch.setitem(__import__("sys").modules, "obstore", None)  # this process
+    with pytest.raises(RemoteError, match=r"^gs:// shards need obstore: pip install obstore "
+                       r"\(mmproxy's \[gcs\] extra\)"):
+        read_whole("gs://bucket/r-0.tar")
+    with pytest.raises(mmproxy.ShardError, match=r"^cannot list az://c/: az:// shards need "
+                       r"obstore: pip install obstore \(mmproxy's \[azure\] extra\)$"):
+        expand("az://c/")
+    with pytest.raises(ImportError, match=r"s3:// shards need obstore: .*\[s3\] extra"):
+        prepare(["http://x/a.tar", "s3://b/a.tar"])
