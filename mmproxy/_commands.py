@@ -99,11 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "set); the fields of its first sample pick the servers: image (jpg, png, "
                       "webp, bmp, tiff), audio (flac, wav, ogg), video (mp4, mov, webm, mkv, avi), "
                       "text (txt), label (cls)")
-    demo.add_argument("--samples", type=_POSITIVE, default=256,
-                      help="size of the synthetic set (default 256)")
+    demo.add_argument("--samples", type=_POSITIVE, default=None,
+                      help="size of the synthetic set (default 256; not with --data)")
     demo.add_argument("--video", action="store_true",
                       help="add an H.264 clip to every synthetic sample, and a video server "
-                      "(needs PyAV: pip install av)")
+                      "(needs PyAV: pip install av; not with --data, whose fields pick the servers)")
     demo.add_argument("--batch-size", type=_POSITIVE, default=32, help="samples per batch (default 32)")
     demo.add_argument("--workers", type=_COUNT, default=2, help="DataLoader workers (default 2)")
     demo.add_argument("--threads", type=_POSITIVE, default=2, help="DALI threads per server (default 2)")

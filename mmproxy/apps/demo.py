@@ -31,6 +31,15 @@ def run(args: argparse.Namespace) -> int:
               f"label{', video' if args.video else ''}) to {where}; later runs reuse them",
               flush=True)
 
+    if args.data and (args.samples is not None or args.video):
+        given = " and ".join(o for o, v in (("--samples", args.samples), ("--video", args.video))
+                             if v)
+        verb = "shape" if args.samples is not None and args.video else "shapes"
+        raise ValueError(f"{given} {verb} the synthetic set; with --data the demo reads every "
+                         "sample of your shards, and their fields pick the servers: drop "
+                         f"{given}")
+    if args.samples is None:
+        args.samples = 256
     pyav_missing = _pyav_missing()
     if args.data:
         urls = expand_data(args.data)
@@ -136,6 +145,9 @@ def _dataset(args: argparse.Namespace, urls: list[str], exts: dict[str, str],
     transform = None
     if "text" in exts:
         fields["text"] = (exts["text"], _text)
+        if args.data and not args.tokenizer:
+            print("mmproxy demo: text tokenized by the demo's tiny tokenizer (trained on its "
+                  "synthetic captions); give yours with --tokenizer FOLDER", flush=True)
         tokenizer = load_tokenizer(args.tokenizer or demo_tokenizer())
         transform = Tokenize(tokenizer, 32, "longest")
     if "label" in exts:

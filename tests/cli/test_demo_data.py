@@ -103,3 +103,17 @@ def test_demo_reads_every_sample_of_a_folder_of_gzip_shards(tmp_path):
     counts = dict(re.findall(r"^  (\w+) +(\d+) samples +[\d.]+ samples/s", proc.stdout, re.M))
     assert counts == {"image": "12", "text": "12", "label": "12"}, proc.stdout
     assert "3 shard(s)" in proc.stdout and "skipped 0 samples" in proc.stdout, proc.stdout
+    # the captions of someone else's shards are tokenized by the demo's own tokenizer: said so
+    assert "text tokenized by the demo's tiny tokenizer" in proc.stdout, proc.stdout
+    assert "--tokenizer FOLDER" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("given", [["--samples", "64"], ["--video"], ["--samples", "8", "--video"]])
+def test_demo_refuses_the_synthetic_sets_options_with_data(tmp_path, given):
+    gzip_folder(tmp_path / "data")
+    proc = run_cli(["demo", "--data", str(tmp_path / "data"), "--device", "cpu", *given], tmp_path)
+    assert proc.returncode != 0
+    named = " and ".join(g for g in given if g.startswith("--"))
+    assert f"{named} shape" in proc.stderr and "with --data the demo reads every sample" in \
+        proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
