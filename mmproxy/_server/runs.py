@@ -275,7 +275,10 @@ class RunTable:
         self._done[run.id] = run
         evicted = []
         while len(self._done) > _DONE_KEPT:
-            evicted.append(self._done.popitem(last=False)[1])
+            old = self._done.popitem(last=False)[1]
+            self._note_dropped(old.id, f"its outputs were taken, and only the last {_DONE_KEPT} "
+                               "released runs are kept (a batch resolved again long after)")
+            evicted.append(old)
         return evicted
 
     def _note_dropped(self, run_id: str, why: str) -> None:

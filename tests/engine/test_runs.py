@@ -102,6 +102,24 @@ def test_a_stale_or_stopped_run_raises_at_once_naming_why():
     assert time.perf_counter() - start < 1
 
 
+def test_a_run_released_long_ago_raises_at_once_instead_of_waiting():
+    from mmproxy._server.runs import _DONE_KEPT
+
+    table = _table(timeout=None)  # a wait for a run that will never come would hang
+    stop = threading.Event()
+    ids = [f"r{i}" for i in range(_DONE_KEPT + 2)]
+    for run_id in ids:
+        table.accept(_request(run_id))
+        run = table.next(False, stop)
+        table.finish(run, ("out",), None)
+        table.release(table.wait(run_id))
+    assert table.wait(ids[-1]).outputs == ("out",)  # a recent one is kept for its other outputs
+    start = time.perf_counter()
+    with pytest.raises(mmproxy.RunDroppedError, match="r0 was dropped: its outputs were taken"):
+        table.wait("r0")
+    assert time.perf_counter() - start < 1
+
+
 def test_a_wait_that_times_out_leaves_no_placeholder():
     table = _table(timeout=0.2)
     with pytest.raises(mmproxy.WaitTimeoutError, match="run ghost not ready after 0.2 s"):
