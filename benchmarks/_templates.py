@@ -147,9 +147,9 @@ the cores hold at the pipeline's threads ([docs/pipelines.md](docs/pipelines.md)
 `benchmarks/pipeline_cost.py --kind image --only fed`: the graph fed from the shards' mappings,
 no loader, with one more freedom each. The hardware JPEG decoder tops near 40,000 images a second
 (its share 1.0 frees five cores and runs slower); the whole image decoded costs more than the
-window alone; several processes share the one GPU's decoders and run below one. The graph's
-ceiling on this machine is near 49,000 images a second, 1.2x the reader: 1.3x it is above what
-the graph reaches.
+window alone; two or three processes at once run below one. Each row is the measurement "fed
+from the shards' mappings, shuffled". The graph's ceiling on this machine is near 49,000 images a
+second, 1.2x the reader: 1.3x it is above what the graph reaches.
 """, kind="variants"),
     Section(H200, "Images against SPDL (one H200)", ["image-spdl.json"], """
 16,384 JPEGs, mmproxy with one pipeline. SPDL's CUDA build on that machine has no nvJPEG, so
@@ -174,8 +174,9 @@ workers to the pipeline is the gap ("Audio part by part", below).
 `benchmarks/pipeline_cost.py --pipelines 2 --threads 7`: the bench's graph (16-bit decode, on the
 GPU resample and pad) fed from memory, behind a server fed in its own process (the runners, the
 run table, the batches' resolution), and with the runs sent by a forked process (the transport
-and the server's listener too). The listener's and transport's share is the largest step down;
-the workers and torch's DataLoader take the rest of the way to the loader's rate.
+and the server's listener too); the reader rows run its one pipeline. Served to sent (the
+listener and transport) costs about 11,000 clips a second; the workers and torch's DataLoader take
+about 13,000 more, to the loader's rate ("Audio, several pipelines a server").
 """, kind="variants"),
     Section(H200, "Audio, one pipeline (one H200)", ["audio-one-pipeline.json"], """
 The same clips, every system with one pipeline of 8 threads, in one run.

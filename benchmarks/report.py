@@ -281,13 +281,20 @@ def profile_table(f: Result) -> str:
 
 
 def variants_table(f: Result) -> str:
-    """``pipeline_cost.py``'s measurements: one row a variant, epochs after the first."""
-    unit = f.data["unit"]
+    """``pipeline_cost.py``'s measurements, one row each: its own output (a measurement's name
+    and its epochs), or rows merged from several of its commands (``runs``)."""
+    d = f.data
+    if "runs" in d:
+        unit, runs = d["unit"], [(r["variant"], r["epochs"], r.get("cpu_cores_busy"))
+                                 for r in d["runs"]]
+    else:
+        unit = "clips/s" if d["kind"] == "audio" else "images/s"
+        runs = [(name, m["after_the_first"], (m.get("cpu_cores_busy") or [None])[1:] or None)
+                for name, m in d.items() if isinstance(m, dict) and "after_the_first" in m]
     rows = [f"| variant | {unit}, median (range) | CPU cores busy |", "| --- | ---: | ---: |"]
-    for r in f.data["runs"]:
-        cores = r.get("cpu_cores_busy")
-        rows.append(f"| {r['variant']} | {number(r['median'])} ({number(min(r['epochs']))}-"
-                    f"{number(max(r['epochs']))}) | "
+    for name, epochs, cores in runs:
+        rows.append(f"| {name} | {number(statistics.median(epochs))} ({number(min(epochs))}-"
+                    f"{number(max(epochs))}) | "
                     f"{f'{min(cores):.1f}-{max(cores):.1f}' if cores else '–'} |")
     return "\n".join(rows) + "\n\nThree epochs after a first, no loader."
 
