@@ -117,7 +117,8 @@ def main() -> None:
         for loader_ in loaders.values():  # the workers go before this process reads object stores
             del loader_
         loaders.clear()
-        clients = measure_clients(args, folder, servers) if args.client_mib else {}
+        remote = [s for s in ("http", "s3", "gs", "az") if s in systems]
+        clients = measure_clients(args, folder, servers) if args.client_mib and remote else {}
     out: dict[str, Any] = {"results": {"image": {"batch_size": setup.batch, "systems": {}}},
                            "first_batch_s": first, "clients": clients}
     for system in systems:
