@@ -298,17 +298,17 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
         if rank is None or world is None:
             rank, world, _, _ = worker_info()
         layout = Layout(self.seed, epoch, rank, world, worker_id, workers)
-        read, buffers, with_work = self._read, {}, []
+        read, buffers, required = self._read, {}, []
         for i, s in enumerate(self.sources):
             plan = ShardPlan(s.urls, layout, source=i, shuffle=self.shuffle_shards,
                              resampled=self.resampled, dealt=None if dealt is None else dealt[i])
-            with_work.append(bool(plan.items()))
+            required.append(dealt is None and bool(plan.items()))
             reader = ShardReader(plan, read, layout,
                                  drawn_from=len(s.urls) if self.resampled else None)
             buffers[s.name] = ShuffleBuffer(reader, self.shuffle_buffer, fetch=read.fetch,
                                             layout=layout, source=i)
         mixer = SourceMixer(buffers, [s.weight for s in self.sources], self.on_exhausted,
-                            self.epoch_length is not None, layout, with_work)
+                            self.epoch_length is not None, layout, required)
         process = SampleFields([(s.name, s.fields) for s in self.sources], seed=self.seed,
                                epoch=epoch, mixed=self.mixed, keep_keys=self.keep_keys,
                                max_pixels=self.max_pixels, policy=self.policy,

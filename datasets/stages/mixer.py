@@ -4,9 +4,11 @@ With several sources every sample's source is drawn by weight (from a generator 
 epoch, rank and worker). A source whose pass ends either ends the worker's epoch (``"stop"``), or
 starts its next pass (``"restart"``: the epoch ends once every source has finished a pass); with
 ``endless`` (``epoch_length`` set) sources always restart and the batcher's quota ends the epoch.
-A source with no work for this worker (after an elastic resume) is left out of the draw; one
-whose shards hold no sample at all (a wrong path, every shard unreadable) raises, instead of
-leaving its share to the others.
+A source whose shards hold no sample at all (a wrong path, every shard unreadable) raises,
+instead of leaving its share to the others. One that has no shards for this worker, or whose
+first pass is what an elastic resume dealt it (maybe nothing, or only the end of a shard whose
+samples were all delivered), leaves the draw quietly instead, or with ``endless`` goes on to its
+next pass.
 """
 
 from __future__ import annotations
@@ -66,23 +68,25 @@ class SourceMixer(Stage[tuple[int, Taken] | SkippedSample]):
         on_exhausted: What a source that runs out does (see the module docstring).
         endless: Sources always restart (the batcher's quota ends the epoch).
         layout: Where the worker sits.
-        with_work: Per source, whether its plan gives this worker any shard (an elastic resume
-            may deal it none); by default every source has.
+        required: Per source, whether its first pass must give samples: it has shards for this
+            worker and no elastic resume dealt them (see the module docstring); by default every
+            source's. It is part of the state, as a resumed chain is built without what an
+            elastic resume dealt it.
     """
 
     NAME = "source mixer"
-    VERSION = 2
-    RNG, ACTIVE, PASSES, SOURCES = "rng", "active", "passes", "sources"
-    KEYS = (RNG, ACTIVE, PASSES, SOURCES)
+    VERSION = 3
+    RNG, ACTIVE, PASSES, REQUIRED, SOURCES = "rng", "active", "passes", "required", "sources"
+    KEYS = (RNG, ACTIVE, PASSES, REQUIRED, SOURCES)
 
     def __init__(self, buffers: Mapping[str, ShuffleBuffer], weights: Sequence[float],
                  on_exhausted: OnExhausted, endless: bool, layout: Layout,
-                 with_work: Sequence[bool] | None = None) -> None:
+                 required: Sequence[bool] | None = None) -> None:
         self.names = list(buffers)
         self.buffers = list(buffers.values())
         self.weights = list(weights)
         self.on_exhausted, self.endless, self.layout = on_exhausted, endless, layout
-        self.with_work = [True] * len(self.buffers) if with_work is None else list(with_work)
+        self.required = [True] * len(self.buffers) if required is None else list(required)
         self.reasons: list[Counter[str]] = [Counter() for _ in self.buffers]  # records, for messages
         self._start()
 
@@ -123,15 +127,16 @@ class SourceMixer(Stage[tuple[int, Taken] | SkippedSample]):
         """Source ``s``'s pass is over: it restarts, leaves the draw, or ends the epoch (raising
         ``StopIteration``), or it raises for a source without samples."""
         passes, _, taken = self.passes[s]
+        spare = passes == 0 and taken == 0 and not self.required[s]  # nothing of its own here
         if not self.endless and passes == 0 and taken == 0:
-            if self.with_work[s] and len(self.buffers) > 1:  # shards, no sample
+            if not spare and len(self.buffers) > 1:  # shards, no sample
                 raise ShardError(f"{self.layout}: source {s}'s shards hold no samples "
                                  f"(reasons: {self._reasons(s)}); the other sources would "
                                  "take its share unnoticed")
-            self._set_active([a for a in self._active if a != s])  # no work of its own here
+            self._set_active([a for a in self._active if a != s])
             return
         if self.endless:
-            if taken == 0:
+            if taken == 0 and not spare:
                 which = f" of source {s}" if len(self.buffers) > 1 else ""
                 raise ShardError(f"{self.layout}: its shards{which} hold no samples, so it "
                                  "cannot make its share of epoch_length "
@@ -153,15 +158,17 @@ class SourceMixer(Stage[tuple[int, Taken] | SkippedSample]):
         return self._pack(**{self.RNG: self._draws.state,
                              self.ACTIVE: [self.names[s] for s in self._active],
                              self.PASSES: {name: tuple(p) for name, p in zip(self.names, self.passes)},
+                             self.REQUIRED: [n for n, r in zip(self.names, self.required) if r],
                              self.SOURCES: {name: b.state_dict()
                                             for name, b in zip(self.names, self.buffers)}})
 
     def _load(self, state: Mapping[str, Any]) -> None:
         sources, passes = state[self.SOURCES], state[self.PASSES]
         if (sorted(sources) != sorted(self.names) or sorted(passes) != sorted(self.names)
-                or not set(state[self.ACTIVE]) <= set(sources)):
+                or not set(state[self.ACTIVE]) | set(state[self.REQUIRED]) <= set(sources)):
             raise self._other_sources(sorted(sources))
         self._draws.state = state[self.RNG]
+        self.required = [name in state[self.REQUIRED] for name in self.names]
         self._set_active([self.names.index(name) for name in state[self.ACTIVE]])
         self.passes = [[int(p), bool(e), int(t)] for p, e, t in (passes[n] for n in self.names)]
         for name, buffer in zip(self.names, self.buffers):

@@ -16,7 +16,7 @@ import textwrap
 import braceexpand
 import pytest
 import torch
-from mmproxy.datasets import MultiModalDataset
+from mmproxy.datasets import MultiModalDataset, Source
 from mmproxy.pipelines import image_train_pipeline
 from resume_helpers import (
     BATCH,
@@ -104,7 +104,7 @@ def test_resume_in_a_new_process(shards, server, tmp_path):
     torch.save(state, tmp_path / "state.pt")
     script = textwrap.dedent(f"""
         import json, torch, mmproxy
-        from mmproxy.datasets import MultiModalDataset
+        from mmproxy.datasets import MultiModalDataset, Source
         from mmproxy.pipelines import image_train_pipeline
         pipe = image_train_pipeline(batch_size={BATCH}, size=16, dtype="uint8", device="cpu",
                                     num_threads=1, scale=(0.2, 1.0), sample_seeded=True)
@@ -391,6 +391,62 @@ def test_elastic_resume_over_ranks_counts_each_skip_once(damaged, server, as_ran
     for r in reports:
         by_kind.update(r.by_kind)
     assert dict(by_kind) == {"missing field": 150, "field function failed": 50}
+
+
+@pytest.fixture(scope="module")
+def small_mix(tmp_path_factory):
+    """Source A: 4 shards of 10 samples; B: 4 shards of 3 (it runs out of work items first)."""
+    root = tmp_path_factory.mktemp("small_mix")
+    for source, samples in (("a", 10), ("b", 3)):
+        for s in range(4):
+            keys = [f"{source}{s}-{k}" for k in range(samples)]
+            write_tar(root / f"{source}-{s}.tar", [{"__key__": k, "txt": k} for k in keys])
+    return str(root / "a-{0..3}.tar"), str(root / "b-{0..3}.tar")
+
+
+def _mix(small_mix, **kw):
+    text = {"text": ("txt", bytes.decode)}
+    return MultiModalDataset(sources=[Source(small_mix[0], text, 1, "A"),
+                                      Source(small_mix[1], text, 1, "B")],
+                             batch_size=2, seed=3, **kw)
+
+
+@pytest.mark.parametrize("data", [{}, {"epoch_length": 14}])
+def test_elastic_resume_deals_some_workers_nothing_of_a_source(small_mix, data):
+    """After 10 batches of 2 workers B has 2 work items left for 3 new workers: the one dealt
+    none of B mixes A alone, and no sample comes twice."""
+    loader = _mix(small_mix, **data).loader(num_workers=2)
+    before, state = _keys(loader, 10)
+    resumed = _mix(small_mix, **data).loader(num_workers=3)
+    resumed.load_state_dict(state)
+    after, _ = _keys(resumed)
+    assert after
+    if data:  # the sources restart to fill the quota: samples may come again
+        assert len(before + after) == 2 * 14
+    else:
+        assert len(set(before + after)) == len(before + after)
+
+
+def test_elastic_resume_of_a_mix_from_every_position(small_mix):
+    """Saved after every batch (so also where a shard reader has given the last sample of its
+    item, and its state still holds the item), resharded to 3 workers: each new worker reads
+    what it was dealt, maybe nothing of a source, and no sample comes twice."""
+    from mmproxy.datasets.stages.position import PositionStamp
+
+    from mmproxy.state import LoaderState
+
+    ds = _mix(small_mix, shuffle_buffer=0)
+    batches = len(list(ds._chain(1, 0, 1, rank=0, world=1)))
+    for n in range(1, batches):
+        chain = ds._chain(1, 0, 1, rank=0, world=1)
+        before = [k for _ in range(n) for k in next(chain)["__key__"]]
+        saved = LoaderState(epoch=1, done=False, batches=n, positions={0: chain.state_dict()})
+        after = []
+        for state in ds.reshard([saved], rank=0, world=1, workers=3):
+            resumed = ds._chain(*PositionStamp.where(state), rank=0, world=1)
+            resumed.reset(state)
+            after += [k for batch in resumed for k in batch["__key__"]]
+        assert after and len(set(before + after)) == len(before + after), f"after {n} batches"
 
 
 def test_two_loaders_without_workers_resume_each_their_own(shards, server, tmp_path):

@@ -50,7 +50,25 @@ CASES = {
     "two sources, restart": dict(mixed=True, shuffle_buffer=3, on_exhausted="restart"),
     "two sources, epoch_length": dict(mixed=True, shuffle_buffer=3, epoch_length=6),
     "resampled": dict(shuffle_buffer=4, resampled=True, epoch_length=5),
+    # an elastic resume's chains: each source's first pass dealt (B's, nothing; or only a
+    # shard read to its end), a state of it loaded into a chain built without it
+    "dealt, none of B": dict(mixed=True, shuffle_buffer=3,
+                             dealt=lambda a, b: [[Work(a[1], start=4), Work(a[4]), Work(a[0]),
+                                                  Work(a[2], only=(1, 5))], []]),
+    "dealt, B read to its end": dict(mixed=True, shuffle_buffer=3, epoch_length=6,
+                                     dealt=lambda a, b: [[Work(a[2], start=2), Work(a[3]),
+                                                          Work(a[0], start=6), Work(a[1])],
+                                                         [Work(b[0], start=4)]]),
 }
+
+
+def _chain(shards, case, resumed=False):
+    """The chain of worker 0 of 1 for a case; ``resumed``: as a resume builds it (a dealt
+    first pass comes with the state)."""
+    options = dict(CASES[case])
+    dealt = options.pop("dealt", None)
+    return _dataset(shards, **options)._chain(
+        1, 0, 1, rank=0, world=1, dealt=None if dealt is None or resumed else dealt(*shards))
 
 
 def _dataset(shards, mixed=False, **options):
@@ -104,8 +122,8 @@ def _run(stage, limit):
 def test_every_stage_resumes_where_its_state_was_saved(shards, name, case):
     where = STAGES[name]
 
-    def build():
-        return where(_dataset(shards, **CASES[case])._chain(1, 0, 1, rank=0, world=1))
+    def build(resumed=False):
+        return where(_chain(shards, case, resumed))
 
     whole = _run(build(), LIMIT)
     assert len(whole) > 3
@@ -114,11 +132,12 @@ def test_every_stage_resumes_where_its_state_was_saved(shards, name, case):
         stage = build()
         first = _run(stage, n)
         state = pickle.loads(pickle.dumps(stage.state_dict()))
-        if name == "shuffle buffer" and n == 3 and CASES[case]["shuffle_buffer"]:
+        if (name == "shuffle buffer" and n == 3 and CASES[case]["shuffle_buffer"]
+                and "dealt" not in CASES[case]):
             assert state["held"], "the state is saved while the buffer holds samples"
         if name == "batcher" and state["batch"]:
             half_full.add(n)
-        again = build()
+        again = build(resumed=True)
         again.reset(state)
         assert first + _run(again, LIMIT - n) == whole, f"after {n} items"
     if name == "batcher" and case == "one source":
