@@ -169,20 +169,19 @@ class ShardPlan(Stage[Work]):
 
     def _same_shards(self, state: Mapping[str, Any]) -> None:
         """Refuses a state saved over other shards, or with another seed: its positions would
-        point into other shards, or into another order of them and of their samples (a state
-        converted from the first version of states says nothing, and is trusted; one saved
-        before the seed was part of it is trusted on the seed)."""
-        saved = state[self.SHARDS]
-        if saved is None:
-            return
-        saved, mine = list(saved), self._shards()
+        point into other shards, or into another order of them and of their samples."""
+        saved, mine = state[self.SHARDS], self._shards()
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(mine):
+            raise StateError(f"the {self.NAME} state's shards are {saved!r}, not their count, "
+                             "digest and seed")
+        saved = list(saved)
         if saved[:2] != mine[:2]:
             raise StateError(
                 f"the state was saved by a dataset over other shards ({saved[0]} of them) than "
                 f"this one's {len(self.urls)} (from {self.urls[0]!r}), or over the same ones in "
                 "another order or under other names; resume with the dataset built on the "
                 "shards it was saved with")
-        if len(saved) > 2 and saved[2] != mine[2]:
+        if saved[2] != mine[2]:
             raise StateError(
                 f"the state was saved by a dataset of seed={saved[2]}, and this one's seed is "
                 f"{mine[2]}: its positions are in the other seed's order of shards and samples, "

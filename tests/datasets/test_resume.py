@@ -495,33 +495,6 @@ def test_a_state_saved_with_another_seed_is_refused(shards, server, workers):
         next(iter(loader))
 
 
-def test_a_state_saved_before_the_plan_kept_its_seed_is_trusted_on_the_seed(shards, server):
-    """A shard plan's state of the code before it kept the seed has two entries under "shards"
-    (count and digest): it loads, and resumes exactly."""
-    whole, _ = _epochs(_dataset(shards, server).loader(server, num_workers=2), 1)
-    before, state = _epochs(_dataset(shards, server).loader(server, num_workers=2), 1, 3)
-    plans = []
-
-    def find(node):
-        if isinstance(node, dict):
-            if "pass" in node and "shards" in node:
-                plans.append(node)
-            for value in node.values():
-                find(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                find(value)
-
-    find(state)
-    assert plans and all(len(plan["shards"]) == 3 for plan in plans)
-    for plan in plans:
-        plan["shards"] = plan["shards"][:2]
-    loader = _dataset(shards, server).loader(server, num_workers=2)
-    loader.load_state_dict(state)
-    after, _ = _epochs(loader, 1)
-    _same(before + after, whole)
-
-
 @pytest.mark.parametrize("workers", [2, 3])  # the same workers (exact), others (elastic)
 def test_a_state_of_other_shards_is_refused(shards, server, workers):
     """A saved position points into the shards it was saved over: on other shards (fewer, or

@@ -165,6 +165,15 @@ def test_a_stage_refuses_a_state_of_another_stage(shards, name):
         where(chain).reset({**others[0], "surprise": 1})
 
 
+@pytest.mark.parametrize("shards_entry", [None, "count and digest"])
+def test_a_shard_plan_refuses_a_state_without_its_shards_and_seed(shards, shards_entry):
+    plan = STAGES["shard plan"](_chain(shards, "one source"))
+    state = plan.state_dict()
+    state["shards"] = None if shards_entry is None else state["shards"][:2]
+    with pytest.raises(mmproxy.StateError, match="not their count, digest and seed"):
+        STAGES["shard plan"](_chain(shards, "one source")).reset(state)
+
+
 def _stages_in(value):
     """The stages ``value`` holds: itself, or those of a list."""
     from mmproxy.datasets.stages._stage import Stage
