@@ -27,7 +27,8 @@ class Stage(ABC, Generic[T]):
     then whatever else it needs; it speaks to its source through this protocol alone:
 
     - :meth:`next`: the next item; ``StopIteration`` at the end of the stage's pass.
-    - :meth:`reset`: back to a state :meth:`state_dict` made, or (None) on to the next pass.
+    - :meth:`reset`: back to a state :meth:`state_dict` made, or (None) on to the next pass;
+      the mixer and the stages after it have one pass per epoch, and raise.
     - :meth:`state_dict`: the state now, its source's nested under the source's name.
 
     ``remaining(state)`` says what a state has left (an elastic resume). Subclasses set ``NAME``
@@ -51,7 +52,8 @@ class Stage(ABC, Generic[T]):
 
     def reset(self, state: Mapping[str, Any] | None = None) -> None:
         """Back to where ``state`` (of this stage, checked first) was saved; with None, on to
-        the start of the next pass: the source's next pass (a shard plan's next order)."""
+        the start of the next pass: the source's next pass (a shard plan's next order). A stage
+        of one pass per epoch raises :class:`~mmproxy.errors.StateError` for None."""
         if state is None:
             self._next_pass()
         else:
@@ -69,9 +71,11 @@ class Stage(ABC, Generic[T]):
     def _load(self, state: Mapping[str, Any]) -> None:
         """:meth:`reset` to ``state``, a state of this stage's version with exactly its keys."""
 
-    @abstractmethod
     def _next_pass(self) -> None:
-        """:meth:`reset` without a state."""
+        """:meth:`reset` without a state: by default there is no next pass (the epoch's chain
+        is built again for the next epoch)."""
+        raise StateError(f"the {self.NAME} has one pass per epoch: reset it to a state, or "
+                         "build the next epoch's chain")
 
     def _pack(self, **values: Any) -> dict[str, Any]:
         """The state with this stage's version; ``values`` are exactly its ``KEYS``."""

@@ -127,10 +127,6 @@ class Batcher(Stage[Any]):
         records, self.pending = self.pending, []
         return {SKIPPED: records, SHARDS_TRIED: self.tried()}
 
-    def _next_pass(self) -> None:
-        self.fields.reset()
-        self._start()
-
     def state_dict(self) -> dict[str, Any]:
         urls, batch = pack_addresses([(p.source, p.url, p.index) for p in self.batch])
         return self._pack(**{self.MADE: self.made, self.QUOTA: self.quota, self.URLS: urls,

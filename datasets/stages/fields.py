@@ -254,9 +254,6 @@ class FieldStage(Stage[Processed | SkippedSample]):
             return got
         return self.fields(*got)
 
-    def _next_pass(self) -> None:
-        self.mixer.reset()
-
     def state_dict(self) -> dict[str, Any]:
         return self._pack(**{self.MIXER: self.mixer.state_dict()})
 

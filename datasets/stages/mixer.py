@@ -149,11 +149,6 @@ class SourceMixer(Stage[tuple[int, Taken] | SkippedSample]):
     def _reasons(self, source: int) -> list[tuple[str, int]]:
         return self.reasons[source].most_common(3)
 
-    def _next_pass(self) -> None:
-        for buffer in self.buffers:
-            buffer.reset()
-        self._start()
-
     def state_dict(self) -> dict[str, Any]:
         return self._pack(**{self.RNG: self._draws.state,
                              self.ACTIVE: [self.names[s] for s in self._active],

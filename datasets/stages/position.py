@@ -43,9 +43,6 @@ class PositionStamp(Stage[Any]):
     def next(self) -> Any:
         return worker.stamp(self.batcher.next(), self.layout.worker, self.state_dict)
 
-    def _next_pass(self) -> None:
-        self.batcher.reset()
-
     @classmethod
     def where(cls, state: Any) -> tuple[int, int, int]:
         """The epoch, worker and number of workers of a state (to build its chain)."""
