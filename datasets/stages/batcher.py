@@ -1,8 +1,9 @@
 """Batcher: a worker's samples into batches, each carrying the skip records that came before it.
 
-Its state: the batches made, the quota, and the addresses of the samples of the batch being
-filled; a resumed batcher reads those samples again and processes them (their proxies run again,
-and nothing of them had reached a server before, as their batch was not collated).
+Its state: the batches made, the quota, the addresses of the samples of the batch being filled,
+and the records made but not yet given (those that follow a batch that is not a dict); a resumed
+batcher reads those samples again and processes them (their proxies run again, and nothing of
+them had reached a server before, as their batch was not collated).
 docs/internals.md, ``mmproxy.datasets.stages.batcher``, has the rest.
 """
 
@@ -17,7 +18,7 @@ from mmproxy.datasets.stages.fields import FieldStage, Processed, SampleFields
 from mmproxy.datasets.stages.plan import Work
 from mmproxy.datasets.stages.reader import Fetch, Taken
 
-from mmproxy.skips import SHARDS_TRIED, SKIPPED, SkippedSample
+from mmproxy.skips import SHARDS_TRIED, SKIPPED, SkipKind, SkippedSample
 
 __all__ = ["Batcher", "Batching"]
 
@@ -56,8 +57,9 @@ class Batcher(Stage[Any]):
     """
 
     NAME = "batcher"
-    MADE, QUOTA, URLS, BATCH, FIELDS = "made", "quota", "urls", "batch", "fields"
-    KEYS = (MADE, QUOTA, URLS, BATCH, FIELDS)
+    VERSION = 2
+    MADE, QUOTA, URLS, BATCH, UNSENT, FIELDS = "made", "quota", "urls", "batch", "unsent", "fields"
+    KEYS = (MADE, QUOTA, URLS, BATCH, UNSENT, FIELDS)
 
     def __init__(self, fields: FieldStage, batching: Batching, *, quota: int | None,
                  fetch: Fetch, process: SampleFields, tried: Callable[[], int]) -> None:
@@ -69,7 +71,7 @@ class Batcher(Stage[Any]):
         self.made = 0
         self.batch: list[Processed] = []
         self.pending: list[SkippedSample] = []  # records not yet sent
-        self._out: list[Any] = []  # items made, not yet given
+        self._out: list[Any] = []  # items made, not yet given (past the first, only records)
         self._over = False
 
     def next(self) -> Any:
@@ -129,14 +131,20 @@ class Batcher(Stage[Any]):
 
     def state_dict(self) -> dict[str, Any]:
         urls, batch = pack_addresses([(p.source, p.url, p.index) for p in self.batch])
+        unsent = [([(r.shard, r.key, r.reason, r.kind.value) for r in item[SKIPPED]],
+                   item[SHARDS_TRIED]) for item in self._out]  # plain values: weights_only
         return self._pack(**{self.MADE: self.made, self.QUOTA: self.quota, self.URLS: urls,
-                             self.BATCH: batch, self.FIELDS: self.fields.state_dict()})
+                             self.BATCH: batch, self.UNSENT: unsent,
+                             self.FIELDS: self.fields.state_dict()})
 
     def _load(self, state: Mapping[str, Any]) -> None:
         """Back to a saved position: the batch being filled is read and processed again."""
         self.fields.reset(state[self.FIELDS])
         self._start()
         self.made, self.quota = int(state[self.MADE]), state[self.QUOTA]
+        self._out = [{SKIPPED: [SkippedSample(shard, key, reason, SkipKind(kind))
+                                for shard, key, reason, kind in records],
+                      SHARDS_TRIED: int(tried)} for records, tried in state[self.UNSENT]]
         addresses = unpack_addresses(state[self.URLS], state[self.BATCH])
         found, self.pending = self.fetch([(url, i) for _, url, i in addresses])
         for source, url, i in addresses:

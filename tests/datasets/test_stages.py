@@ -50,6 +50,8 @@ CASES = {
     "two sources, restart": dict(mixed=True, shuffle_buffer=3, on_exhausted="restart"),
     "two sources, epoch_length": dict(mixed=True, shuffle_buffer=3, epoch_length=6),
     "resampled": dict(shuffle_buffer=4, resampled=True, epoch_length=5),
+    "batches that are not dicts": dict(shuffle_buffer=5, batch_transform=lambda batch: (
+        batch["__key__"], batch["text"])),  # each followed by its records on their own
     # an elastic resume's chains: each source's first pass dealt (B's, nothing; or only a
     # shard read to its end), a state of it loaded into a chain built without it
     "dealt, none of B": dict(mixed=True, shuffle_buffer=3,
