@@ -24,8 +24,7 @@ from mmproxy.protocols import Proxy
 from mmproxy.skips import ErrorPolicy, SkipKind, SkippedSample
 from mmproxy.worker import SampleId, naming
 
-__all__ = ["Field", "FieldSpec", "FieldStage", "Processed", "SampleFields", "Skip", "parse_field",
-           "process"]
+__all__ = ["Field", "FieldSpec", "FieldStage", "Processed", "SampleFields", "Skip", "parse_field"]
 
 
 class Field(NamedTuple):
@@ -77,18 +76,6 @@ def parse_field(name: str, spec: FieldSpec) -> Parsed:
     return Parsed(tuple(e.strip().lower() for e in exts.split(";") if e.strip()), fn, bool(server))
 
 
-def process(sample: dict[str, Any], fields: Mapping[str, Parsed], *, keep_keys: bool,
-            max_pixels: int, skip: bool, seed: int | None = None,
-            batched: Collection[str] = ()) -> dict[str, Any]:
-    """The fields of one raw sample (``{ext: bytes}`` with ``__key__`` and ``__url__``); proxy
-    calls inside are named after the sample, with its skip policy and its own ``seed``. A field
-    in ``batched`` (whose function is a :class:`~mmproxy.DALIProxy`) gets the pipeline's inputs
-    for the sample (:meth:`~mmproxy.DALIProxy.sample_inputs`) in place of a call's references:
-    the batcher runs the batch's (:mod:`mmproxy.datasets.stages._batch_runs`)."""
-    sample_id = SampleId(str(sample.get("__key__", "?")), sample.get("__url__", "?"), skip, seed)
-    return _fields(sample, _plan(fields, batched), sample_id, keep_keys, max_pixels)
-
-
 class _Route(Enum):
     """How a field's bytes reach its function."""
 
@@ -129,7 +116,9 @@ def _split(url: str, key: str, sample: dict[str, Any]) -> Skip:
 
 def _fields(sample: dict[str, Any], plan: _Plan, sample_id: SampleId, keep_keys: bool,
             max_pixels: int) -> dict[str, Any]:
-    """:func:`process`, with the fields planned and the sample's id made."""
+    """The fields of one raw sample (``{ext: bytes}`` with ``__key__`` and ``__url__``), or
+    :class:`Skip`; proxy calls inside are named after the sample (``sample_id``: its skip
+    policy and its own seed) where the plan says a function may read it."""
     key, url = sample_id.key, str(sample_id.shard)
     out: dict[str, Any] = {"__key__": sample.get("__key__", "?"), "__url__": url} if keep_keys else {}
     duplicates = sample.get(DUPLICATES, ())
@@ -185,9 +174,11 @@ class Processed:
 
 
 class SampleFields:
-    """Every source's fields, applied to one raw sample at a time (:func:`process`): what the
-    field stage does to each sample, and what a batcher does to the samples of a loaded state's
-    batch.
+    """Every source's fields, applied to one raw sample at a time: what the field stage does to
+    each sample, and what a batcher does to the samples of a loaded state's batch. A field in
+    ``batched`` (whose function is a :class:`~mmproxy.DALIProxy`) gets the pipeline's inputs
+    for the sample (:meth:`~mmproxy.DALIProxy.sample_inputs`) in place of a call's references:
+    the batcher runs the batch's (:mod:`mmproxy.datasets.stages._batch_runs`).
 
     Args:
         sources: Per source, its name and its parsed fields.
@@ -199,7 +190,7 @@ class SampleFields:
         max_pixels: Images whose header declares more pixels are bad samples.
         policy: The dataset's error policy: in skip mode a bad sample is a record, else it
             raises :class:`~mmproxy.errors.SampleError`.
-        batched: The fields that take the batch route (see :func:`process`).
+        batched: The fields that take the batch route.
     """
 
     def __init__(self, sources: Sequence[tuple[str, Mapping[str, Parsed]]], *, seed: int,

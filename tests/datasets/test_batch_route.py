@@ -270,9 +270,11 @@ def test_the_sample_is_named_only_where_a_field_function_reads_it():
     """Per sample, the field stage names the sample (``sample_key``) around its fields only
     when a function may read it: a batch-route proxy that draws from the seed or checks its
     inputs, or any function of the user's (which may call a proxy); each then sees the sample."""
-    from mmproxy.datasets.stages.fields import _plan, parse_field, process
+    from mmproxy.datasets.stages.fields import SampleFields, _plan, parse_field
+    from mmproxy.datasets.stages.reader import Taken
 
     from mmproxy import _context
+    from mmproxy.skips import ErrorPolicy
 
     plain = DALIProxy("s", "uid", ("data",), 1, "unused")
     drawing = image_train_pipeline(batch_size=2, device="cpu", sample_seeded=True).sample_random
@@ -290,7 +292,10 @@ def test_the_sample_is_named_only_where_a_field_function_reads_it():
     both = {**fields, "label": parse_field("label", ("cls", label))}
     assert _plan(both, {"image"}).named
     sample = {"__key__": "k", "__url__": "u.tar", "jpg": _image(0), "cls": b"3"}
-    out = process(sample, both, keep_keys=False, max_pixels=2**26, skip=True, seed=5,
-                  batched={"image"})
-    assert out["label"] == 3 and seen == [_context.SampleId("k", "u.tar", True, 5)]
+    apply = SampleFields([("s", both)], seed=5, epoch=1, mixed=False, keep_keys=False,
+                         max_pixels=2**26, policy=ErrorPolicy("skip", None),
+                         batched=frozenset({"image"}))
+    out = apply(0, Taken("u.tar", 0, sample)).sample
+    assert out["label"] == 3 and seen == [_context.SampleId("k", "u.tar", True,
+                                                           apply.seeds(0, "k"))]
     assert _context.current_key() is None
