@@ -79,11 +79,12 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
 
     Args:
         urls: Shards: a brace pattern (``"data-{000..099}.tar"``), a list, local paths or
-            globs of them (``"/data/*.tar"``, sorted), ``http(s)://`` or ``s3://`` URLs
-            (streamed, retried, optionally cached: ``remote``; an ``s3://`` prefix ending in
-            ``/`` or a glob is listed), or ``pipe:`` commands, as webdataset reads them. Local
-            shards that do not exist are refused here (``FileNotFoundError``, naming the first
-            few and how many). None when ``sources`` are given.
+            globs of them (``"/data/*.tar"``, sorted), ``http(s)://``, ``s3://``, ``gs://`` or
+            ``az://`` URLs (streamed, retried, optionally cached: ``remote``; an object-store
+            prefix ending in ``/`` or a glob is listed), or ``pipe:`` commands, as webdataset
+            reads them. Local shards that do not exist are refused here
+            (``FileNotFoundError``, naming the first few and how many). None when ``sources``
+            are given.
         fields: Output name -> what to do: a :class:`Field` (explicit), or ``(extensions,
             callable)``, or a callable applied to the extension of the same name. In the two
             short forms a field goes through a server when its callable is a server's proxy
@@ -128,10 +129,11 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             prefetching across epochs). The next epoch is the loader's next (this one plus one);
             an explicit :meth:`set_epoch` turns it off. The cost: after the last epoch, one
             batch per worker is prepared and run for nothing.
-        remote: How ``http(s)://`` and ``s3://`` shards are read: retries, timeouts and the
-            node-local cache (:class:`~mmproxy.datasets.remote.RemoteOptions`; by default no
-            cache unless ``MMPROXY_CACHE_DIR`` is set). A shard still failing after the retries,
-            or missing, is an unreadable shard: a ``__skipped__`` record or a ``ShardError``.
+        remote: How remote shards (``http(s)://``, ``s3://``, ``gs://``, ``az://``) are read:
+            retries, timeouts and the node-local cache
+            (:class:`~mmproxy.datasets.remote.RemoteOptions`; by default no cache unless
+            ``MMPROXY_CACHE_DIR`` is set). A shard still failing after the retries, or
+            missing, is an unreadable shard: a ``__skipped__`` record or a ``ShardError``.
 
     Resuming: every stage of the chain owns its state (:mod:`mmproxy.datasets.stages._stage`). Under an
     :class:`mmproxy.DataLoader` every batch carries its worker's position, so

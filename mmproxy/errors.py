@@ -34,8 +34,8 @@ __all__ = [
 ]
 
 # optional package (its import name) -> the extra of mmproxy's that installs it, and its name on PyPI
-_EXTRAS = {"matplotlib": ("plot", "matplotlib"), "av": ("video", "av"), "boto3": ("s3", "boto3"),
-           "botocore": ("s3", "botocore"), "moto": ("test", "moto"),
+_EXTRAS = {"matplotlib": ("plot", "matplotlib"), "av": ("video", "av"),
+           "obstore": ("s3", "obstore"), "moto": ("test", "moto"),
            "PyNvVideoCodec": ("nvdec", "pynvvideocodec"), "torchcodec": ("torchcodec", "torchcodec")}
 
 

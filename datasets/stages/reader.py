@@ -50,7 +50,7 @@ class TarReader:
     Args:
         policy: The dataset's error policy; in skip mode a shard that cannot be read or is
             empty is a record, else a :class:`~mmproxy.errors.ShardError`.
-        remote: How ``http(s)://`` and ``s3://`` shards are read.
+        remote: How remote shards (``http(s)://``, ``s3://``, ``gs://``, ``az://``) are read.
     """
 
     def __init__(self, policy: ErrorPolicy, remote: RemoteOptions) -> None:
