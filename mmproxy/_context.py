@@ -72,6 +72,12 @@ class SampleId(NamedTuple):
         return f"{self.shard}:{self.key}" if self.shard else self.key
 
 
+def run_skips(keys: list[Any]) -> bool:
+    """A run's error policy, given once with the run: its failing samples may be dropped when
+    every sample is a :class:`SampleId` that may be (one dataset's run shares its policy)."""
+    return bool(keys) and all(isinstance(k, SampleId) and k.skip for k in keys)
+
+
 def current_key() -> SampleId | None:
     """The sample the dataset layer is processing in this thread, if it said so."""
     return getattr(_sample_key, "value", None)

@@ -303,7 +303,8 @@ class DALIProxy:
             [] for _ in self.input_names]
         server = _process.local(self.server_uid)
         if server is not None:  # the server lives in this process: no transport
-            server.table.accept(_transport.Request(run_id, tag, list(keys), inputs))
+            server.table.accept(_transport.Request(run_id, tag, list(keys), inputs,
+                                                   _context.run_skips(list(keys))))
         else:
             fd, files = _transport.pack(run_id, tag, keys, inputs)
             try:

@@ -11,7 +11,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from mmproxy import _context
 from mmproxy._server.dali import Pipe, named_sample, summary
 from mmproxy._server.run import Run, RunSource
 from mmproxy.errors import PipelineError, with_remote_cause
@@ -52,7 +51,7 @@ class Isolation:
             if error is None:
                 self.table.finish(run, *outputs)
                 return
-        skip = all(isinstance(k, _context.SampleId) and k.skip for k in run.keys)
+        skip = run.request.skip
         bad: dict[int, BaseException] = {}
         self._find_bad(run, everything, error, bad, first_only=not skip)
         if not bad:  # the batch fails, but none of its parts does: once more, whole

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
-from mmproxy import _context
 from mmproxy._server.runs import Run, RunSource
 from mmproxy.errors import DamagedSampleError, PipelineError, with_remote_cause
 from mmproxy.protocols import Prepare
@@ -134,7 +133,7 @@ class PreparedRuns:
                     f"on sample {_key(keys, i)} (sample {i} of run {run.id}): "
                     f"{type(error).__name__}: {error}"), error))
                 return False
-        if failed and not all(isinstance(k, _context.SampleId) and k.skip for k in keys):
+        if failed and not run.request.skip:
             i, error = next(iter(failed.items()))
             self.table.fail_run(run, with_remote_cause(PipelineError(
                 f"server {self.name!r}: cannot prepare sample {_key(keys, i)} (sample {i} of run "

@@ -217,40 +217,39 @@ class KeyColumns:
     Attributes:
         names: Each sample's key.
         shards: The shards named (each once), and ``shard``, int64: each sample's index in it.
-        skip: bool: each sample's skip flag.
         seeds: uint64: each sample's seed, where ``seeded`` (bool) says it has one.
+
+    The skip flag is the run's, sent once beside the columns (keys of one run share it).
     """
 
     names: list[str]
     shards: list[str | None]
     shard: np.ndarray
-    skip: np.ndarray
     seeds: np.ndarray
     seeded: np.ndarray
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_key_columns, (self.names, self.shards, _raw(self.shard),
-                               self.skip.tobytes(), self.seeds.tobytes(), self.seeded.tobytes()))
+        return (_key_columns, (self.names, self.shards, _raw(self.shard), self.seeds.tobytes(),
+                               self.seeded.tobytes()))
 
-    def keys(self) -> list[SampleId]:
-        """The keys, as they were packed."""
+    def keys(self, skip: bool) -> list[SampleId]:
+        """The keys, as they were packed, with the run's skip flag."""
         shards = self.shards
         n = len(self.names)
-        if not len(self.shard) == len(self.skip) == len(self.seeds) == len(self.seeded) == n or (
+        if not len(self.shard) == len(self.seeds) == len(self.seeded) == n or (
                 n and not 0 <= int(self.shard.min()) <= int(self.shard.max()) < len(shards)):
             raise TransportError("a batch's header has key columns that do not match")
         return [SampleId(name, shards[i], skip, seed if seeded else None)
-                for name, i, skip, seed, seeded in zip(
-                    self.names, self.shard.tolist(), self.skip.tolist(), self.seeds.tolist(),
-                    self.seeded.tolist())]
+                for name, i, seed, seeded in zip(
+                    self.names, self.shard.tolist(), self.seeds.tolist(), self.seeded.tolist())]
 
 
-def _key_columns(names: list[str], shards: list[str | None], shard: bytes, skip: bytes,
-                 seeds: bytes, seeded: bytes) -> KeyColumns:
+def _key_columns(names: list[str], shards: list[str | None], shard: bytes, seeds: bytes,
+                 seeded: bytes) -> KeyColumns:
     if len(seeds) % 8:
         raise TransportError("a batch's header has a column cut short")
-    return KeyColumns(names, shards, _column(shard), np.frombuffer(skip, bool),
-                      np.frombuffer(seeds, np.uint64), np.frombuffer(seeded, bool))
+    return KeyColumns(names, shards, _column(shard), np.frombuffer(seeds, np.uint64),
+                      np.frombuffer(seeded, bool))
 
 
 _NONE = type(None)
@@ -258,13 +257,15 @@ _NONE = type(None)
 
 def key_columns(keys: list[Any]) -> KeyColumns | list[Any]:
     """``keys`` as columns when each is a :class:`~mmproxy._context.SampleId` whose fields the
-    columns keep exactly (a ``str`` key, a ``str`` or None shard, a ``bool`` flag, an ``int``
-    seed in ``[0, 2**64)`` or None); otherwise the list itself, which is pickled as it is."""
+    columns keep exactly (a ``str`` key, a ``str`` or None shard, one ``bool`` flag for all, an
+    ``int`` seed in ``[0, 2**64)`` or None); otherwise the list itself, which is pickled as it
+    is."""
     if not keys or set(map(type, keys)) != {SampleId}:
         return keys
     names, shards, skips, seeds = zip(*keys)
     if (set(map(type, names)) != {str} or not set(map(type, shards)) <= {str, _NONE}
-            or set(map(type, skips)) != {bool} or not set(map(type, seeds)) <= {int, _NONE}):
+            or set(skips) not in ({True}, {False}) or set(map(type, skips)) != {bool}
+            or not set(map(type, seeds)) <= {int, _NONE}):
         return keys
     seeded = [s is not None for s in seeds] if None in seeds else [True] * len(seeds)
     numbers = [s if s is not None else 0 for s in seeds] if None in seeds else seeds
@@ -273,4 +274,4 @@ def key_columns(keys: list[Any]) -> KeyColumns | list[Any]:
     table = {s: i for i, s in enumerate(dict.fromkeys(shards))}
     return KeyColumns(list(names), list(table), np.array(list(map(table.__getitem__, shards)),
                                                          np.int64),
-                      np.array(skips, bool), np.array(numbers, np.uint64), np.array(seeded, bool))
+                      np.array(numbers, np.uint64), np.array(seeded, bool))

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from mmproxy._context import run_skips
 from mmproxy._wire import layout as _layout
 from mmproxy._wire import mappings as _mappings
 from mmproxy._wire import sockdir as _sockdir
@@ -42,6 +43,7 @@ class Request:
     keys: list[Any]  # SampleId or None per sample
     inputs: list[list[np.ndarray]]  # per pipeline input, one array per sample (views of the
     # memfd's or a shard's mapping: they keep the mapping alive until the run is done)
+    skip: bool = False  # the run's error policy: a failing sample is dropped, not raised
 
 
 def release_file_mapping(mapping: mmap.mmap) -> None:
@@ -66,7 +68,7 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
     """
     with _mappings.files.lock:
         placed, payloads, files = _layout.place(inputs, _mappings.files)
-    header = pickle.dumps((run_id, tag, _layout.key_columns(keys), placed),
+    header = pickle.dumps((run_id, tag, run_skips(keys), _layout.key_columns(keys), placed),
                           protocol=pickle.HIGHEST_PROTOCOL)
     base = _layout.align(12 + len(header))
     buffers = [_MAGIC + struct.pack("<Q", len(header)), header, bytes(base - 12 - len(header)),
@@ -104,16 +106,16 @@ def unpack(fds: list[int]) -> Request:
     if mm[:4] != _MAGIC:
         raise TransportError("received a buffer that mmproxy did not write")
     (hlen,) = struct.unpack_from("<Q", mm, 4)
-    run_id, tag, keys, placed = pickle.loads(mm[12:12 + hlen])
+    run_id, tag, skip, keys, placed = pickle.loads(mm[12:12 + hlen])
     base = _layout.align(12 + hlen)
     files = [_mappings.server_mapping(fd) for fd in fds[1:]]
     inputs = [_layout.arrays(p, mm, base, files) for p in placed]
     if isinstance(keys, _layout.KeyColumns):
-        keys = keys.keys()
+        keys = keys.keys(bool(skip))
     if any(len(arrays) != len(keys) for arrays in inputs):
         raise TransportError(f"a batch's header has {len(keys)} keys for inputs of "
                              f"{sorted({len(a) for a in inputs})} samples")
-    return Request(run_id, tag, keys, inputs)
+    return Request(run_id, tag, keys, inputs, bool(skip))
 
 
 def address(server_uid: str) -> str:

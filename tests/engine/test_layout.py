@@ -59,8 +59,8 @@ def test_a_run_crosses_as_the_request_a_local_server_gets(tmp_path):
     views = [np.frombuffer(first, np.uint8)[100:900], np.frombuffer(second, np.uint8)[7:2000],
              np.frombuffer(first, np.uint8)[4000:4999], np.arange(300, dtype=np.uint8),
              np.frombuffer(second, np.uint8)[:0]]
-    keys = [SampleId("k0", "a.tar", True, 0), SampleId("k1", "b.tar", False, 2**64 - 1),
-            SampleId("k2", "a.tar", True, None), SampleId("k3", None, False, 12345),
+    keys = [SampleId("k0", "a.tar", True, 0), SampleId("k1", "b.tar", True, 2**64 - 1),
+            SampleId("k2", "a.tar", True, None), SampleId("k3", None, True, 12345),
             SampleId("", "a.tar", True, 7)]
     drawn = [grid(i, (2,), "f4") for i in range(5)]
     flips = [np.array(i % 2, np.int32) for i in range(5)]
@@ -68,9 +68,10 @@ def test_a_run_crosses_as_the_request_a_local_server_gets(tmp_path):
     got, header, files = _across(keys, inputs)
     _same_request(got, "run-1", ("loader", 3), keys, inputs)
     assert len(files) == 2  # each file once, however its views are spread
-    assert isinstance(header[2], _layout.KeyColumns)  # no SampleId object per sample
-    assert header[2].shards == ["a.tar", "b.tar", None]
-    placed = header[3][0]
+    assert header[2] is True and got.skip is True  # the run's policy, once
+    assert isinstance(header[3], _layout.KeyColumns)  # no SampleId object per sample
+    assert header[3].shards == ["a.tar", "b.tar", None]
+    placed = header[4][0]
     where = placed.files.tolist()
     assert where[0] == where[2] != where[1] and where[3] == -1 and placed.shapes is None
     assert placed.offsets.tolist()[:3] == [100, 7, 4000]
@@ -89,7 +90,7 @@ def test_a_run_crosses_as_the_request_a_local_server_gets(tmp_path):
 def test_keys_the_columns_cannot_keep_exactly_cross_as_they_are(keys):
     inputs = [[np.arange(3, dtype=np.uint8), np.arange(4, dtype=np.uint8)]]
     got, header, _ = _across(keys, inputs)
-    assert header[2] == keys and got.keys == keys
+    assert header[3] == keys and got.keys == keys
     assert [[type(v) for v in k] if k else None for k in got.keys] == [
         [type(v) for v in k] if k else None for k in keys]
 
@@ -97,7 +98,7 @@ def test_keys_the_columns_cannot_keep_exactly_cross_as_they_are(keys):
 def test_an_input_of_arrays_of_several_ndims_crosses_whole():
     arrays = [np.array(3.0, np.float64), grid(1, (2, 3), "f8"), grid(2, (4,), "f8")]
     got, header, _ = _across([None] * 3, [arrays])
-    assert header[3][0].shapes == [(), (2, 3), (4,)]
+    assert header[4][0].shapes == [(), (2, 3), (4,)]
     for b, a in zip(got.inputs[0], arrays):
         assert b.shape == a.shape
         np.testing.assert_array_equal(b, a)
@@ -147,16 +148,30 @@ def test_a_header_column_cut_short_is_refused():
 
 
 def test_key_columns_that_do_not_match_are_refused():
-    columns = _layout.key_columns([SampleId("a", "s", True, 1), SampleId("b", "t", False, 2)])
+    columns = _layout.key_columns([SampleId("a", "s", True, 1), SampleId("b", "t", True, 2)])
     assert isinstance(columns, _layout.KeyColumns)
-    broken = _layout.KeyColumns(columns.names, columns.shards, np.array([0, 5]), columns.skip,
-                                columns.seeds, columns.seeded)
+    broken = _layout.KeyColumns(columns.names, columns.shards, np.array([0, 5]), columns.seeds,
+                                columns.seeded)
     with pytest.raises(TransportError, match="key columns"):
-        broken.keys()
-    short = _layout.KeyColumns(columns.names[:1], columns.shards, columns.shard, columns.skip,
-                               columns.seeds, columns.seeded)
+        broken.keys(True)
+    short = _layout.KeyColumns(columns.names[:1], columns.shards, columns.shard, columns.seeds,
+                               columns.seeded)
     with pytest.raises(TransportError, match="key columns"):
-        short.keys()
+        short.keys(True)
+
+
+def test_a_runs_skip_policy_travels_once_beside_its_keys():
+    """The error policy is the run's: one flag in the header, not a column; keys of mixed flags
+    (a caller's own, through sample_key) go as they are, and the run skips only if all may."""
+    from mmproxy._context import run_skips
+
+    both = [SampleId("a", "s", True, 1), SampleId("b", "t", True, None)]
+    columns = _layout.key_columns(both)
+    assert isinstance(columns, _layout.KeyColumns) and not hasattr(columns, "skip")
+    assert columns.keys(True) == both and run_skips(both)
+    mixed = [SampleId("a", "s", True, 1), SampleId("b", "t", False, 2)]
+    assert _layout.key_columns(mixed) == mixed and not run_skips(mixed)
+    assert not run_skips([]) and not run_skips([None, None])
 
 
 def test_the_registry_table_follows_its_mappings(tmp_path):
