@@ -220,8 +220,10 @@ ratio near 1 is noise.
 """),
     Section(H200, "Remote shards (one H200)", ["remote.json"], """
 The same shards over HTTP (a local server process), S3 (moto servers, one process per three
-workers, GETs presigned) and through the node cache (HTTP underneath, filled by the first epoch),
-the servers on the host's other 16 cores as a remote server would be.
+workers) and through the node cache (HTTP underneath, filled by the first epoch), the servers on
+the host's other 16 cores as a remote server would be. Measured with the S3 client of its date
+(GETs presigned by boto3, sent through urllib), before S3 moved to obstore; not measured again
+on the H200 since.
 """),
     Section(H200, "Resume (one H200)", ["resume.json"], """
 `benchmarks/resume_bench.py`: the first batch of a fresh loader and of loaders resumed from states
@@ -267,7 +269,7 @@ the servers on the same two cores, so their CPU counts against the loader.
 """),
     Section(CPU, "Streaming: the first sample of one 512 MB shard (2-core CPU)",
             ["remote-first-sample.json"], """
-11,377 members of 45 KB; S3's first sample includes boto3's import and session in the process.
+11,377 members of 45 KB; S3's first sample is the process's first request through obstore.
 """, kind="first-sample"),
     Section(CPU, "Resume (2-core CPU)", ["resume.json"], """
 As on the H200, with 4,096 JPEGs and batches of 64.
