@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ __all__ = ["RemoteError", "RemoteOptions", "RemoteShard", "is_remote", "open_rem
            "redact"]
 
 SCHEMES = ("http", "https", *STORES)
+_BREAKS = re.compile(r"[\r\n\0]")  # what no header may hold: it would end the header
 
 
 def _env_bytes() -> int | None:
@@ -72,6 +74,12 @@ class RemoteOptions:
     def __post_init__(self) -> None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.headers.items()):
             raise ValueError("headers must map names to values, both str")
+        for name, value in self.headers.items():  # the value is never shown: it may be a secret
+            if _BREAKS.search(name) or not name.strip():
+                raise ValueError(f"headers: the name {name!r} is empty or holds a CR, LF or NUL")
+            if _BREAKS.search(value):
+                raise ValueError(f"headers: the value of {name!r} holds a CR, LF or NUL (a "
+                                 "newline read from a file?): strip it")
         object.__setattr__(self, "headers", dict(self.headers))
         if self.retries < 0 or self.backoff < 0 or self.read_timeout <= 0 or self.connect_timeout <= 0:
             raise ValueError(f"retries and backoff must be >= 0, timeouts > 0: {self}")

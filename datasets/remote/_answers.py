@@ -26,14 +26,15 @@ _SECRET_NAME = re.compile(r"[\w.-]*?(?:signature|sig|credentials?|token|secret|p
 # a query's or fragment's name=value pair (after "?", "#", "&" or ";")
 _QUERY_PAIR = re.compile(r"(?<![^?#&;])([^=?#&;]+)=([^#&;]*)")
 # what a message may hold a secret in: a URL, a secret header's value, a quoted field's value,
-# a name=value pair
+# a name=value pair, a bearer token
 _SHOWN = re.compile(r"""
     (?P<url> \b[a-z][a-z0-9+.-]*://[^\s"'<>]+ )
   | (?P<header> \b(?:(?:proxy-)?authorization|x-amz-security-token|cookie)\s*:\s* )
     [^\s"'][^\r\n"']*
   | (?P<field> (?P<open>["'])(?P<field_name>[\w.-]+)(?P=open)\s*:\s*b?(?P<quote>["']) )
     (?P<field_value> .*? )(?P=quote)
-  | (?<![\w.%-])(?P<pair> (?P<pair_name>[\w.-]+)= )[^\s&#"'<>,;]*
+  | (?<![\w.%-])(?P<pair> (?P<pair_name>[\w.-]+)= )(?:bearer\s+)?[^\s&#"'<>,;]*
+  | (?P<bearer> \bbearer\s+ )[^\s"'<>,;]+
 """, re.I | re.X)
 
 
@@ -61,7 +62,7 @@ def redact(url: str) -> str:
 def masked(text: str) -> str:
     """``text`` (a message, another library's too) fit to show: every URL in it
     :func:`redact`-ed, and the values of secret headers, quoted fields and ``name=value`` pairs
-    masked (module docstring)."""
+    masked, as is every ``Bearer`` token (module docstring)."""
     return _SHOWN.sub(_shown, text)
 
 
@@ -70,6 +71,8 @@ def _shown(match: re.Match[str]) -> str:
         return redact(match["url"])
     if match["header"]:
         return match["header"] + "***"
+    if match["bearer"]:
+        return match["bearer"] + "***"
     if match["field"]:
         value = "***" if _secret(match["field_name"]) else masked(match["field_value"])
         return match["field"] + value + match["quote"]

@@ -208,6 +208,9 @@ class HttpBody(StdlibBody):
             raise Permanent(text) from None
         except (OSError, http.client.HTTPException) as err:  # urllib's URLError among them
             raise _failed(err, connect_timeout) from None
+        except ValueError:  # http.client's refusal of a header; its text quotes the value
+            raise Permanent("the request cannot be sent: a header's name or value is not valid "
+                            "HTTP (a CR or LF in HF_TOKEN or RemoteOptions.headers?)") from None
         try:
             self.etag = self._resp.headers.get("ETag")
             changed(etag, self.etag)

@@ -278,6 +278,23 @@ def test_the_hub_refusing_a_token_says_so_and_never_shows_it(hub, clean_env, cap
     assert TOKEN not in str(raised.value) + caplog.text
 
 
+def test_a_hub_token_with_a_newline_inside_fails_at_once_and_is_never_shown(
+        hub, local, clean_env, image_server, caplog):
+    """HF_TOKEN with a line break inside (not a header's value): the GET cannot be sent, said at
+    once without the token, as the reader's ShardError too."""
+    prefix, _, seen = hub
+    clean_env({"HF_TOKEN": f"{TOKEN}\n{TOKEN}"})
+    with caplog.at_level(logging.WARNING), pytest.raises(RemoteError) as raised:
+        read_whole(f"{prefix}/r-0.tar")
+    assert str(raised.value) == ("the request cannot be sent: a header's name or value is not "
+                                 "valid HTTP (a CR or LF in HF_TOKEN or RemoteOptions.headers?)")
+    assert seen == [] and not caplog.records  # nothing sent, not retried
+    [got], loader = run([f"{prefix}/r-0.tar", local[1]], image_server, on_error="skip")
+    [record] = loader.skipped.records
+    assert len(got) == PER_SHARD and record.reason == f"unreadable shard: RemoteError: {raised.value}"
+    assert TOKEN not in caplog.text + record.reason
+
+
 def test_headers_go_to_the_shards_host_only(shard_dir, local, clean_env):
     """RemoteOptions(headers=...) are sent to the shard's host, not past a redirect to another
     one; HF_TOKEN goes to no host but the Hub's."""

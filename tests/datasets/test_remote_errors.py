@@ -386,3 +386,20 @@ def test_masked_messages_keep_their_words_and_lose_their_secrets():
                               "'Location': 'https://h/k?Signature=***&v=2', 'Host': 'h'}")
     assert masked("AWSAccessKeyId=AKIA&Signature=abc%2B&Expires=1") == (
         "AWSAccessKeyId=***&Signature=***&Expires=1")
+    assert masked(f"Invalid header value b'Bearer {SECRET}\\n'") == (
+        "Invalid header value b'Bearer ***'")
+    assert masked(f"sent bearer {SECRET}, then Authorization=Bearer {SECRET}; done") == (
+        "sent bearer ***, then Authorization=***; done")
+
+
+def test_a_header_with_a_newline_is_refused_and_its_value_never_shown():
+    """A token read from a file keeps its newline: RemoteOptions refuses it, naming the header
+    but not its value, before any GET (http.client's own refusal quotes the value)."""
+    for name, value in (("Authorization", f"Bearer {SECRET}\n"), ("X-Key", f"{SECRET}\r"),
+                        ("X-Key", f"a\0{SECRET}")):
+        with pytest.raises(ValueError, match=rf"^headers: the value of '{name}' holds a CR, LF "
+                           r"or NUL \(a newline read from a file\?\): strip it$") as raised:
+            RemoteOptions(headers={name: value})
+        assert SECRET not in str(raised.value)
+    with pytest.raises(ValueError, match=r"^headers: the name 'X-Key\\n' is empty or holds a CR"):
+        RemoteOptions(headers={"X-Key\n": "v"})
