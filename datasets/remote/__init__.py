@@ -59,8 +59,9 @@ class RemoteOptions:
             for ``s3://``, ``gs://`` and ``az://``, has one timeout for the answer and the body's
             reads: the shorter of the two).
         headers: Request headers of ``http(s)://`` GETs (``{"Authorization": "Bearer ..."}``),
-            sent to the shard's host only, not past a redirect to another host; the Hugging Face
-            Hub's hosts get ``Authorization: Bearer $HF_TOKEN`` unless given one here.
+            sent to the shard's server only, not past a redirect to another host, port or
+            scheme; the Hugging Face Hub's hosts get ``Authorization: Bearer $HF_TOKEN`` over
+            https (or an http ``HF_ENDPOINT``) unless given one here.
     """
 
     cache_dir: str | None = field(default_factory=lambda: os.environ.get("MMPROXY_CACHE_DIR") or None)

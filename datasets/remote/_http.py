@@ -2,7 +2,8 @@
 redirects), with a timeout for the answer apart from the body's, and the request's headers.
 
 Headers (``RemoteOptions.headers``, and ``Authorization: Bearer $HF_TOKEN`` for the Hugging Face
-Hub's hosts) go to the shard's host only: a redirect to another host (the Hub's CDN) carries none.
+Hub's hosts, over https unless ``HF_ENDPOINT`` is http) go to the shard's server only: a redirect
+to another host or port (the Hub's CDN), or to another scheme, carries none.
 
 ``https://`` servers are verified with Python's default TLS settings, made for each connection:
 the CA certificates of ``SSL_CERT_FILE`` (a file) and ``SSL_CERT_DIR`` (a folder) when set, else
@@ -64,12 +65,39 @@ def hub_token() -> str | None:
         return None
 
 
-def _headers(url: str, given: Mapping[str, str]) -> dict[str, str]:
-    """The headers of a GET of ``url``: ``given``, and the Hub's token for the Hub's hosts."""
-    headers = dict(given)
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """``url``'s scheme, host and port (the scheme's own when none is given)."""
     parts = urlsplit(url)
-    if (parts.netloc.lower() in hub_hosts()
-            and not any(k.lower() == "authorization" for k in headers)):
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return scheme, (parts.hostname or "").lower(), port or {"http": 80, "https": 443}.get(scheme)
+
+
+def _hub_over(url: str) -> bool:
+    """Whether ``url`` is the Hub's and the token may go there: over https, or over http to an
+    ``HF_ENDPOINT`` that is itself http."""
+    parts = urlsplit(url)
+    if parts.netloc.lower() not in hub_hosts():
+        return False
+    if parts.scheme.lower() == "https":
+        return True
+    endpoint = os.environ.get("HF_ENDPOINT") or ""
+    return (urlsplit(endpoint).scheme.lower() == "http"
+            and _origin(endpoint)[1:] == _origin(url)[1:])
+
+
+def _has(headers: Mapping[str, str], name: str) -> bool:
+    return any(k.lower() == name for k in headers)
+
+
+def _headers(url: str, given: Mapping[str, str]) -> dict[str, str]:
+    """The headers of a GET of ``url``: ``given``, and the Hub's token for the Hub's hosts
+    (:func:`_hub_over`)."""
+    headers = dict(given)
+    if _hub_over(url) and not _has(headers, "authorization"):
         token = hub_token()
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -126,16 +154,17 @@ class _Handler(urllib.request.AbstractHTTPHandler):
 
 
 class _Redirects(urllib.request.HTTPRedirectHandler):
-    """urllib's redirects, less ``private`` headers when they lead to another host."""
+    """urllib's redirects, less ``private`` headers (and ``Authorization``) when they lead to
+    another scheme, host or port: not to another server, nor in cleartext after https."""
 
     def __init__(self, private: set[str]) -> None:
         super().__init__()
-        self.private = private
+        self.private = private | {"authorization", "proxy-authorization", "cookie"}
 
     def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
                          headers: Any, newurl: str) -> urllib.request.Request | None:
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
-        if new is not None and urlsplit(newurl).netloc != urlsplit(req.full_url).netloc:
+        if new is not None and _origin(newurl) != _origin(req.full_url):
             for name in [k for k in new.headers if k.lower() in self.private]:
                 del new.headers[name]
         return new
