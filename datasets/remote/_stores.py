@@ -30,8 +30,8 @@ _ENV = ("AWS_", "GOOGLE_", "AZURE_", "AZURITE_", "SSL_CERT_FILE")  # what a stor
 CREDENTIALS = {
     "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), or AWS_PROFILE "
           "with its keys in ~/.aws/credentials",
-    "gs": "set GOOGLE_APPLICATION_CREDENTIALS=/path/key.json (a service account's key), or run "
-          "`gcloud auth application-default login`",
+    "gs": "set GOOGLE_APPLICATION_CREDENTIALS to the path of a service account's key (a JSON "
+          "file), or run `gcloud auth application-default login`",
     "az": "set AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY (or AZURE_STORAGE_SAS_TOKEN, "
           "or a service principal's AZURE_CLIENT_ID, AZURE_CLIENT_SECRET and AZURE_TENANT_ID)",
 }

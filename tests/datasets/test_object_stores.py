@@ -193,6 +193,19 @@ def test_a_gcs_or_azure_endpoint_that_never_answers_is_named_within_seconds(stor
         assert time.monotonic() - start < 5
 
 
+def test_gcs_refusing_the_credentials_says_which_variable_to_set(store_root, clean_env, tmp_path):
+    """A 403: the hint names GOOGLE_APPLICATION_CREDENTIALS and what it holds, whole."""
+    with ShardServer(store_root) as endpoint:
+        prefix, path = as_store("gcs", endpoint.url, clean_env, tmp_path)
+        endpoint.fail(f"{path}/r-0.tar", Fault("status", status=403))
+        with pytest.raises(RemoteError) as raised:
+            read_whole(f"{prefix}/r-0.tar", **QUICK)
+    assert re.fullmatch(r"GCS: credentials refused \(HTTP 403 .*\): set "
+                        r"GOOGLE_APPLICATION_CREDENTIALS to the path of a service account's key "
+                        r"\(a JSON file\), or run `gcloud auth application-default login`, with "
+                        r"access to the bucket", str(raised.value)), str(raised.value)
+
+
 # -- the Hugging Face Hub: a token for the Hub, none for its CDN -----------------------------------
 
 
