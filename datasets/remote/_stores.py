@@ -36,6 +36,20 @@ CREDENTIALS = {
           "or a service principal's AZURE_CLIENT_ID, AZURE_CLIENT_SECRET and AZURE_TENANT_ID)",
 }
 _TRUST = {"s3": "AWS_CA_BUNDLE", "gs": "SSL_CERT_FILE", "az": "SSL_CERT_FILE"}
+# S3's words for a request signed for, or sent to, another region than the bucket's
+_REGION_CODES = frozenset({"AuthorizationHeaderMalformed", "PermanentRedirect",
+                           "IllegalLocationConstraintException"})
+# obstore's failures (the source it names) for a setting it lacks, and what to set
+_MISSING = {
+    "s3": {"MissingSecretAccessKey": "AWS_ACCESS_KEY_ID is set without AWS_SECRET_ACCESS_KEY: "
+                                     "set AWS_SECRET_ACCESS_KEY too",
+           "MissingAccessKeyId": "AWS_SECRET_ACCESS_KEY is set without AWS_ACCESS_KEY_ID: set "
+                                 "AWS_ACCESS_KEY_ID too",
+           "BareRedirect": "the endpoint redirects without a Location (the bucket is in another "
+                           "region): set AWS_REGION to the bucket's region"},
+    "az": {"MissingAccount": "no storage account: set AZURE_STORAGE_ACCOUNT_NAME (and its "
+                             "credentials)"},
+}
 _STATUS = re.compile(r"status code: (\d{3})")
 
 _lock = threading.Lock()
@@ -93,8 +107,13 @@ def _make(scheme: str, bucket: str, connect_timeout: float, read_timeout: float)
         "timeout": timedelta(days=1)}  # a whole GET: none of its own (the reads have theirs)
     bundle = os.environ.get(_TRUST[scheme])
     if bundle:
-        with open(bundle, "rb") as f:
-            client["root_certificate"] = f.read()
+        try:
+            with open(bundle, "rb") as f:
+                client["root_certificate"] = f.read()
+        except OSError as err:
+            raise ValueError(f"{_TRUST[scheme]} names {bundle}, which cannot be read "
+                             f"({err.strerror or err}): set it to a file of the CA certificates "
+                             "to trust") from None
     config = _aws_files() if scheme == "s3" else {}
     retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=connect_timeout)}  # mmproxy's
     make: Any = from_url  # its overloads want literal types
@@ -166,6 +185,15 @@ def sort(err: BaseException, scheme: str) -> tuple[Kind, str]:
             return "missing", words
         if code in (401, 403):
             return "refused", f"{words}: {CREDENTIALS[scheme]}, with access to the bucket"
+        if said[1] in _REGION_CODES:
+            region = re.search(r"<Region>([^<]+)</Region>", whole)
+            where = f" ({region[1].strip()})" if region else ""
+            return "permanent", f"{words}: set AWS_REGION to the bucket's region{where}"
+        if code < 500 and code not in (408, 425, 429):
+            return "permanent", words
+    for source, words in _MISSING.get(scheme, {}).items():
+        if source in whole:
+            return "permanent", f"{name}: {words}"
     if any(word in text for word in _IMDS):
         return "no-credentials", f"{name}: no credentials found: {CREDENTIALS[scheme]}"
     if kind == "NotFoundError" or code == 404:
@@ -227,6 +255,11 @@ def _list(url: str, timeout: float) -> tuple[list[str], int]:
     deep = "/" in patterns[0][wild:]
     try:
         found = store(scheme, bucket, timeout, timeout)
+    except ValueError as err:  # an AWS profile that is not there, a CA bundle
+        raise OSError("permanent", str(err)) from None
+    except Exception as err:  # noqa: BLE001 - a configuration obstore refuses
+        raise OSError(*sort(err, scheme)) from None
+    try:
         started()
         if deep:
             keys = [meta["path"] for chunk in obstore.list(found, folder or None)

@@ -135,6 +135,14 @@ def test_azure_with_a_wrong_key_says_which_variables_to_set(azure, clean_env):
     assert AZURITE_KEY[:20] not in str(raised.value)
 
 
+def test_azure_without_an_account_names_azure_storage_account_name(clean_env):
+    clean_env({"AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY})
+    with pytest.raises(RemoteError) as raised:
+        read_whole("az://bucket/r-0.tar", retries=0)
+    assert str(raised.value) == ("Azure: no storage account: set AZURE_STORAGE_ACCOUNT_NAME (and "
+                                 "its credentials)")
+
+
 # -- faults: the tests' shard server standing in for GCS and Azure ----------------------------------
 
 

@@ -527,3 +527,81 @@ def test_a_redirect_to_another_host_carries_none_of_the_remote_options_headers(s
     assert sent(first.seen, *PRIVATE) == [
         ("http", "/go/r-0.tar", {"authorization": "Bearer mine", "x-key": "mine"})]
     assert sent(second.seen, *PRIVATE) == [("http", "/r-0.tar", {})]
+
+
+# -- object stores' settings: each message names the variable to set ------------------------------
+
+
+REGION = ("<?xml version='1.0' encoding='UTF-8'?>\n<Error><Code>AuthorizationHeaderMalformed</Code>"
+          "<Message>The authorization header is malformed; the region 'us-east-1' is wrong; "
+          "expecting 'eu-west-1'</Message><Region>eu-west-1</Region></Error>")
+REDIRECT = ("<?xml version='1.0' encoding='UTF-8'?>\n<Error><Code>PermanentRedirect</Code>"
+            "<Message>The bucket you are attempting to access must be addressed using the "
+            "specified endpoint.</Message></Error>")
+CONFLICT = ("<?xml version='1.0' encoding='UTF-8'?>\n<Error><Code>InvalidObjectState</Code>"
+            "<Message>The operation is not valid for the object's storage class</Message></Error>")
+
+
+class _S3Says(BaseHTTPRequestHandler):
+    """An S3 endpoint answering each key with an error of S3's: ``/b/region`` 400
+    AuthorizationHeaderMalformed, ``/b/redirect`` 301 PermanentRedirect (no Location),
+    ``/b/archived`` 409 InvalidObjectState."""
+
+    answers = {"/b/region": (400, REGION), "/b/redirect": (301, REDIRECT),
+               "/b/archived": (409, CONFLICT)}
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        status, text = self.answers[self.path.partition("?")[0]]
+        body = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_s3_errors_keep_s3s_words_and_a_wrong_region_says_to_set_aws_region(aws):
+    server = ThreadingHTTPServer((LOOPBACK, 0), _S3Says)
+    thread = threading.Thread(target=server.serve_forever, name="s3-says", daemon=True)
+    thread.start()
+    try:
+        aws({"AWS_ENDPOINT_URL": f"http://{LOOPBACK}:{server.server_address[1]}",
+             "AWS_ACCESS_KEY_ID": "AKIA-TEST", "AWS_DEFAULT_REGION": "us-east-1"})
+        said = {}
+        for key in ("region", "redirect", "archived"):
+            with pytest.raises(RemoteError) as raised:
+                read_whole(f"s3://b/{key}", retries=0)
+            said[key] = str(raised.value)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+    assert said == {
+        "region": "S3 AuthorizationHeaderMalformed (HTTP 400): The authorization header is "
+                  "malformed; the region 'us-east-1' is wrong; expecting 'eu-west-1': set "
+                  "AWS_REGION to the bucket's region (eu-west-1)",
+        "redirect": "S3: the endpoint redirects without a Location (the bucket is in another "
+                    "region): set AWS_REGION to the bucket's region",
+        "archived": "S3 InvalidObjectState (HTTP 409): The operation is not valid for the "
+                    "object's storage class"}
+
+
+def test_a_missing_secret_key_or_ca_bundle_names_its_variable(aws, monkeypatch, tmp_path, s3):
+    urls, env = s3
+    aws(env)
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(RemoteError) as raised:
+        read_whole(urls[0], retries=0)
+    assert str(raised.value) == ("S3: AWS_ACCESS_KEY_ID is set without AWS_SECRET_ACCESS_KEY: set "
+                                 "AWS_SECRET_ACCESS_KEY too")
+    aws({**env, "AWS_CA_BUNDLE": str(tmp_path / "ca.pem")})
+    with pytest.raises(RemoteError) as raised:
+        read_whole(urls[0], retries=0)
+    assert str(raised.value) == (f"AWS_CA_BUNDLE names {tmp_path / 'ca.pem'}, which cannot be "
+                                 "read (No such file or directory): set it to a file of the CA "
+                                 "certificates to trust")
+    with pytest.raises(mmproxy.ShardError, match=r"^cannot list s3://bench/: AWS_CA_BUNDLE names "):
+        expand("s3://bench/")
