@@ -174,6 +174,8 @@ class Download:
                 self.attempts.failed(err)
                 self.response = self.attempts.connect(self.written, self.size)
                 continue
+            except Permanent as err:  # the reader catches OSError: a RemoteError
+                raise RemoteError(str(err)) from None
             if self.fd is not None and scratch is not None:
                 left = scratch[:n]
                 while left:  # a write may take only part of it

@@ -233,7 +233,7 @@ class HttpBody(StdlibBody):
             if retried(err.code):
                 raise Transient(text) from None
             if err.code in (401, 403):
-                text += _refused(url, "Authorization" in headers)
+                text += _refused(url, _has(headers, "authorization"))
             raise Permanent(text) from None
         except (OSError, http.client.HTTPException) as err:  # urllib's URLError among them
             raise _failed(err, connect_timeout) from None

@@ -235,7 +235,10 @@ def list_objects(url: str, timeout: float) -> tuple[list[str], int]:
     try:
         answer = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        raise OSError("permanent", f"the listing failed: {done.stderr.strip()[-500:]}") from None
+        from mmproxy.datasets.remote._answers import masked  # here: the child has no mmproxy
+
+        raise OSError("permanent",
+                      f"the listing failed: {masked(done.stderr.strip()[-500:])}") from None
     if "error" in answer:
         raise OSError(answer["error"], answer["words"])
     return answer["shards"], answer["listed"]

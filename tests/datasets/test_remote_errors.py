@@ -41,7 +41,7 @@ from remote_helpers import (  # noqa: F401 - fixtures
 )
 
 import mmproxy
-from mmproxy.apps.bench.remote import ShardServer
+from mmproxy.apps.bench.remote import Fault, ShardServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -605,3 +605,52 @@ def test_a_missing_secret_key_or_ca_bundle_names_its_variable(aws, monkeypatch, 
                                  "certificates to trust")
     with pytest.raises(mmproxy.ShardError, match=r"^cannot list s3://bench/: AWS_CA_BUNDLE names "):
         expand("s3://bench/")
+
+
+def test_a_listing_child_that_fails_shows_its_stderr_masked(monkeypatch, tmp_path):
+    """The listing's child dies with a traceback quoting a token: the message keeps the
+    traceback's words, not the token."""
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "obstore.py").write_text(
+        f"raise RuntimeError('GET https://h/b?token={SECRET} sent Bearer {SECRET}')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hide"))
+    from mmproxy.datasets.remote import _stores
+
+    monkeypatch.setattr(_stores, "_started", [])  # lists in a child, as a fresh main process does
+    with pytest.raises(mmproxy.ShardError) as raised:
+        expand("s3://b/")
+    text = str(raised.value)
+    assert text.startswith("cannot list s3://b/: the listing failed: ") and SECRET not in text
+    assert "RuntimeError: GET https://h/b?token=*** sent Bearer ***" in text, text
+
+
+def test_a_lowercase_authorization_header_counts_as_credentials_sent(http):
+    http.fail("r-0.tar", Fault("status", status=401))
+    with pytest.raises(RemoteError) as raised:
+        read_whole(f"{http.url}/r-0.tar", headers={"authorization": f"Bearer {SECRET}"})
+    assert str(raised.value) == ("HTTP 401 Unauthorized: the server refused the credentials in "
+                                 "RemoteOptions(headers=...)")
+    assert http.authorizations == [f"Bearer {SECRET}"]
+
+
+def test_a_permanent_failure_mid_body_is_a_remote_error_the_reader_names(
+        shard_dir, local, aws, monkeypatch, image_server):
+    """An object's body failing, mid-stream, in a way no retry mends (sorted so here: a real
+    cut of the tests' S3 stand-in, said to be a TLS refusal): a RemoteError, which the reader
+    turns into a ShardError naming the shard, or a skip record."""
+    from mmproxy.datasets.remote import _objects
+
+    monkeypatch.setattr(_objects, "sort", lambda err, scheme: ("tls", "TLS: refused mid-body"))
+    with ShardServer(shard_dir.parent) as endpoint:
+        s3_endpoint(aws, endpoint)
+        endpoint.fail("bucket/r-0.tar", Fault("cut", after=3000), times=None)
+        with pytest.raises(RemoteError, match=r"^TLS: refused mid-body$"):
+            read_whole("s3://bucket/r-0.tar", retries=0)
+        ds = MultiModalDataset(["s3://bucket/r-0.tar", local[1]],
+                               {"image": ("jpg", image_server.proxy)}, batch_size=4,
+                               on_error="skip", max_skipped=None, remote=RemoteOptions(retries=0))
+        loader = ds.loader(image_server, num_workers=0)
+        assert sum(len(batch["image"]) for batch in loader) >= 8
+        [record] = loader.skipped.records
+        assert (record.shard, record.reason) == (
+            "s3://bucket/r-0.tar", "unreadable shard: RemoteError: TLS: refused mid-body")
