@@ -176,8 +176,10 @@ def reserve(cache: NodeCache, name: str, size: int | None, shown: str) -> int | 
         unusable(str(cache.folder), err)
         return None
     if fd is None:
-        log.warning("shard %s (%s bytes) does not fit in the cache %s (cache_bytes=%s, or the "
-                    "disk is full): read without it", shown, size, cache.folder, cache.bound)
+        bound = (f"cache_bytes={cache.bound}" if cache.bound is not None else
+                 "no cache_bytes given: the cache keeps 5% of the disk free")
+        log.warning("shard %s (%s bytes) does not fit in the cache %s (%s; or the disk is "
+                    "full): read without it", shown, size, cache.folder, bound)
     return fd
 
 

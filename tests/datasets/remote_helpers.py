@@ -26,6 +26,8 @@ SECRET = "SECRET-do-not-show-3f9a"
 
 
 FAST = {"backoff": 0.01, "read_timeout": 2.0}
+# A cache bound of its own: the default (leave 5% of the disk free) depends on the machine.
+CACHE_BYTES = 1 << 30
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from mmproxy.datasets.remote import RemoteOptions
 from mmproxy.datasets.shards import expand, read_local_tar, read_remote_tar
 from mmproxy.pipelines import image_train_pipeline
 from remote_helpers import (  # noqa: F401 - fixtures
+    CACHE_BYTES,
     FAST,
     aws,
     fresh_s3_state,
@@ -186,7 +187,7 @@ def test_gzip_shards_over_http_streamed_and_cached(plain, mixed, served, image_s
     urls = [f"{served.url}/{os.path.basename(u)}" for u in mixed_urls(mixed)]
     [got], loader = run(urls, image_server, 2)
     assert same(got, expected) and not loader.skipped.records
-    cached = RemoteOptions(cache_dir=str(tmp_path / "cache"), **FAST)
+    cached = RemoteOptions(cache_dir=str(tmp_path / "cache"), cache_bytes=CACHE_BYTES, **FAST)
     for _ in range(2):  # downloaded into the cache, then read from it
         [got], loader = run(urls, image_server, 2, remote=cached)
         assert same(got, expected) and not loader.skipped.records

@@ -18,6 +18,7 @@ from mmproxy.datasets import MultiModalDataset
 from mmproxy.datasets.remote import RemoteError, RemoteOptions, open_remote
 from mmproxy.datasets.shards import read_remote_tar
 from remote_helpers import (  # noqa: F401 - fixtures
+    CACHE_BYTES,
     FAST,
     N_SHARDS,
     PER_SHARD,
@@ -52,7 +53,7 @@ def cache_files(folder):
 
 def test_cache_second_epoch_reads_no_byte_from_the_server(local, http, image_server, tmp_path):
     [expected], _ = run(local, image_server)
-    opts = RemoteOptions(cache_dir=str(tmp_path / "cache"), **FAST)
+    opts = RemoteOptions(cache_dir=str(tmp_path / "cache"), cache_bytes=CACHE_BYTES, **FAST)
     epochs, _ = run(http_urls(http), image_server, workers=2, epochs=2, remote=opts)
     assert same(epochs[0], expected) and same(epochs[1], expected)
     assert [http.requests[f"r-{s}.tar"] for s in range(N_SHARDS)] == [1] * N_SHARDS
@@ -61,9 +62,9 @@ def test_cache_second_epoch_reads_no_byte_from_the_server(local, http, image_ser
 
 
 def _read_all(urls, cache, order):
-    keys = []
+    keys, opts = [], RemoteOptions(cache_dir=cache, cache_bytes=CACHE_BYTES)
     for i in order:
-        keys += [s["__key__"] for s in read_remote_tar(urls[i], RemoteOptions(cache_dir=cache))]
+        keys += [s["__key__"] for s in read_remote_tar(urls[i], opts)]
     return keys
 
 
@@ -85,7 +86,7 @@ def test_cache_one_download_per_shard_for_many_processes(http, tmp_path):
 
 
 def test_cache_two_workers_drawing_the_same_shards_download_each_once(http, image_server, tmp_path):
-    opts = RemoteOptions(cache_dir=str(tmp_path / "cache"), **FAST)
+    opts = RemoteOptions(cache_dir=str(tmp_path / "cache"), cache_bytes=CACHE_BYTES, **FAST)
     ds = MultiModalDataset(http_urls(http), {"image": ("jpg", image_server.proxy)}, batch_size=4,
                            resampled=True, epoch_length=16, remote=opts)
     seen = sum(len(b["image"]) for b in ds.loader(image_server, num_workers=2))
@@ -112,6 +113,33 @@ def test_cache_bound_is_respected_with_eviction(local, http, tmp_path):
     tiny = RemoteOptions(cache_dir=cache, cache_bytes=size // 2)  # too big for the cache:
     assert len(list(read_remote_tar(urls[1], tiny))) == PER_SHARD  # streamed past it
     assert http.requests["r-1.tar"] == 2 and cache_files(cache)[1] == []
+
+
+def test_cache_without_a_bound_keeps_5_percent_of_the_disk_free(http, tmp_path, monkeypatch,
+                                                                caplog):
+    """With no cache_bytes, a shard goes in while the disk keeps 5% free, and past it (read in
+    full, with a warning that says why) when it would not."""
+    from mmproxy.datasets.remote import _cache
+
+    real, free = os.statvfs, {"blocks": 0}
+
+    def statvfs(path):  # a disk of 1,000 blocks of 4 KiB with free["blocks"] of them free
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, 4096, 1000, free["blocks"], free["blocks"])
+                                 + tuple(st)[5:])
+
+    monkeypatch.setattr(_cache.os, "statvfs", statvfs)
+    urls, cache = http_urls(http), str(tmp_path / "cache")
+    opts = RemoteOptions(cache_dir=cache, cache_bytes=None)
+    free["blocks"] = 50  # 5% of the disk free: no room for a shard
+    with caplog.at_level(logging.WARNING):
+        assert len(list(read_remote_tar(urls[0], opts))) == PER_SHARD
+    assert cache_files(cache) == ([], [])
+    [warning] = [r.getMessage() for r in caplog.records if "does not fit" in r.getMessage()]
+    assert "r-0.tar" in warning and "keeps 5% of the disk free" in warning
+    free["blocks"] = 50 + 1000 // 4  # 5% kept, and a quarter of the disk for the cache
+    assert len(list(read_remote_tar(urls[1], opts))) == PER_SHARD
+    assert [p.name[-5:] for p in cache_files(cache)[0]] == ["1.tar"]
 
 
 @pytest.fixture
@@ -152,7 +180,7 @@ def test_cache_a_read_only_cache_folder_streams_past_it_with_one_warning(
 
 def test_cache_a_failed_download_leaves_nothing_and_frees_the_lock(http, tmp_path):
     url, cache = http_urls(http)[0], str(tmp_path / "cache")
-    opts = RemoteOptions(cache_dir=cache, retries=1, backoff=0.01)
+    opts = RemoteOptions(cache_dir=cache, cache_bytes=CACHE_BYTES, retries=1, backoff=0.01)
     http.fail("r-0.tar", Fault("cut", after=0), times=2)  # no byte: no progress, no fresh count
     with pytest.raises(RemoteError, match="gave up after 2 attempts"):
         list(read_remote_tar(url, opts))
