@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from mmproxy.datasets.remote import _stores
 from mmproxy.datasets.remote._answers import redact
 from mmproxy.datasets.remote._cache import Finish, NodeCache, reserve, unusable
 from mmproxy.datasets.remote._download import MAX_BACKOFF, Attempts, Download, RemoteError, Waiting
@@ -160,7 +161,7 @@ def _open(url: str, options: RemoteOptions) -> RemoteShard:
         return _stream(url, options, None, "")
     try:
         cache = NodeCache(options.cache_dir, options.cache_bytes)
-        name = cache.name(url)
+        name = cache.name(url, _stores.origin(url.partition("://")[0].lower()))
         fd = cache.lookup(name)
         lock = cache.lock(name) if fd is None else None  # waits while another downloads it
     except OSError as err:  # a read-only or full folder, one not ours: the shard goes past it

@@ -1,10 +1,10 @@
 """Node cache: remote shards kept in a local folder, shared by every process of a node.
 
-Layout of ``cache_dir``: finished shards as ``<sha256 of the URL>-<file name>``, downloads in
-progress under ``.partial/`` with the same name, and one empty ``.lock`` file. Locks are Linux
-open-file-description byte-range locks on ``.lock`` (``F_OFD_SETLK``): byte 0 guards the space
-accounting, and each shard has its own byte (from its name's hash), so any number of shards need
-one file and a lock dies with the process that held it.
+Layout of ``cache_dir``: finished shards as ``<sha256 of the URL and its store>-<file name>``,
+downloads in progress under ``.partial/`` with the same name, and one empty ``.lock`` file.
+Locks are Linux open-file-description byte-range locks on ``.lock`` (``F_OFD_SETLK``): byte 0
+guards the space accounting, and each shard has its own byte (from its name's hash), so any
+number of shards need one file and a lock dies with the process that held it.
 docs/internals.md, ``mmproxy.datasets.remote._cache``, has the rest.
 """
 
@@ -44,10 +44,12 @@ class NodeCache:
         self.lock_path.touch(exist_ok=True)
         self.bound = bound
 
-    def name(self, url: str) -> str:
-        """The shard's file name in the cache."""
+    def name(self, url: str, origin: str = "") -> str:
+        """The shard's file name in the cache: from its URL and ``origin``, what else names the
+        store it comes from (an object store's endpoint or account)."""
         tail = re.sub(r"[^A-Za-z0-9._-]", "_", url.rstrip("/").rsplit("/", 1)[-1])[-80:]
-        return hashlib.sha256(url.encode()).hexdigest()[:32] + "-" + tail
+        named = f"{origin}\n{url}" if origin else url
+        return hashlib.sha256(named.encode()).hexdigest()[:32] + "-" + tail
 
     def lookup(self, name: str) -> int | None:
         """A read-only descriptor of the finished shard ``name`` (marked as just used), or None."""

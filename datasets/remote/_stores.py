@@ -10,6 +10,7 @@ docs/internals.md, ``mmproxy.datasets.remote._stores``, has the rest.
 from __future__ import annotations
 
 import configparser
+import contextlib
 import fnmatch
 import json
 import os
@@ -69,6 +70,30 @@ def bucket_key(url: str) -> tuple[str, str, str]:
     scheme, _, rest = url.partition("://")
     bucket, _, key = rest.partition("/")
     return scheme.lower(), bucket, key
+
+
+# Words in the names of the environment variables that choose where a scheme's objects come
+# from (an endpoint, an emulator, an account, a credentials file), not the secrets themselves.
+_WHERE = ("ENDPOINT", "URL", "EMULATOR", "ACCOUNT", "HOST", "PROFILE", "CREDENTIALS")
+_SECRET = ("KEY", "SECRET", "TOKEN", "PASSWORD", "SAS")
+_SCHEME_ENV = {"s3": ("AWS_",), "gs": ("GOOGLE_", "STORAGE_EMULATOR_HOST"),
+               "az": ("AZURE_", "AZURITE_")}
+
+
+def origin(scheme: str) -> str:
+    """What, beside its URL, names the store an object of ``scheme`` comes from here: the
+    environment's endpoint, emulator, account and credentials file settings (and for S3 the AWS
+    files' endpoint); ``""`` for a scheme whose URL says it all. The node cache keys shards by
+    both, so that ``s3://bucket/a.tar`` of two endpoints are two shards."""
+    prefixes = _SCHEME_ENV.get(scheme)
+    if prefixes is None:
+        return ""
+    where = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(prefixes)
+                   and any(w in k for w in _WHERE) and not any(w in k for w in _SECRET))
+    if scheme == "s3":
+        with contextlib.suppress(ValueError):  # a missing profile is said when the shard is read
+            where.append(f"endpoint={_aws_files().get('endpoint', '')}")
+    return "\n".join(where)
 
 
 def started() -> None:

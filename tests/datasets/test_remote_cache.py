@@ -32,12 +32,13 @@ from remote_helpers import (  # noqa: F401 - fixtures
     local,
     run,
     s3,
+    s3_endpoint,
     same,
     shard_dir,
     silent_server,
 )
 
-from mmproxy.apps.bench.remote import Fault
+from mmproxy.apps.bench.remote import Fault, ShardServer
 from mmproxy.testing import write_tar
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,6 +60,26 @@ def test_cache_second_epoch_reads_no_byte_from_the_server(local, http, image_ser
     assert [http.requests[f"r-{s}.tar"] for s in range(N_SHARDS)] == [1] * N_SHARDS
     finished, partial = cache_files(tmp_path / "cache")
     assert len(finished) == N_SHARDS and partial == []
+
+
+def test_cache_keeps_the_same_url_of_two_endpoints_apart(local, aws, tmp_path):
+    """``s3://bucket/r-0.tar`` of two S3 endpoints is two shards: the second endpoint's bytes
+    are read, not the first one's from the cache, and each is then a hit of its own."""
+    opts = RemoteOptions(cache_dir=str(tmp_path / "cache"), cache_bytes=CACHE_BYTES, **FAST)
+    for root, shard in (("one", 0), ("two", 1)):  # r-0.tar of the second holds shard 1's samples
+        (tmp_path / root / "bucket").mkdir(parents=True)
+        (tmp_path / root / "bucket" / "r-0.tar").write_bytes(Path(local[shard]).read_bytes())
+    url = "s3://bucket/r-0.tar"
+
+    def keys():
+        return [s["__key__"] for s in read_remote_tar(url, opts)]
+
+    with ShardServer(tmp_path / "one") as one, ShardServer(tmp_path / "two") as two:
+        for endpoint, shard in ((one, 0), (two, 1), (one, 0), (two, 1)):
+            s3_endpoint(aws, endpoint)
+            assert keys() == [f"s{shard}-{i}" for i in range(PER_SHARD)]
+        assert one.requests["bucket/r-0.tar"] == two.requests["bucket/r-0.tar"] == 1
+    assert len(cache_files(tmp_path / "cache")[0]) == 2
 
 
 def _read_all(urls, cache, order):
