@@ -64,9 +64,9 @@ class NextEpoch:
 class _Source:
     """A source as the dataset uses it: name, expanded shards, parsed fields, weight."""
 
-    def __init__(self, index: int, source: Source, mixed: bool) -> None:
+    def __init__(self, index: int, source: Source, mixed: bool, timeout: float) -> None:
         self.name = source.name or f"source{index}"
-        self.urls = expand(source.urls)
+        self.urls = expand(source.urls, timeout)
         require_files(self.urls, f"the urls of source {self.name!r}" if mixed else "urls")
         self.fields = {name: parse_field(name, spec) for name, spec in source.fields.items()}
         if not self.fields:
@@ -170,7 +170,9 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
                             "fields), not both")
         else:
             self.mixed = True
-        self.sources = [_Source(i, source, self.mixed) for i, source in enumerate(sources)]
+        self.remote = remote or RemoteOptions()
+        self.sources = [_Source(i, source, self.mixed, self.remote.connect_timeout)
+                        for i, source in enumerate(sources)]
         if not self.sources:
             raise ValueError("sources is empty")
         check_weights([s.weight for s in self.sources])
@@ -195,7 +197,6 @@ class MultiModalDataset(torch.utils.data.IterableDataset):
             self._batched, [s.fields for s in self.sources], collate) if self._batched else None)
         self.keep_keys = keep_keys
         self.max_pixels, self.prefetch_next_epoch = max_pixels, prefetch_next_epoch
-        self.remote = remote or RemoteOptions()
         prepare_remote(self.urls)
         self._read = TarReader(self.policy, self.remote)
         self._epoch: int | None = None

@@ -26,19 +26,20 @@ __all__ = ["current_epoch", "expand", "folder_shards", "is_local", "is_remote", 
            "read_local_tar", "read_remote_tar", "require_files", "split_reason", "worker_info"]
 
 
-def expand(urls: str | Sequence[str]) -> list[str]:
+def expand(urls: str | Sequence[str], timeout: float | None = None) -> list[str]:
     """Expands brace patterns (``data-{000..009}.tar``), ``::``-separated lists, globs of local
     paths (``/data/*.tar``: the regular files matching, sorted; one that matches none is a
     :class:`ShardError`), ``~`` at the start of a local path, and ``s3://``, ``gs://`` and
     ``az://`` prefixes and globs (listed with obstore). A local path that exists is taken as
     written, ``[`` in its name or not; see :func:`local_glob` for a glob under a folder whose
-    name holds ``[``."""
+    name holds ``[``. ``timeout``: an object store's listing's connect and read timeout
+    (default: :class:`~mmproxy.datasets.remote.RemoteOptions`'s ``connect_timeout``)."""
     items = [urls] if isinstance(urls, str) else list(urls)
     out: list[str] = []
     for item in items:
         for url in wds.shardlists.expand_urls(item):
             if is_remote(url):
-                out.extend(_expand_remote(url))
+                out.extend(_expand_remote(url, timeout))
                 continue
             if is_local(url) and url.startswith("~"):
                 url = os.path.expanduser(url)  # as a shell would (a quoted '~/...' is not)
@@ -85,7 +86,7 @@ def _folder_glob(folder: str) -> str:
     return os.path.join(folder, f"*.{have[0]}" if len(have) == 1 else f"*.{{{','.join(have)}}}")
 
 
-def _expand_remote(url: str) -> list[str]:
+def _expand_remote(url: str, timeout: float | None) -> list[str]:
     """The shards a remote URL names: itself, or for an object-store prefix ending in ``/`` (or a
     bucket) its ``.tar``, ``.tar.gz`` and ``.tgz`` objects and for a glob the objects it
     matches, listed with obstore (``_stores.list_objects``). HTTP cannot list a folder: an
@@ -104,7 +105,8 @@ def _expand_remote(url: str) -> list[str]:
     if key and not key.endswith("/") and not any(c in key for c in "*?["):
         return [url]
     try:
-        found, listed = list_objects(url, RemoteOptions(cache_dir=None).connect_timeout)
+        found, listed = list_objects(url, timeout if timeout is not None else
+                                     RemoteOptions(cache_dir=None).connect_timeout)
     except OSError as err:
         raise ShardError(f"cannot list {redact(url)}: {err.args[-1]}") from None
     if not found:

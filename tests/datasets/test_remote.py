@@ -216,6 +216,19 @@ def test_an_s3_endpoint_that_never_answers_is_named_within_seconds(aws):
         assert time.monotonic() - start < 5
 
 
+def test_listing_a_prefix_of_an_endpoint_that_never_answers_keeps_the_users_timeout(aws):
+    """The dataset lists an ``s3://`` prefix with its RemoteOptions' connect_timeout, not the
+    default's 10 s (nor the listing's one-minute cap)."""
+    with silent_server() as url:
+        aws({"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "AKIA-TEST",
+             "AWS_DEFAULT_REGION": "us-east-1"})
+        start = time.monotonic()
+        with pytest.raises(mmproxy.ShardError, match=r"^cannot list s3://bucket/: "):
+            MultiModalDataset("s3://bucket/", {"label": ("cls", int)}, batch_size=4,
+                              remote=RemoteOptions(**QUICK))
+        assert time.monotonic() - start < 8
+
+
 def test_the_defaults_give_up_on_a_server_that_stops_answering_within_two_minutes():
     """Worst case with the defaults: the read under way stalls for read_timeout, each retry
     waits connect_timeout for an answer, plus the backoffs (at their longest, no jitter)."""
