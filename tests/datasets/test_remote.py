@@ -216,6 +216,28 @@ def test_an_s3_endpoint_that_never_answers_is_named_within_seconds(aws):
         assert time.monotonic() - start < 5
 
 
+def test_fork_workers_after_reading_s3_in_the_main_process_fail_with_what_to_do(
+        s3, aws, image_server):
+    """obstore's I/O thread does not survive a fork: workers forked from a process that read
+    an ``s3://`` shard itself are told so, and to use spawn, at their first shard (no hang);
+    spawned workers read every shard."""
+    urls, env = s3
+    aws(env)
+    assert len(read_whole(urls[0], **FAST)) > 0  # the main process's obstore thread now runs
+    ds = MultiModalDataset(urls, {"image": ("jpg", image_server.proxy)}, batch_size=4,
+                           shuffle_shards=False, remote=RemoteOptions(**FAST))
+    start = time.monotonic()
+    with pytest.raises(mmproxy.ShardError, match=r"shard s3://bench/r-0\.tar: cannot be read: "
+                       r"RemoteError: this process was forked from one that had read s3:// "
+                       r"shards itself.*multiprocessing_context='spawn'"):
+        for _ in ds.loader(image_server, num_workers=1, multiprocessing_context="fork"):
+            pass
+    assert time.monotonic() - start < 30
+    seen = sum(len(b["image"]) for b in ds.loader(image_server, num_workers=1,
+                                                   multiprocessing_context="spawn"))
+    assert seen == N_SHARDS * PER_SHARD
+
+
 def test_listing_a_prefix_of_an_endpoint_that_never_answers_keeps_the_users_timeout(aws):
     """The dataset lists an ``s3://`` prefix with its RemoteOptions' connect_timeout, not the
     default's 10 s (nor the listing's one-minute cap)."""
