@@ -114,6 +114,18 @@ def _split(url: str, key: str, sample: dict[str, Any]) -> Skip:
                 SkipKind.SPLIT_SAMPLE)
 
 
+def _dotted(key: str, exts: tuple[str, ...], present: list[str]) -> str:
+    """A hint when the missing field is the end of fields the sample has (``0.jpg`` for
+    ``jpg``): files named with a dot inside their key (``clip.0.jpg``)."""
+    longer = [p for p in present if any(p.endswith("." + ext) for ext in exts)]
+    if not longer:
+        return ""
+    return (f": a sample's key ends at the first dot of its file names (WebDataset's rule), so "
+            f"files like '{key}.{longer[0]}' are field {longer[0]!r} of sample {key!r}; name "
+            f"them without a dot in the key (like '{key}_{longer[0]}'), or read the longer "
+            "extension")
+
+
 def _fields(sample: dict[str, Any], plan: _Plan, sample_id: SampleId, keep_keys: bool,
             max_pixels: int) -> dict[str, Any]:
     """The fields of one raw sample (``{ext: bytes}`` with ``__key__`` and ``__url__``), or
@@ -134,8 +146,8 @@ def _fields(sample: dict[str, Any], plan: _Plan, sample_id: SampleId, keep_keys:
                 if runs is not None and runs.split(key):
                     raise _split(url, key, sample)
                 present = sorted(k for k in sample if not k.startswith("__"))
-                raise Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has {present})",
-                           SkipKind.MISSING_FIELD)
+                raise Skip(url, key, f"missing field {'/'.join(exts)!r} (the sample has {present})"
+                           + _dotted(key, exts, present), SkipKind.MISSING_FIELD)
             if ext in duplicates:
                 raise Skip(url, key, f"duplicate field {ext!r}: the shard holds more than one "
                                      f"{ext!r} member for this sample", SkipKind.DUPLICATE_FIELD)

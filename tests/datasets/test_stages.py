@@ -155,6 +155,26 @@ def test_the_chain_carries_records_of_damaged_shards_and_samples(shards):
     assert any(batch.keys() == {"__skipped__", "__shards_tried__"} for batch in items[:-1])  # records alone
 
 
+def test_a_key_with_a_dot_is_said_in_the_missing_fields_record(tmp_path):
+    """``clip.0.txt`` is field ``0.txt`` of sample ``clip`` (WebDataset's rule): the record of
+    the missing ``txt`` says so and how to name the files."""
+    import webdataset as wds
+
+    path = str(tmp_path / "dotted.tar")
+    with wds.TarWriter(path) as writer:  # the files as another tool writes them
+        for i in range(3):
+            writer.write({"__key__": f"clip.{i}", "txt": f"caption {i}"})
+    ds = MultiModalDataset(path, {"text": ("txt", str)}, batch_size=2, on_error="skip",
+                           max_skipped=None)
+    [record] = [r for batch in ds._chain(1, 0, 1, rank=0, world=1) for r in batch["__skipped__"]]
+    assert record.key == "clip"
+    assert record.reason == (
+        "missing field 'txt' (the sample has ['0.txt', '1.txt', '2.txt']): a sample's key ends "
+        "at the first dot of its file names (WebDataset's rule), so files like 'clip.0.txt' are "
+        "field '0.txt' of sample 'clip'; name them without a dot in the key (like "
+        "'clip_0.txt'), or read the longer extension")
+
+
 @pytest.mark.parametrize("name", list(STAGES))
 def test_a_stage_refuses_a_state_of_another_stage(shards, name):
     where = STAGES[name]
