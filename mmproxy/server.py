@@ -180,7 +180,13 @@ class DALIServer:
         self.stop_thread()
 
     def start_thread(self) -> None:
-        """Starts the server's threads; a no-op when running. A failed server raises."""
+        """Starts the server's threads; a no-op when running. A failed server raises, and so
+        does a server this process inherited from the one it forked from."""
+        if os.getpid() != self._owner_pid:
+            raise ServerStateError(
+                f"server {self.name!r} runs in process {self._owner_pid}, and this process "
+                f"({os.getpid()}) is a fork of it: a server serves the process that made it. "
+                "Iterate the loader there, or make the server and its loader in this process")
         if self.table.state is ServerState.RUNNING:
             return
         self.table.check_startable()

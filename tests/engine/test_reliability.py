@@ -427,6 +427,20 @@ class _Holder:
         self.pipeline, self.me = pipeline, self
 
 
+def _exit_code(pid, hung, seconds=30):
+    """The exit code of child ``pid``; the test fails with ``hung`` (the child killed) when it
+    runs past ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail(hung)
+
+
 def test_a_forked_child_frees_a_pipeline_its_parent_dropped_without_hanging():
     # A pipeline the parent dropped in a cycle, not shut down and not yet collected, is freed
     # in the child by its first collection (Python's own after-fork work can run one). DALI's
@@ -447,18 +461,35 @@ def test_a_forked_child_frees_a_pipeline_its_parent_dropped_without_hanging():
     finally:
         if enabled:
             gc.enable()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung freeing the pipeline its parent dropped")
+    assert _exit_code(pid, "the forked child hung freeing the pipeline its parent dropped") == 0
     gc.collect()  # the parent frees it: shut down here, where its threads are
+
+
+def test_a_forked_child_that_iterates_an_inherited_loader_is_told_at_once(add_server):
+    # The server's threads and its table's runs are the parent's: the child's loader would
+    # wait out the server's timeout for runs no thread of its own makes.
+    loader = mmproxy.DataLoader(add_server, AddDataset(add_server.proxy, n=8), batch_size=4,
+                                num_workers=0)
+    assert len(list(loader)) == 2
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        code = 1
+        try:
+            next(iter(loader))
+        except mmproxy.ServerStateError as err:
+            os.write(write, str(err).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    assert _exit_code(pid, "the forked child waited for runs its inherited server never makes") == 0
+    message = os.read(read, 4096).decode()
+    os.close(read)
+    assert f"server 'addsub' runs in process {os.getpid()}, and this process" in message
+    assert "is a fork of it" in message
+    assert len(list(loader)) == 2  # the parent's server serves on
 
 
 _COLLECTOR_AT_FORK = """
