@@ -117,13 +117,16 @@ def _split(url: str, key: str, sample: dict[str, Any]) -> Skip:
 def _dotted(key: str, exts: tuple[str, ...], present: list[str]) -> str:
     """A hint when the missing field is the end of fields the sample has (``0.jpg`` for
     ``jpg``): files named with a dot inside their key (``clip.0.jpg``)."""
-    longer = [p for p in present if any(p.endswith("." + ext) for ext in exts)]
-    if not longer:
-        return ""
-    return (f": a sample's key ends at the first dot of its file names (WebDataset's rule), so "
-            f"files like '{key}.{longer[0]}' are field {longer[0]!r} of sample {key!r}; name "
-            f"them without a dot in the key (like '{key}_{longer[0]}'), or read the longer "
-            "extension")
+    for field in present:
+        ext = next((e for e in exts if field.endswith("." + e)), None)
+        if ext is None:
+            continue
+        name = f"{key}.{field}"
+        renamed = name[:-len(ext) - 1].replace(".", "_") + "." + ext
+        return (f": a sample's key ends at the first dot of its file names (WebDataset's rule), "
+                f"so files like '{name}' are field {field!r} of sample {key!r}; name them "
+                f"without a dot in the key (like '{renamed}'), or read the longer extension")
+    return ""
 
 
 def _fields(sample: dict[str, Any], plan: _Plan, sample_id: SampleId, keep_keys: bool,

@@ -175,6 +175,19 @@ def test_a_key_with_a_dot_is_said_in_the_missing_fields_record(tmp_path):
         "'clip_0.txt'), or read the longer extension")
 
 
+def test_the_dotted_key_hint_renames_every_dot_of_the_key(tmp_path):
+    import webdataset as wds
+
+    path = str(tmp_path / "dotted.tar")
+    with wds.TarWriter(path) as writer:
+        writer.write({"__key__": "img.2024.01", "txt": "a caption"})
+    ds = MultiModalDataset(path, {"text": ("txt", str)}, batch_size=2, on_error="skip",
+                           max_skipped=None)
+    [record] = [r for batch in ds._chain(1, 0, 1, rank=0, world=1) for r in batch["__skipped__"]]
+    assert "files like 'img.2024.01.txt' are field '2024.01.txt' of sample 'img'" in record.reason
+    assert "(like 'img_2024_01.txt')" in record.reason
+
+
 @pytest.mark.parametrize("name", list(STAGES))
 def test_a_stage_refuses_a_state_of_another_stage(shards, name):
     where = STAGES[name]
