@@ -155,6 +155,8 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
         FileExistsError: ``output`` holds other ``.tar`` files (a folder of shards is read whole:
             they would be read with the new set's labels), with or without ``overwrite``.
         NoMediaError: Nothing to write (it says why, and which kind fits when another does).
+        FileNotFoundError: ``source`` does not exist.
+        NotADirectoryError: ``source`` is a file.
 
     Example:
         >>> written = make_shards("photos/", "shards/")       # doctest: +SKIP
@@ -165,8 +167,10 @@ def make_shards(source: str | os.PathLike[str], output: str | os.PathLike[str], 
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if max_count < 1 or max_size <= 0:
         raise ValueError(f"max_count and max_size must be positive, got {max_count}, {max_size}")
+    if not source.exists():
+        raise FileNotFoundError(f"{source} does not exist")
     if not source.is_dir():
-        raise FileNotFoundError(f"{source} is not a folder")
+        raise NotADirectoryError(f"{source} is a file, not a folder of images, sounds or videos")
     remove_stale_parts(output)
     old, foreign = _old_set(output, prefix)
     if foreign:

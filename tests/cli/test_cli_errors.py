@@ -37,7 +37,7 @@ def test_cli_errors_are_one_line_with_a_hint_and_debug_gives_the_traceback(tmp_p
     proc = run_cli(args, tmp_path)
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    error = f"mmproxy make-shards: error: {tmp_path / 'missing'} is not a folder"
+    error = f"mmproxy make-shards: error: {tmp_path / 'missing'} does not exist"
     if debug:
         assert lines[0] == "Traceback (most recent call last):" and "FileNotFoundError" in lines[-2]
         assert lines[-1] == error

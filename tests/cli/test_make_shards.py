@@ -360,8 +360,10 @@ def test_an_empty_source_says_why_nothing_was_written(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no image files to write.*a\.gif: not an image"):
         make_shards(tmp_path / "src", tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    with pytest.raises(FileNotFoundError, match="is not a folder"):
+    with pytest.raises(FileNotFoundError, match="missing does not exist"):
         make_shards(tmp_path / "missing", tmp_path / "out")
+    with pytest.raises(NotADirectoryError, match="a.gif is a file, not a folder"):
+        make_shards(tmp_path / "src" / "a.gif", tmp_path / "out")
 
 
 # make-shards: every format written is read by the recipes' defaults -------------------------
