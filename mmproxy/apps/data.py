@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import tarfile
+from collections.abc import Generator
 from typing import Any
 
-__all__ = ["expand_data", "first_sample_fields"]
+__all__ = ["expand_data", "first_sample_fields", "sample_fields"]
 
 
 def expand_data(data: str) -> list[str]:
@@ -33,27 +34,48 @@ def expand_data(data: str) -> list[str]:
 _PROBED = 8  # local shards tried for a first sample before --data is refused
 
 
-def _first_sample(shard: str) -> dict[str, Any]:
-    """The first sample of ``shard`` (empty when it holds none), read as the datasets read it."""
+def _samples(shard: str) -> Generator[dict[str, Any], None, None]:
+    """The samples of ``shard``, read as the datasets read them."""
     from mmproxy.datasets.shards import is_local, is_remote, read_local_tar
 
     if is_local(shard):
         samples = read_local_tar(shard, register=False)  # the probe sends nothing to a server
         try:
-            return next(samples, {})
+            yield from samples
         finally:
             samples.close()
+        return
     if is_remote(shard):
         from mmproxy.datasets.remote import RemoteError, RemoteOptions
         from mmproxy.datasets.shards import read_remote_tar
 
         try:
-            return next(iter(read_remote_tar(shard, RemoteOptions())), {})
+            yield from read_remote_tar(shard, RemoteOptions())
         except RemoteError as err:
             raise ValueError(str(err)) from err
+        return
     import webdataset as wds
 
-    return next(iter(wds.WebDataset(shard, shardshuffle=False)), {})
+    yield from wds.WebDataset(shard, shardshuffle=False)
+
+
+def _first_sample(shard: str) -> dict[str, Any]:
+    """The first sample of ``shard`` (empty when it holds none), read as the datasets read it."""
+    samples = _samples(shard)
+    try:
+        return next(samples, {})
+    finally:
+        samples.close()
+
+
+def sample_fields(shard: str, count: int) -> list[tuple[str, list[str]]]:
+    """The key and the fields of each of the first ``count`` samples of ``shard``."""
+    samples = _samples(shard)
+    try:
+        return [(str(sample.get("__key__", "?")), [k.lower() for k in sample if not k.startswith("__")])
+                for _, sample in zip(range(count), samples)]
+    finally:
+        samples.close()
 
 
 def first_sample_fields(shards: list[str]) -> tuple[str, list[str]]:

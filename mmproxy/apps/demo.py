@@ -13,11 +13,13 @@ import contextlib
 import time
 from typing import Any
 
-from mmproxy.apps.data import _first_sample, expand_data, first_sample_fields
+from mmproxy.apps.data import _first_sample, expand_data, first_sample_fields, sample_fields
 from mmproxy.apps.noise import DecoderWarnings
 from mmproxy.errors import install_hint
 
 __all__ = ["run"]
+
+_SCANNED = 16  # samples of the first shard searched for one with a heavy field
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,15 +54,24 @@ def run(args: argparse.Namespace) -> int:
     first, exts = first_sample_fields(urls)
     wanted = {"image": IMAGE_EXTS, "audio": AUDIO_EXTS, "video": VIDEO_EXTS, "text": "txt;caption",
               "label": "cls"}
+    media = {ext for name in ("image", "audio", "video") for ext in wanted[name].split(";")}
+    origin = f"the first sample of {first}"
+    if not media & set(exts):  # a set whose first samples lack the heavy field
+        scanned = sample_fields(first, _SCANNED)
+        found = next(((key, fields) for key, fields in scanned if media & set(fields)), None)
+        if found is None:
+            some = "the first sample" if len(scanned) == 1 else f"the first {len(scanned)} samples"
+            raise ValueError(f"{some} of {first} {'has' if len(scanned) == 1 else 'have'} no "
+                             f"image ({IMAGE_EXTS}), audio ({AUDIO_EXTS}) or video ({VIDEO_EXTS}) "
+                             f"field, only {', '.join(exts)}; the demo needs one")
+        key, exts = found
+        origin = (f"sample {key!r} of {first}, the first with an image, audio or video field; "
+                  "samples without its fields are skipped")
     used = [name for name, spec in wanted.items() if set(spec.split(";")) & set(exts)]
-    if not {"image", "audio", "video"} & set(used):
-        raise ValueError(f"the first sample of {first} has no image ({IMAGE_EXTS}), audio "
-                         f"({AUDIO_EXTS}) or video ({VIDEO_EXTS}) field, only {', '.join(exts)}; "
-                         "the demo needs one")
     read = {name: spec.replace(";", "/") for name, spec in wanted.items()}  # every one is read
     print(f"mmproxy demo: fields {', '.join(f'{n} ({read[n]})' for n in used)}; not in these shards: "
           + (", ".join(f"{n} (no {read[n]})" for n in wanted if n not in used) or "none")
-          + f" (from the first sample of {first})")
+          + f" (from {origin})")
     gpu, _ = resolve_device(args.device)
     if "video" in used and not gpu and pyav_missing:
         _without_pyav(first, wanted["video"], pyav_missing)

@@ -117,3 +117,29 @@ def test_demo_refuses_the_synthetic_sets_options_with_data(tmp_path, given):
     assert f"{named} shape" in proc.stderr and "with --data the demo reads every sample" in \
         proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_demo_takes_the_fields_of_the_first_sample_with_media(tmp_path):
+    """Captions alone first (a set where some samples lost their image): the demo reads the
+    fields of the first sample that has an image, and skips the samples without one."""
+    (tmp_path / "data").mkdir()
+    texts = [{"__key__": f"a{i}", "txt": b"no image", "cls": b"0"} for i in range(2)]
+    write_tar(tmp_path / "data" / "s.tar", [*texts, *(sample(i) for i in range(25))])
+    proc = run_cli(["demo", "--data", str(tmp_path / "data"), "--batch-size", "4",
+                    "--workers", "1", "--device", "cpu"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "fields image (jpg" in proc.stdout and "from sample 'k00' of " in proc.stdout, proc.stdout
+    counts = dict(re.findall(r"^  (\w+) +(\d+) samples +[\d.]+ samples/s", proc.stdout, re.M))
+    assert counts["image"] == "25" and "skipped 2 samples" in proc.stdout, proc.stdout
+    assert "sample 'a0': missing field 'jpg/jpeg" in proc.stdout, proc.stdout
+
+
+def test_demo_refuses_a_set_whose_first_samples_have_no_media_naming_how_many(tmp_path):
+    (tmp_path / "data").mkdir()
+    write_tar(tmp_path / "data" / "s.tar",
+              [{"__key__": f"a{i:02d}", "txt": b"no image"} for i in range(20)])
+    proc = run_cli(["demo", "--data", str(tmp_path / "data"), "--device", "cpu"], tmp_path)
+    assert proc.returncode == 1
+    assert "error: the first 16 samples of " in proc.stderr, proc.stderr
+    assert "have no image (" in proc.stderr and "only txt; the demo needs one" in proc.stderr, \
+        proc.stderr
