@@ -44,3 +44,20 @@ def test_ragged_gpu_outputs_padded_and_as_lists(ndim):
     assert [tuple(r.shape) for r in rows] == [x.shape for x in samples]
     for r, x in zip(rows, samples):
         assert torch.equal(r.cpu(), torch.from_numpy(x) * 2)
+
+
+def test_padded_1d_gpu_outputs_stay_right_run_after_run():
+    # each run's offsets travel to the GPU from pinned memory, queued on the runner's stream:
+    # a block reused before its copy ran would pad a run with another run's offsets
+    rng = np.random.default_rng(0)
+    pipe = _to_gpu(batch_size=8, num_threads=1, device_id=0, prefetch_queue_depth=2)
+    with mmproxy.DALIServer(pipe, pad=[0]) as server:
+        batches = [[rng.standard_normal(int(n)).astype(np.float32) for n in rng.integers(1, 4000, 8)]
+                   for _ in range(40)]
+        refs = [default_collate([server.proxy(x) for x in samples]) for samples in batches]
+        for samples, ref in zip(batches, refs):
+            out = server.produce_data(ref)
+            assert out.lengths.tolist() == [len(x) for x in samples]
+            for row, x in enumerate(samples):
+                assert torch.equal(out.data[row, :len(x)].cpu(), torch.from_numpy(x) * 2)
+                assert not out.data[row, len(x):].any()
