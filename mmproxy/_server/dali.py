@@ -132,23 +132,36 @@ class Pipe:
             self.pipeline.feed_input(name, _tensor_list(chosen))
         self.pipeline._run_once()
 
-    def outputs(self, pad: set[int], stream: Any = None) -> tuple[tuple[Any, ...], Any]:
-        """The oldest scheduled run's outputs as torch, and the CUDA event that marks them ready
-        on ``stream`` (None for a CPU pipeline). Raises DALI's error when the run failed."""
-        pipe = self.pipeline
+    @property
+    def keeps_outputs(self) -> bool:
+        """Whether a run's outputs stay valid once later runs are scheduled (the dynamic
+        executor's are the caller's; the classic executors reuse their buffers)."""
+        return bool(self.pipeline.exec_dynamic)
+
+    def take(self, stream: Any = None) -> Any:
+        """The oldest scheduled run's outputs as DALI gives them, ready on ``stream`` (None for
+        a CPU pipeline). Raises DALI's error when the run failed."""
+        return self.pipeline.outputs() if stream is None else self.pipeline.outputs(cuda_stream=stream)
+
+    def convert(self, taken: Any, pad: set[int], stream: Any = None) -> tuple[tuple[Any, ...], Any]:
+        """:meth:`take`'s outputs as torch, and the CUDA event that marks them ready on
+        ``stream`` (None for a CPU pipeline)."""
         if stream is None:
-            copy = not pipe.exec_dynamic  # the classic executors reuse their output buffers
+            copy = not self.pipeline.exec_dynamic  # the classic executors reuse their output buffers
             return tuple(_convert.to_torch(o, copy=copy, want_pad=i in pad)
-                         for i, o in enumerate(pipe.outputs())), None
+                         for i, o in enumerate(taken)), None
         import torch
 
         with torch.cuda.stream(stream):
-            outs = pipe.outputs(cuda_stream=stream)
             data = tuple(_convert.to_torch(o, copy=False, want_pad=i in pad, stream=stream)
-                         for i, o in enumerate(outs))
+                         for i, o in enumerate(taken))
             event = torch.cuda.Event()
             event.record(stream)
         return data, event
+
+    def outputs(self, pad: set[int], stream: Any = None) -> tuple[tuple[Any, ...], Any]:
+        """The oldest scheduled run's outputs as torch (:meth:`take`, then :meth:`convert`)."""
+        return self.convert(self.take(stream), pad, stream)
 
     def close(self) -> None:
         """Releases the pipeline's native part now. A DALI pipeline is part of reference cycles

@@ -51,14 +51,20 @@ class Runner:
                         return
                     continue
                 run = inflight.popleft()
+                refused = None
                 try:
-                    outputs = self._outputs()
+                    taken = self._outputs.take()
+                    if self.pipe.keeps_outputs:  # the pipeline works on while these convert
+                        refused = self._feed_ahead(inflight)
+                    outputs = self._outputs.convert(taken)
                 except Exception as err:  # noqa: BLE001 - a bad sample, or the pipeline itself
                     later = list(inflight)
                     inflight.clear()
                     self._recover(run, err, later)
-                    continue
-                self.table.finish(run, *outputs)
+                else:
+                    self.table.finish(run, *outputs)
+                if refused is not None:
+                    self._refused(*refused, inflight)
         except Stopped:
             return  # stop_thread() forgets the runs; nothing to report
         except BaseException as err:  # noqa: BLE001 - every error must reach the main loop
@@ -83,6 +89,23 @@ class Runner:
                 self._refused(run, err, inflight)
                 continue
             inflight.append(run)
+
+    def _feed_ahead(self, inflight: deque[Run]) -> tuple[Run, BaseException] | None:
+        """Feeds one run that has arrived (not waiting for one) while the pipeline holds fewer
+        than ``prefetch_queue_depth``; a run whose inputs the pipeline refuses is returned, to
+        be failed once the run being converted is finished (the refusal rebuilds the pipeline)."""
+        if len(inflight) >= self.pipe.queue_depth:
+            return None
+        run = self.table.next(block=False, stop=self.stop)
+        if run is None:
+            return None
+        assert run.request is not None
+        try:
+            self.pipe.feed(run.request.inputs)
+        except Exception as err:  # noqa: BLE001 - inputs the pipeline refuses
+            return run, err
+        inflight.append(run)
+        return None
 
     def _refused(self, run: Run, error: BaseException, inflight: deque[Run]) -> None:
         """The pipeline refused ``run``'s inputs: the runs before it are finished, the pipeline is
@@ -124,7 +147,8 @@ class Runner:
 
 
 class _Outputs:
-    """Takes the oldest scheduled run's outputs as torch, on the runner thread's CUDA stream."""
+    """Takes the oldest scheduled run's outputs as torch, on the runner thread's CUDA stream
+    (at once, or :meth:`take` and later :meth:`convert`)."""
 
     def __init__(self, pipe: Pipe, pad: set[int]) -> None:
         self.pipe, self.pad = pipe, pad
@@ -132,3 +156,9 @@ class _Outputs:
 
     def __call__(self) -> Outputs:
         return self.pipe.outputs(self.pad, self.stream)
+
+    def take(self) -> Any:
+        return self.pipe.take(self.stream)
+
+    def convert(self, taken: Any) -> Outputs:
+        return self.pipe.convert(taken, self.pad, self.stream)

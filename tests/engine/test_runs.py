@@ -220,3 +220,75 @@ def test_free_lanes_take_any_arrived_run_and_the_turn_restarts_with_the_server()
     table.claim(["y"])
     table.accept(_request("y"))
     assert lanes[1].next(False, stop) is None and lanes[0].next(False, stop).id == "y"
+
+
+class _RecordingPipe:
+    """A pipeline adapter that records what the runner asks of it, in order."""
+
+    def __init__(self, keeps_outputs, refuse=()):
+        self.keeps_outputs, self.refuse = keeps_outputs, set(refuse)
+        self.queue_depth, self.survives_errors, self.num_outputs = 2, True, 1
+        self.calls, self.fed = [], []
+
+    def feed(self, inputs, rows=None):
+        run = inputs[0][0]
+        self.calls.append(("feed", run))
+        if run in self.refuse:
+            raise ValueError(f"refused {run}")
+        self.fed.append(run)
+
+    def take(self, stream=None):
+        run = self.fed.pop(0)
+        self.calls.append(("take", run))
+        return run
+
+    def convert(self, taken, pad, stream=None):
+        self.calls.append(("convert", taken))
+        return (taken,), None
+
+    def outputs(self, pad, stream=None):
+        return self.convert(self.take(stream), pad, stream)
+
+    def rebuild(self):
+        self.calls.append(("rebuild", None))
+        self.fed.clear()
+
+
+def _served(pipe, runs):
+    from mmproxy._server.runner import Runner
+
+    table = _table()
+    for run_id in runs:
+        table.accept(Request(run_id, None, [None], [[run_id]]))
+    stop = threading.Event()
+    thread = threading.Thread(target=Runner(pipe, table, set(), None, stop))
+    thread.start()
+    try:
+        return table, [table.wait(r) if r not in pipe.refuse else r for r in runs]
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def test_the_runner_feeds_the_next_run_before_it_converts_a_runs_outputs():
+    pipe = _RecordingPipe(keeps_outputs=True)
+    _, done = _served(pipe, ["a", "b", "c"])
+    assert [run.outputs for run in done] == [("a",), ("b",), ("c",)]
+    assert pipe.calls[:6] == [("feed", "a"), ("feed", "b"), ("take", "a"), ("feed", "c"),
+                              ("convert", "a"), ("take", "b")]
+
+
+def test_the_runner_converts_first_where_the_executor_reuses_its_outputs():
+    pipe = _RecordingPipe(keeps_outputs=False)
+    _served(pipe, ["a", "b", "c"])
+    assert pipe.calls[:5] == [("feed", "a"), ("feed", "b"), ("take", "a"), ("convert", "a"),
+                              ("feed", "c")]
+
+
+def test_inputs_refused_while_feeding_ahead_fail_their_run_after_the_one_converting():
+    pipe = _RecordingPipe(keeps_outputs=True, refuse={"c"})
+    table, done = _served(pipe, ["a", "b", "c", "d"])
+    assert [run.outputs for run in done[:2]] == [("a",), ("b",)] and done[3].outputs == ("d",)
+    with pytest.raises(mmproxy.PipelineError, match="refused the inputs of run c"):
+        table.wait("c")
+    assert pipe.calls.index(("convert", "a")) < pipe.calls.index(("rebuild", None))
