@@ -164,7 +164,7 @@ then. Image-text: images through the server and captions tokenized in the worker
 reader's images alone.
 """),
     Section(H200, "Audio, several pipelines a server (one H200)",
-            ["audio.json", "audio-3-pipelines.json"], """
+            ["audio.json"], """
 8,192 WAV clips (`--samples 32768`) resampled to 16 kHz and padded, the README's recipe
 (`audio_pipeline` and `pad=[0]`). mmproxy and the graph with two pipelines of 7 threads, the
 reader with its one. The graph alone runs far above both: what a clip costs on its way from the
