@@ -7,12 +7,9 @@ credential such as moto's ``x`` leaves the words of a message alone."""
 from __future__ import annotations
 
 import contextlib
-import datetime
-import ipaddress
 import logging
 import re
 import socket
-import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,10 +17,6 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from mmproxy.datasets import MultiModalDataset
 from mmproxy.datasets.remote import RemoteError, RemoteOptions, redact
 from mmproxy.datasets.shards import expand
@@ -39,96 +32,12 @@ from remote_helpers import (  # noqa: F401 - fixtures
     s3_endpoint,
     shard_dir,
 )
+from tls_helpers import LOOPBACK, certificate, https_server, signed_certificate, trust  # noqa: F401
 
 import mmproxy
 from mmproxy.apps.bench.remote import Fault, ShardServer
 
 pytestmark = pytest.mark.timeout(120)
-
-LOOPBACK = "127.0.0.1"
-
-
-def certificate(folder: Path, name: str, *, ip: str = LOOPBACK, expired: bool = False):
-    """A self-signed certificate for ``ip`` (an IP SAN) and its key, written as
-    ``NAME.pem`` and ``NAME.key``; ``expired``: valid until an hour ago."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"mmproxy test {name}")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = ((now - datetime.timedelta(days=2), now - datetime.timedelta(hours=1))
-                  if expired else (now - datetime.timedelta(hours=1), now + datetime.timedelta(days=1)))
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(start).not_valid_after(end)
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
-                                         content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False,
-                                         crl_sign=False, encipher_only=False,
-                                         decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
-                           critical=False)
-            .sign(key, hashes.SHA256()))
-    pem, private = folder / f"{name}.pem", folder / f"{name}.key"
-    pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                          serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    return pem, private
-
-
-def signed_certificate(folder: Path, name: str):
-    """A CA (``certificate``'s) and a certificate for 127.0.0.1 that it signs, as a private CA's
-    are (Rust's TLS takes no CA certificate as a server's own); returns the CA's PEM, the
-    server's PEM and its key."""
-    ca_pem, ca_private = certificate(folder, f"{name}-ca")
-    ca = x509.load_pem_x509_certificate(ca_pem.read_bytes())
-    ca_key = serialization.load_pem_private_key(ca_private.read_bytes(), None)
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"mmproxy {name}")]))
-            .issuer_name(ca.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(
-                ipaddress.ip_address(LOOPBACK))]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
-    pem, private = folder / f"{name}.pem", folder / f"{name}.key"
-    pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                          serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    return ca_pem, pem, private
-
-
-@contextlib.contextmanager
-def https_server(root: Path, pem: Path, private: Path):
-    """The tests' shard server (:class:`ShardServer`) of ``root`` behind TLS with this
-    certificate; yields its ``https://`` URL and the server (its request counts)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(pem, private)
-    server = ShardServer(root)
-    server._httpd.socket = context.wrap_socket(server._httpd.socket, server_side=True)
-    with server:
-        yield server.url.replace("http://", "https://", 1), server
-
-
-@pytest.fixture
-def trust(monkeypatch):
-    """This process's TLS trust, as a test sets it: nothing of the machine's SSL_CERT_* or
-    AWS_CA_BUNDLE; ``trust(pem)`` makes SSL_CERT_FILE that file."""
-    for name in ("SSL_CERT_FILE", "SSL_CERT_DIR", "AWS_CA_BUNDLE"):
-        monkeypatch.delenv(name, raising=False)
-
-    def use(pem: Path) -> None:
-        monkeypatch.setenv("SSL_CERT_FILE", str(pem))
-
-    return use
-
 
 def timed_failure(url: str, **options) -> tuple[str, float]:
     start = time.monotonic()
@@ -405,130 +314,6 @@ def test_a_header_with_a_newline_is_refused_and_its_value_never_shown():
         RemoteOptions(headers={"X-Key\n": "v"})
 
 
-# -- headers and redirects: private headers stay with their server --------------------------------
-
-
-class _Sniffing(ThreadingHTTPServer):
-    """An HTTP server that also speaks TLS on the same port (``context``): a connection whose
-    first byte starts a TLS handshake is wrapped, any other one is read as plain HTTP."""
-
-    daemon_threads = True
-    context: ssl.SSLContext | None = None
-
-    def get_request(self):
-        sock, address = super().get_request()
-        if self.context is not None and sock.recv(1, socket.MSG_PEEK) == b"\x16":
-            sock = self.context.wrap_socket(sock, server_side=True)
-        return sock, address
-
-
-class _Recording(BaseHTTPRequestHandler):
-    """Serves the files of ``root``; ``/go/NAME`` answers 302 to ``to + "/NAME"``; each GET's
-    scheme, path and headers (names in lower case) recorded in ``seen``."""
-
-    root = Path()
-    to = ""
-    seen: list[tuple[str, str, dict[str, str]]] = []
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        scheme = "https" if isinstance(self.connection, ssl.SSLSocket) else "http"
-        self.seen.append((scheme, self.path, {k.lower(): v for k, v in self.headers.items()}))
-        if self.path.startswith("/go/"):
-            self.send_response(302, "Found")
-            self.send_header("Location", f"{self.to}/{self.path[4:]}")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        body = (self.root / self.path.lstrip("/")).read_bytes()
-        self.send_response(200, "OK")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-@contextlib.contextmanager
-def recording_server(root: Path, pem: Path | None = None, private: Path | None = None):
-    """A :class:`_Recording` server of ``root`` on 127.0.0.1 (http, and https on the same port
-    with ``pem``); yields its ``host:port`` and its handler (``to``, ``seen``)."""
-    handler = type("Recording", (_Recording,), {"root": root, "seen": []})
-    server = _Sniffing((LOOPBACK, 0), handler)
-    if pem is not None:
-        server.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        server.context.load_cert_chain(pem, private)
-    thread = threading.Thread(target=server.serve_forever, name="recording", daemon=True)
-    thread.start()
-    try:
-        yield f"{LOOPBACK}:{server.server_address[1]}", handler
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-
-PRIVATE = ("authorization", "x-key")
-
-
-def sent(seen, *names):
-    """Which of ``names`` each recorded GET carried: ``[(scheme, path, {name: value})]``."""
-    return [(scheme, path, {n: h[n] for n in names if n in h}) for scheme, path, h in seen]
-
-
-@pytest.fixture
-def hub_env(monkeypatch, tmp_path):
-    """No Hub settings of the machine's: ``hub_env(endpoint)`` sets HF_ENDPOINT and HF_TOKEN."""
-    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_ENDPOINT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-
-    def use(endpoint: str) -> None:
-        monkeypatch.setenv("HF_ENDPOINT", endpoint)
-        monkeypatch.setenv("HF_TOKEN", SECRET)
-
-    return use
-
-
-def test_a_redirect_from_https_to_http_on_the_same_host_carries_no_private_header(
-        shard_dir, local, trust, hub_env, tmp_path):
-    """The Hub (HF_ENDPOINT, https) redirecting to http on its own host and port: the token and
-    RemoteOptions' headers went over TLS, and do not follow in cleartext; a redirect within https
-    keeps them. An http:// URL of an https Hub gets no token."""
-    pem, private = certificate(tmp_path, "dual")
-    trust(pem)
-    with recording_server(shard_dir, pem, private) as (host, handler):
-        hub_env(f"https://{host}")
-        headers = {"X-Key": "mine"}
-        handler.to = f"http://{host}"
-        assert read_whole(f"https://{host}/go/r-0.tar", headers=headers) == Path(
-            local[0]).read_bytes()
-        handler.to = f"https://{host}"
-        assert read_whole(f"https://{host}/go/r-1.tar", headers=headers) == Path(
-            local[1]).read_bytes()
-        assert read_whole(f"http://{host}/r-2.tar") == Path(local[2]).read_bytes()
-    mine = {"authorization": f"Bearer {SECRET}", "x-key": "mine"}
-    assert sent(handler.seen, *PRIVATE) == [
-        ("https", "/go/r-0.tar", mine), ("http", "/r-0.tar", {}),
-        ("https", "/go/r-1.tar", mine), ("https", "/r-1.tar", mine),
-        ("http", "/r-2.tar", {})]
-
-
-def test_a_redirect_to_another_host_carries_none_of_the_remote_options_headers(shard_dir, local,
-                                                                               hub_env):
-    """RemoteOptions' headers, an Authorization among them, go to the shard's server and not to
-    the one it redirects to (another port: another server)."""
-    with recording_server(shard_dir) as (host, first), recording_server(shard_dir) as (other,
-                                                                                       second):
-        first.to = f"http://{other}"
-        headers = {"Authorization": "Bearer mine", "X-Key": "mine"}
-        assert read_whole(f"http://{host}/go/r-0.tar", headers=headers) == Path(
-            local[0]).read_bytes()
-    assert sent(first.seen, *PRIVATE) == [
-        ("http", "/go/r-0.tar", {"authorization": "Bearer mine", "x-key": "mine"})]
-    assert sent(second.seen, *PRIVATE) == [("http", "/r-0.tar", {})]
-
-
 # -- object stores' settings: each message names the variable to set ------------------------------
 
 
@@ -622,15 +407,6 @@ def test_a_listing_child_that_fails_shows_its_stderr_masked(monkeypatch, tmp_pat
     text = str(raised.value)
     assert text.startswith("cannot list s3://b/: the listing failed: ") and SECRET not in text
     assert "RuntimeError: GET https://h/b?token=*** sent Bearer ***" in text, text
-
-
-def test_a_lowercase_authorization_header_counts_as_credentials_sent(http):
-    http.fail("r-0.tar", Fault("status", status=401))
-    with pytest.raises(RemoteError) as raised:
-        read_whole(f"{http.url}/r-0.tar", headers={"authorization": f"Bearer {SECRET}"})
-    assert str(raised.value) == ("HTTP 401 Unauthorized: the server refused the credentials in "
-                                 "RemoteOptions(headers=...)")
-    assert http.authorizations == [f"Bearer {SECRET}"]
 
 
 def test_a_permanent_failure_mid_body_is_a_remote_error_the_reader_names(
