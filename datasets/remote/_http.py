@@ -1,14 +1,6 @@
 """HTTP: one GET of an ``http(s)://`` shard through ``urllib`` (proxies from the environment,
 redirects), with a timeout for the answer apart from the body's, and the request's headers.
-
-Headers (``RemoteOptions.headers``, and ``Authorization: Bearer $HF_TOKEN`` for the Hugging Face
-Hub's hosts, over https unless ``HF_ENDPOINT`` is http) go to the shard's server only: a redirect
-to another host or port (the Hub's CDN), or to another scheme, carries none.
-
-``https://`` servers are verified with Python's default TLS settings, made for each connection:
-the CA certificates of ``SSL_CERT_FILE`` (a file) and ``SSL_CERT_DIR`` (a folder) when set, else
-the system's. A certificate that does not verify, or a refused handshake, fails at once
-(:func:`~._answers.tls_refusal`), saying what to set.
+docs/internals.md, ``mmproxy.datasets.remote._http``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
 """Source mixer: which source each sample of a worker comes from, and when the epoch ends.
-
-With several sources every sample's source is drawn by weight (from a generator seeded by seed,
-epoch, rank and worker). A source whose pass ends either ends the worker's epoch (``"stop"``), or
-starts its next pass (``"restart"``: the epoch ends once every source has finished a pass); with
-``endless`` (``epoch_length`` set) sources always restart and the batcher's quota ends the epoch.
-A source whose shards hold no sample at all (a wrong path, every shard unreadable) raises,
-instead of leaving its share to the others. One that has no shards for this worker, or whose
-first pass is what an elastic resume dealt it (maybe nothing, or only the end of a shard whose
-samples were all delivered), leaves the draw quietly instead, or with ``endless`` goes on to its
-next pass.
+docs/internals.md, ``mmproxy.datasets.stages.mixer``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
 """Decoder noise: the warnings C decoders print on stderr, counted for a summary instead.
-
-libjpeg prints "Corrupt JPEG data: 2 extraneous bytes before marker 0xd9" (libpng its
-"libpng warning: ...", libtiff its "TIFFFetchNormalTag: Warning, ...", OpenCV its "[ WARN:0@4.6]
-...") straight to the process's stderr, from DALI's threads, for files that still decode; and
-where one of DALI's decoders refuses a file it prints an error ("[ERROR] [libtiff_decoder]
-Planar TIFFs are not supported", libtiff's "TIFFFillStrip: Seek error ...", OpenCV's "[ERROR:0@4.6]
-...") before it tries the next decoder; a file that no decoder reads fails its run, which names
-the sample. :class:`DecoderWarnings` sends the process's stderr (file descriptor 2, which
-DataLoader workers inherit) through a filter process: lines that are exactly such warnings or
-errors are counted by kind (numbers read as N: "Corrupt JPEG data: N extraneous bytes before
-marker 0xN"; terminal colours dropped), every other line goes on to the real stderr as it came.
-The filter is a process of its own, so whatever the decoders or a crash write last still reaches
-the terminal if this process dies; it ignores Ctrl-C, and ends when every writer has closed its
-end.
+docs/internals.md, ``mmproxy.apps.noise``, has the rest.
 """
 
 from __future__ import annotations

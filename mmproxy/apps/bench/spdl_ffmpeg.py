@@ -1,34 +1,6 @@
 """SPDL's FFmpeg: the libraries SPDL's media library (``spdl.io``) decodes with, the system's or,
 where the system has none SPDL was built for, PyAV's bundled copy, loaded in this process.
-
-SPDL ships one build per FFmpeg major (``spdl/io/lib/libspdl_ffmpeg4.so`` to ``...9.so``, each
-wrapped by an extension ``_spdl_ffmpegN``) and imports the newest whose libraries the dynamic
-linker finds by their plain names (``libavutil.so.60``, ``libavcodec.so.62``, ...). PyAV's wheel
-bundles FFmpeg with hashed names that its build tool also wrote in as the libraries' own names
-(file and SONAME ``libavutil-5809ad29.so.60.26.102``), so nothing that asks for
-``libavutil.so.60`` finds them, and loading them first does not help: the linker matches a
-loaded library by the name it was asked for, its path or its SONAME.
-
-The fallback therefore gives the linker the plain names for the duration of one load:
-
-1. PyAV's FFmpeg libraries (those of the ``av`` distribution's files; their dependencies come
-   from beside them) are loaded from where the wheel put them, with ``ctypes.CDLL`` in their own
-   scope (``RTLD_LOCAL``: libraries loaded later do not bind to them by accident; SPDL's build
-   finds them by name, which needs no global scope);
-2. a temporary folder gets a link to the SPDL build whose FFmpeg majors equal PyAV's and, under
-   each plain name that build needs, a link to PyAV's library;
-3. the build is loaded through its link: its run path (``$ORIGIN``) is the temporary folder, the
-   plain names resolve to files already loaded, and the linker takes those (it matches loaded
-   files by identity), so one copy of FFmpeg serves PyAV and SPDL; the folder is removed;
-4. SPDL's own import then finds that build loaded (by its SONAME, ``libspdl_ffmpegN.so``).
-
-No environment variable has to be set before Python starts (``LD_LIBRARY_PATH`` is read only
-then). The cost is one pass over each SPDL build's file to find the one that fits and the load
-itself, once a process. :data:`FFMPEG_ENV` ``=pyav`` takes PyAV's FFmpeg even where the system
-has one (to compare the two, or to test this path); ``=system`` never falls back.
-
-SPDL's CUDA build (``spdl-gpu``: nvJPEG) needs the FFmpeg build loaded and two CUDA libraries
-under names a machine may lack; :func:`load_cuda_build` gives it those the same way.
+docs/internals.md, ``mmproxy.apps.bench.spdl_ffmpeg``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,54 +1,6 @@
 """SPDL loader: the bench's ``spdl`` and ``spdl-gpu`` systems, the shards through a thread
 pipeline of SPDL (``spdl.pipeline``) that decodes with SPDL's media library (``spdl.io``).
-
-One process, no DataLoader workers: every stage runs on threads of one pipeline, built once and
-iterated once an epoch (its source starts over at each epoch's end)::
-
-    main thread                     SPDL's pipeline (its event loop and a pool of threads)
-    -----------                     -----------------------------------------------------
-                                    shard paths, one pass an epoch
-                                      -> read: a shard's samples (webdataset's tar reader),
-                                         one shard a task, `readers` tasks at once
-                                      -> rebatch (an Aggregator, on the event loop): lists of
-                                         `batch` samples, the epoch's last one partial
-                                      -> decode: one batch a task, `--workers` tasks at once:
-                                         each sample through spdl.io, then collated
-                                      -> to the GPU (on a GPU: one thread, its own stream)
-    time_epochs  <-- batches ------   sink (a queue of 3 batches)
-
-A task handles a whole shard or a whole batch: SPDL's event loop costs a fraction of a
-millisecond per item it hands to a thread, more than decoding a small JPEG on a second core, so
-per-sample stages would make the event loop the bottleneck (as a DataLoader worker makes a whole
-batch, a task here does).
-
-Thread counts: decoding runs ``--workers`` tasks at once (at least one), as many as the other
-systems have worker processes; reading runs ``readers`` tasks, one for every four decoders (at
-least one, at most one a shard). ``--threads`` (DALI's) does not apply. SPDL's decoding
-releases the GIL (FFmpeg's work is in C++), so the decoders use as many cores; while the
-pipeline runs, torch's own ops use one thread each (``torch.set_num_threads(1)``, as in a
-DataLoader worker). The bench's CPU accounting counts SPDL's Python threads as
-``server-threads`` and threads Python does not know (FFmpeg's) as ``dali-threads``.
-
-What each workload does, as the ``torch`` system does it:
-
-- image: the crop window of torchvision's RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) drawn
-  from the image's size (its header, as SPDL demuxes it) and a flip, applied by FFmpeg's filters
-  (``crop``, ``hflip``, ``scale`` to 224x224, bilinear, RGB) as it decodes; the batch is one
-  uint8 NHWC buffer, normalized to float32 NCHW (torch; on a GPU after the copy, on the GPU).
-  ``spdl-gpu`` decodes with nvJPEG on the GPU instead and crops, resizes and flips the decoded
-  image there with torchvision v2.
-- audio: WAV read by SPDL's WAV reader (a view of the samples), downmixed to mono and resampled
-  to 16 kHz by torchaudio; other formats decoded, downmixed and resampled by FFmpeg; float32.
-  The batch is zero-padded to its longest clip with the clips' lengths, as
-  :func:`~mmproxy.apps.bench.workers.pad_collate` does.
-
-FFmpeg: the system's libraries where SPDL finds a major it was built for (4 to 9), else PyAV's
-bundled ones, loaded in this process (:mod:`~mmproxy.apps.bench.spdl_ffmpeg`); the result's
-``ffmpeg`` says whose ran.
-
-Like a plain loader it skips nothing: a sample that fails stops the epoch with an error that
-names it and its shard. Where SPDL is not installed, or neither the system's FFmpeg nor PyAV's
-serves it, the system is reported as not run, with the reason.
+docs/internals.md, ``mmproxy.apps.bench.spdl_loader``, has the rest.
 """
 
 from __future__ import annotations

@@ -1,41 +1,5 @@
 """Systems: the table of what the bench compares, and how each one loads a workload.
-
-=================  ===========================================  ===============================
-system             what loads the data                          workloads
-=================  ===========================================  ===============================
-mmproxy            DALIServer + MultiModalDataset (workers      image, audio, image-text,
-                   send bytes, the server runs the pipeline;    video, machinery
-                   video: the workers decode with PyAV on CPU)
-mmproxy-damaged    mmproxy on a copy of the image shards with   image (with ``--damage``; runs
-                   ``--damage`` of the JPEGs damaged            after mmproxy)
-torch              PIL decode + torchvision v2 (soundfile and   image, audio, video
-                   torchaudio for audio, PyAV and torchvision
-                   for video) in the workers
-torch-tensor       torchvision.io.decode_jpeg + v2              image
-dali-proxy         DALI's own proxy                             image, audio, machinery
-dali-proxy-seed    DALI's proxy with its documentation's        image, audio, machinery
-                   setting: prefetch_queue_depth=2*workers
-dali-reader        fn.readers.webdataset, no Python (video:     image, audio, image-text,
-                   fn.decoders.video, on a GPU only)            video
-dali-graph         the workload's graph with no loader: the     image, audio, image-text
-                   heavy fields read into memory once, fed to
-                   ``--pipelines`` copies from a thread each,
-                   outputs copied into torch (the limit)
-spdl               SPDL's thread pipeline: webdataset's tar     image, audio
-                   reader, spdl.io's FFmpeg decode and filters
-                   (:mod:`~mmproxy.apps.bench.spdl_loader`),
-                   threads, no workers
-spdl-gpu           spdl with nvJPEG decoding on the GPU and     image (on a GPU)
-                   torchvision v2 there
-mmproxy-http       mmproxy on the shards served over HTTP by a  image, audio, image-text
-                   local server process
-mmproxy-s3         ... by a local S3-compatible server (moto)   image, audio, image-text
-mmproxy-cached     mmproxy-http with a node cache (the first    image, audio, image-text
-                   epoch fills it)
-=================  ===========================================  ===============================
-
-Every DALI system runs the same graph (:mod:`mmproxy.apps.bench.pipes`); each returns what
-:func:`~mmproxy.apps.bench.timing.time_epochs` measured.
+docs/internals.md, ``mmproxy.apps.bench.systems``, has the rest.
 """
 
 from __future__ import annotations
