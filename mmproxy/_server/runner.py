@@ -51,16 +51,20 @@ class Runner:
                         return
                     continue
                 run = inflight.popleft()
-                refused = None
                 try:
                     taken = self._outputs.take()
-                    if self.pipe.keeps_outputs:  # the pipeline works on while these convert
-                        refused = self._feed_ahead(inflight)
-                    outputs = self._outputs.convert(taken)
                 except Exception as err:  # noqa: BLE001 - a bad sample, or the pipeline itself
-                    later = list(inflight)
-                    inflight.clear()
-                    self._recover(run, err, later)
+                    self._recover(run, err, _drained(inflight))
+                    continue
+                # the pipeline works on while these convert (a run table's error fails the server)
+                refused = self._feed_ahead(inflight) if self.pipe.keeps_outputs else None
+                try:
+                    outputs = self._outputs.convert(taken)
+                except Exception as err:  # noqa: BLE001 - outputs torch cannot take (memory)
+                    if refused is not None:  # rebuilt first: it may hold part of those inputs
+                        self._refused(*refused, inflight)
+                        refused = None
+                    self._recover(run, err, _drained(inflight))
                 else:
                     self.table.finish(run, *outputs)
                 if refused is not None:
@@ -144,6 +148,13 @@ class Runner:
             failed = [(r, None) for r in (run, *later)]
         for bad_run, first_error in failed:
             self._isolate(bad_run, first_error)
+
+
+def _drained(inflight: deque[Run]) -> list[Run]:
+    """The runs in flight, in order; none is left in ``inflight``."""
+    runs = list(inflight)
+    inflight.clear()
+    return runs
 
 
 class _Outputs:

@@ -225,8 +225,8 @@ def test_free_lanes_take_any_arrived_run_and_the_turn_restarts_with_the_server()
 class _RecordingPipe:
     """A pipeline adapter that records what the runner asks of it, in order."""
 
-    def __init__(self, keeps_outputs, refuse=()):
-        self.keeps_outputs, self.refuse = keeps_outputs, set(refuse)
+    def __init__(self, keeps_outputs, refuse=(), fail_convert=()):
+        self.keeps_outputs, self.refuse, self.fail_convert = keeps_outputs, set(refuse), set(fail_convert)
         self.queue_depth, self.survives_errors, self.num_outputs = 2, True, 1
         self.calls, self.fed = [], []
 
@@ -244,6 +244,9 @@ class _RecordingPipe:
 
     def convert(self, taken, pad, stream=None):
         self.calls.append(("convert", taken))
+        if taken in self.fail_convert:
+            self.fail_convert.discard(taken)
+            raise MemoryError(f"no memory for {taken}")
         return (taken,), None
 
     def outputs(self, pad, stream=None):
@@ -254,12 +257,12 @@ class _RecordingPipe:
         self.fed.clear()
 
 
-def _served(pipe, runs):
+def _served(pipe, runs, n=1):
     from mmproxy._server.runner import Runner
 
     table = _table()
     for run_id in runs:
-        table.accept(Request(run_id, None, [None], [[run_id]]))
+        table.accept(Request(run_id, None, [None] * n, [[run_id] * n]))
     stop = threading.Event()
     thread = threading.Thread(target=Runner(pipe, table, set(), None, stop))
     thread.start()
@@ -292,3 +295,53 @@ def test_inputs_refused_while_feeding_ahead_fail_their_run_after_the_one_convert
     with pytest.raises(mmproxy.PipelineError, match="refused the inputs of run c"):
         table.wait("c")
     assert pipe.calls.index(("convert", "a")) < pipe.calls.index(("rebuild", None))
+
+
+def test_a_conversion_that_fails_after_a_refusal_rebuilds_before_the_run_is_searched():
+    # the refused inputs may be partly in the pipeline: the search of "a" feeds it again only
+    # after the rebuild, so that its inputs are not paired with what is left of "c"'s
+    pipe = _RecordingPipe(keeps_outputs=True, refuse={"c"}, fail_convert={"a"})
+    table, done = _served(pipe, ["a", "b", "c", "d"], n=2)  # two samples: the search feeds "a"
+    assert [done[i].outputs for i in (0, 1, 3)] == [("a",), ("b",), ("d",)]
+    with pytest.raises(mmproxy.PipelineError, match="refused the inputs of run c"):
+        table.wait("c")
+    fed_a = [i for i, call in enumerate(pipe.calls) if call == ("feed", "a")]
+    assert len(fed_a) > 1 and pipe.calls.index(("rebuild", None)) < fed_a[1], pipe.calls
+
+
+class _NextFails:
+    """The run table, whose ``next`` raises from its ``at``-th call on (a Prepare stage that
+    cannot take a run)."""
+
+    def __init__(self, table, at):
+        self.table, self.at, self.calls, self.name = table, at, 0, table.name
+
+    def next(self, block, stop):
+        self.calls += 1
+        if self.calls >= self.at:
+            raise RuntimeError("the stage cannot take this run")
+        return self.table.next(block, stop)
+
+    def __getattr__(self, name):
+        return getattr(self.table, name)
+
+
+def test_a_run_table_error_while_feeding_ahead_fails_the_server_at_once():
+    from mmproxy._server.runner import Runner
+
+    table = _table()
+    for run_id in "abcd":
+        table.accept(Request(run_id, None, [None], [[run_id]]))
+    stop = threading.Event()
+    pipe = _RecordingPipe(keeps_outputs=True)
+    thread = threading.Thread(target=Runner(pipe, _NextFails(table, at=3), set(), None, stop))
+    thread.start()
+    try:
+        start = time.monotonic()
+        for run_id in "abcd":
+            with pytest.raises(mmproxy.PipelineError, match="the stage cannot take this run"):
+                table.wait(run_id)
+        assert time.monotonic() - start < 2 and table.state is ServerState.FAILED
+    finally:
+        stop.set()
+        thread.join(10)
