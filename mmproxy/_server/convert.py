@@ -87,7 +87,11 @@ def _pad_flat(flat: torch.Tensor, lengths: list[int]) -> PaddedBatch:
     behind PyTorch's jagged nested tensors). The samples' offsets go to the GPU from pinned
     memory, queued on the stream: from pageable memory CUDA first waits for the stream, the
     runner thread spinning meanwhile."""
-    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64).pin_memory()
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
+    try:
+        offsets = offsets.pin_memory()
+    except RuntimeError:  # no page-locked memory left: sent from pageable memory, waiting
+        pass
     try:
         data = torch.ops.aten._jagged_to_padded_dense_forward(
             flat.view(-1, 1), [offsets.to(flat.device, non_blocking=True)], [max(lengths)], 0.0)
