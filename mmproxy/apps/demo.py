@@ -61,12 +61,15 @@ def run(args: argparse.Namespace) -> int:
         found = next(((key, fields) for key, fields in scanned if media & set(fields)), None)
         if found is None:
             some = "the first sample" if len(scanned) == 1 else f"the first {len(scanned)} samples"
+            seen = dict.fromkeys(ext for _, fields in scanned for ext in fields)
             raise ValueError(f"{some} of {first} {'has' if len(scanned) == 1 else 'have'} no "
                              f"image ({IMAGE_EXTS}), audio ({AUDIO_EXTS}) or video ({VIDEO_EXTS}) "
-                             f"field, only {', '.join(exts)}; the demo needs one")
+                             f"field, only {', '.join(seen)}; the demo needs one")
         key, exts = found
+        without = ("skipped" if args.on_error == "skip" else
+                   "an error (--on-error raise; skip takes them out)")
         origin = (f"sample {key!r} of {first}, the first with an image, audio or video field; "
-                  "samples without its fields are skipped")
+                  f"samples without its fields are {without}")
     used = [name for name, spec in wanted.items() if set(spec.split(";")) & set(exts)]
     read = {name: spec.replace(";", "/") for name, spec in wanted.items()}  # every one is read
     print(f"mmproxy demo: fields {', '.join(f'{n} ({read[n]})' for n in used)}; not in these shards: "
