@@ -116,17 +116,21 @@ def _split(url: str, key: str, sample: dict[str, Any]) -> Skip:
 
 def _dotted(key: str, exts: tuple[str, ...], present: list[str]) -> str:
     """A hint when the missing field is the end of fields the sample has (``0.jpg`` for
-    ``jpg``): files named with a dot inside their key (``clip.0.jpg``)."""
-    for field in present:
-        ext = next((e for e in exts if field.endswith("." + e)), None)
-        if ext is None:
-            continue
-        name = f"{key}.{field}"
-        renamed = name[:-len(ext) - 1].replace(".", "_") + "." + ext
-        return (f": a sample's key ends at the first dot of its file names (WebDataset's rule), "
-                f"so files like '{name}' are field {field!r} of sample {key!r}; name them "
-                f"without a dot in the key (like '{renamed}'), or read the longer extension")
-    return ""
+    ``jpg``): files named with a dot inside their key (``clip.0.jpg``). Where several of them
+    end so, several samples' files were read as one sample's: only renaming keeps them apart."""
+    longer = [(f, e) for f in present for e in exts if f.endswith("." + e)]
+    if not longer:
+        return ""
+    field, ext = longer[0]
+    name = f"{key}.{field}"
+    renamed = name[:-len(ext) - 1].replace(".", "_") + "." + ext
+    hint = (f": a sample's key ends at the first dot of its file names (WebDataset's rule), so "
+            f"files like '{name}' are field {field!r} of sample {key!r}; name them without a "
+            f"dot in the key (like '{renamed}')")
+    if len(longer) > 1:
+        return (hint + f": {len(longer)} of its files end in '.{ext}', the files of "
+                f"{len(longer)} samples read as one")
+    return hint + ", or read the longer extension"
 
 
 def _fields(sample: dict[str, Any], plan: _Plan, sample_id: SampleId, keep_keys: bool,

@@ -172,7 +172,7 @@ def test_a_key_with_a_dot_is_said_in_the_missing_fields_record(tmp_path):
         "missing field 'txt' (the sample has ['0.txt', '1.txt', '2.txt']): a sample's key ends "
         "at the first dot of its file names (WebDataset's rule), so files like 'clip.0.txt' are "
         "field '0.txt' of sample 'clip'; name them without a dot in the key (like "
-        "'clip_0.txt'), or read the longer extension")
+        "'clip_0.txt'): 3 of its files end in '.txt', the files of 3 samples read as one")
 
 
 def test_the_dotted_key_hint_renames_every_dot_of_the_key(tmp_path):
@@ -185,7 +185,24 @@ def test_the_dotted_key_hint_renames_every_dot_of_the_key(tmp_path):
                            max_skipped=None)
     [record] = [r for batch in ds._chain(1, 0, 1, rank=0, world=1) for r in batch["__skipped__"]]
     assert "files like 'img.2024.01.txt' are field '2024.01.txt' of sample 'img'" in record.reason
-    assert "(like 'img_2024_01.txt')" in record.reason
+    assert record.reason.endswith("(like 'img_2024_01.txt'), or read the longer extension")
+
+
+def test_the_dotted_key_hint_says_when_several_samples_were_read_as_one(tmp_path):
+    """``img.2024.01.*`` and ``img.2024.02.*`` are all sample ``img``'s: reading the longer
+    extension would take one of the two, so the hint says to rename, and why."""
+    import webdataset as wds
+
+    path = str(tmp_path / "dotted.tar")
+    with wds.TarWriter(path) as writer:
+        for day in ("01", "02"):
+            writer.write({"__key__": f"img.2024.{day}", "txt": f"caption {day}"})
+    ds = MultiModalDataset(path, {"text": ("txt", str)}, batch_size=2, on_error="skip",
+                           max_skipped=None)
+    [record] = [r for batch in ds._chain(1, 0, 1, rank=0, world=1) for r in batch["__skipped__"]]
+    assert record.reason.endswith(
+        "name them without a dot in the key (like 'img_2024_01.txt'): 2 of its files end in "
+        "'.txt', the files of 2 samples read as one"), record.reason
 
 
 @pytest.mark.parametrize("name", list(STAGES))
