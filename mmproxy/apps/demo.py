@@ -19,7 +19,8 @@ from mmproxy.errors import install_hint
 
 __all__ = ["run"]
 
-_SCANNED = 16  # samples of the first shard searched for one with a heavy field
+_SCANNED = 16  # samples of a shard searched for one with a heavy field
+_SHARDS = 4  # shards searched so
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,15 +58,7 @@ def run(args: argparse.Namespace) -> int:
     media = {ext for name in ("image", "audio", "video") for ext in wanted[name].split(";")}
     origin = f"the first sample of {first}"
     if not media & set(exts):  # a set whose first samples lack the heavy field
-        scanned = sample_fields(first, _SCANNED)
-        found = next(((key, fields) for key, fields in scanned if media & set(fields)), None)
-        if found is None:
-            some = "the first sample" if len(scanned) == 1 else f"the first {len(scanned)} samples"
-            seen = dict.fromkeys(ext for _, fields in scanned for ext in fields)
-            raise ValueError(f"{some} of {first} {'has' if len(scanned) == 1 else 'have'} no "
-                             f"image ({IMAGE_EXTS}), audio ({AUDIO_EXTS}) or video ({VIDEO_EXTS}) "
-                             f"field, only {', '.join(seen)}; the demo needs one")
-        key, exts = found
+        first, exts, key = _with_media(urls, first, media, wanted)
         without = ("skipped" if args.on_error == "skip" else
                    "an error (--on-error raise; skip takes them out)")
         origin = (f"sample {key!r} of {first}, the first with an image, audio or video field; "
@@ -96,6 +89,36 @@ def run(args: argparse.Namespace) -> int:
     for line in noise.summary():
         print("  " + line)
     return 0
+
+
+def _with_media(urls: list[str], first: str, media: set[str], wanted: dict[str, str]
+                ) -> tuple[str, list[str], str]:
+    """The shard, the fields and the key of the first sample with a heavy field among the first
+    :data:`_SCANNED` samples of each of the first :data:`_SHARDS` shards from ``first`` on
+    (local ones after the first: a remote shard is read once); ``ValueError`` saying what the
+    samples read have, where none has one."""
+    import tarfile
+
+    from mmproxy.datasets.shards import is_local
+
+    rest = [u for u in urls[urls.index(first) + 1:] if is_local(u)]
+    read, seen, shards = 0, {}, [first, *rest[:_SHARDS - 1]]
+    for shard in shards:
+        try:
+            scanned = sample_fields(shard, _SCANNED)
+        except (OSError, ValueError, tarfile.TarError):  # the run reports it
+            continue
+        read += len(scanned)
+        seen.update(dict.fromkeys(ext for _, fields in scanned for ext in fields))
+        for key, fields in scanned:
+            if media & set(fields):
+                return shard, fields, key
+    where = first if len(shards) == 1 else f"{len(shards)} shards from {first} on"
+    samples = "the one sample" if read == 1 else f"the first {read} samples"
+    kinds = ", ".join(f"{name} ({wanted[name].replace(';', '/')})" for name in ("image", "audio", "video"))
+    verb = "holds" if read == 1 else "hold"
+    raise ValueError(f"{samples} of {where} {verb} no field the demo's servers read ({kinds}), only "
+                     f"{', '.join(seen)}: give --data shards of images, audio or videos")
 
 
 def _pyav_missing() -> str | None:

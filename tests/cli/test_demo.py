@@ -108,9 +108,9 @@ def test_demo_without_image_audio_or_video_fails_in_one_line(tmp_path):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert lines[-1] == HINT and len(lines) == 2, proc.stderr
-    assert re.match(r"mmproxy demo: error: the first sample of .*text-000\.tar has no image "
-                    r"\(jpg;.*\), audio \(flac;wav;ogg\) or video \(mp4;.*\) field, only txt, cls; "
-                    r"the demo needs one$",
+    assert re.match(r"mmproxy demo: error: the one sample of .*text-000\.tar holds no field the "
+                    r"demo's servers read \(image \(jpg/.*\), audio \(flac/wav/ogg\), video "
+                    r"\(mp4/.*\)\), only txt, cls: give --data shards of images, audio or videos$",
                     lines[0])
     proc = run_cli(["demo", "--data", str(tmp_path / "none-{0..3}.tar")], tmp_path)
     assert proc.returncode == 1 and "error: no shard at" in proc.stderr and "none-0.tar" in proc.stderr

@@ -134,12 +134,23 @@ def test_demo_takes_the_fields_of_the_first_sample_with_media(tmp_path):
     assert "sample 'a0': missing field 'jpg/jpeg" in proc.stdout, proc.stdout
 
 
-def test_demo_refuses_a_set_whose_first_samples_have_no_media_naming_how_many(tmp_path):
+def test_demo_searches_later_shards_for_media_and_refuses_a_set_without_naming_how_many(tmp_path):
+    """The first shard's first 20 samples lack an image, the second shard has them: the demo
+    reads the fields from the second; a set with no image in the samples searched is refused,
+    saying how many samples of how many shards were read."""
     (tmp_path / "data").mkdir()
-    write_tar(tmp_path / "data" / "s.tar",
-              [{"__key__": f"a{i:02d}", "txt": b"no image"} for i in range(20)])
+    texts = [{"__key__": f"a{i:02d}", "txt": b"no image"} for i in range(20)]
+    write_tar(tmp_path / "data" / "s-0.tar", texts)
+    write_tar(tmp_path / "data" / "s-1.tar", [sample(i) for i in range(20)])
+    proc = run_cli(["demo", "--data", str(tmp_path / "data"), "--device", "cpu",
+                    "--max-skipped", "0.6", "--workers", "1", "--batch-size", "4"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "from sample 'k00' of " in proc.stdout and "s-1.tar, the first with" in proc.stdout, \
+        proc.stdout
+    (tmp_path / "data" / "s-1.tar").unlink()
+    write_tar(tmp_path / "data" / "s-1.tar", texts[:3])
     proc = run_cli(["demo", "--data", str(tmp_path / "data"), "--device", "cpu"], tmp_path)
     assert proc.returncode == 1
-    assert "error: the first 16 samples of " in proc.stderr, proc.stderr
-    assert "have no image (" in proc.stderr and "only txt; the demo needs one" in proc.stderr, \
-        proc.stderr
+    assert "error: the first 19 samples of 2 shards from " in proc.stderr, proc.stderr
+    assert "hold no field the demo's servers read (image (jpg/jpeg" in proc.stderr, proc.stderr
+    assert "only txt: give --data shards of images, audio or videos" in proc.stderr, proc.stderr
