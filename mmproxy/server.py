@@ -186,7 +186,8 @@ class DALIServer:
             raise ServerStateError(
                 f"server {self.name!r} runs in process {self._owner_pid}, and this process "
                 f"({os.getpid()}) is a fork of it: a server serves the process that made it. "
-                "Iterate the loader there, or make the server and its loader in this process")
+                "Start it and iterate its loaders there, or make the server and its loaders in "
+                "this process")
         if self.table.state is ServerState.RUNNING:
             return
         self.table.check_startable()
