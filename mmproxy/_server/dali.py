@@ -147,7 +147,7 @@ class Pipe:
         """:meth:`take`'s outputs as torch, and the CUDA event that marks them ready on
         ``stream`` (None for a CPU pipeline)."""
         if stream is None:
-            copy = not self.pipeline.exec_dynamic  # the classic executors reuse their output buffers
+            copy = not self.keeps_outputs  # the classic executors reuse their output buffers
             return tuple(_convert.to_torch(o, copy=copy, want_pad=i in pad)
                          for i, o in enumerate(taken)), None
         import torch

@@ -58,17 +58,17 @@ class Runner:
                     continue
                 # the pipeline works on while these convert (a run table's error fails the server)
                 refused = self._feed_ahead(inflight) if self.pipe.keeps_outputs else None
+                failed = None
                 try:
                     outputs = self._outputs.convert(taken)
                 except Exception as err:  # noqa: BLE001 - outputs torch cannot take (memory)
-                    if refused is not None:  # rebuilt first: it may hold part of those inputs
-                        self._refused(*refused, inflight)
-                        refused = None
-                    self._recover(run, err, _drained(inflight))
+                    failed = err
                 else:
                     self.table.finish(run, *outputs)
-                if refused is not None:
+                if refused is not None:  # before a search: the pipeline may hold part of them
                     self._refused(*refused, inflight)
+                if failed is not None:
+                    self._recover(run, failed, _drained(inflight))
         except Stopped:
             return  # stop_thread() forgets the runs; nothing to report
         except BaseException as err:  # noqa: BLE001 - every error must reach the main loop
