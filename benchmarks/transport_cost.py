@@ -8,17 +8,24 @@ from every shard (shuffled), as a shuffle buffer spanning many shards gives them
 
 Uses the bench's shards under ``--data-dir`` (written once); one process, no server running (the
 unpacking is the listener's :func:`mmproxy._wire.transport.unpack`, timed apart from the receive).
+
+With ``--handover`` it measures the other way a batch travels: the main process's CPU to take a
+DataLoader worker's batch holding one tensor (a batch's labels: ``--batch`` int64) as torch hands
+it over (shared memory) and as an mmproxy worker does (inline, :func:`inline_small_tensors`).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import random
 import time
+from collections.abc import Iterator
 
 import _harness  # this script's folder is on the path
+import torch
 
 
 def main() -> None:
@@ -28,7 +35,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="samples a run (at most 64)")
     parser.add_argument("--data-dir", default="/tmp/bench")
     parser.add_argument("--repeat", type=int, default=5, help="rounds; the best is reported")
+    parser.add_argument("--handover", action="store_true", help="time a worker's batch of "
+                        "labels reaching the main process instead")
     a = parser.parse_args()
+    if a.handover:
+        for inline in (False, True):
+            print(f"a worker's batch of {a.batch} labels, "
+                  f"{'inline' if inline else 'as torch hands it over'}: "
+                  f"{_handover(a.batch, inline) * 1e6:.0f} us of the main process's CPU", flush=True)
+        return
 
     from mmproxy._wire import transport as _transport
     from mmproxy.apps.bench.shards import write_shards
@@ -59,6 +74,33 @@ def main() -> None:
                     os.close(fd)
         print(f"{a.kind}, runs of {a.batch}, {order}: {files:.1f} shards a run; pack "
               f"{best_pack * 1e6:.0f} us a run, unpack {best_unpack * 1e6:.0f} us a run", flush=True)
+
+
+class _Labels(torch.utils.data.IterableDataset):
+    """Label batches (``torch.arange``), as many as the loader takes."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while True:
+            yield torch.arange(self.batch)
+
+
+def _handover(batch: int, inline: bool, batches: int = 400) -> float:
+    """The main thread's CPU seconds a batch, taken once the workers' queue is full."""
+    from mmproxy._loader.workers import inline_small_tensors
+
+    loader = torch.utils.data.DataLoader(
+        _Labels(batch), batch_size=None, num_workers=2, prefetch_factor=batches,
+        worker_init_fn=(lambda _: inline_small_tensors()) if inline else None)
+    it = iter(loader)
+    next(it)
+    time.sleep(3)
+    start = time.thread_time()
+    for _ in itertools.islice(it, batches // 2):
+        pass
+    return (time.thread_time() - start) / (batches // 2)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,43 @@ def test_loader_every_start_method_pairs_batches_with_inputs(add_server, context
         assert sorted(seen) == list(range(32))
 
 
+class _Tensors(torch.utils.data.Dataset):
+    """A sample with a server field, a small tensor of each kind and one over the inline size."""
+
+    def __init__(self, proxy):
+        self.proxy = proxy
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        small = {"int": torch.arange(3) + i, "bf16": torch.full((2, 2), i, dtype=torch.bfloat16),
+                 "bool": torch.tensor([i % 2 == 0]), "view": torch.arange(10.0)[i:i + 2],
+                 "t": torch.arange(6.0).view(2, 3).t() * i}
+        return self.proxy(vec(i), vec(1))[0], small, torch.full((40_000,), i, dtype=torch.int64)
+
+
+def test_worker_tensors_arrive_whole_small_ones_inline(add_server):
+    loader = mmproxy.DataLoader(add_server, _Tensors(add_server.proxy), batch_size=4,
+                                num_workers=2)
+    seen = []
+    for s, small, large in loader:
+        rows = (s[:, 0] - 1).long()
+        seen += rows.tolist()
+        for k, i in enumerate(rows.tolist()):
+            assert torch.equal(small["int"][k], torch.arange(3) + i)
+            assert small["bf16"][k].dtype == torch.bfloat16 and small["bf16"][k].eq(i).all()
+            assert bool(small["bool"][k]) == (i % 2 == 0)
+            assert torch.equal(small["view"][k], torch.arange(10.0)[i:i + 2])
+            assert torch.equal(small["t"][k], torch.arange(6.0).view(2, 3).t() * i)
+            assert large[k].eq(i).all()
+        # copied with the batch (no shared memory to fetch), writable; the large one shared
+        assert not small["int"].is_shared() and not small["t"].is_shared()
+        small["int"].add_(1)
+        assert large.is_shared()
+    assert sorted(seen) == list(range(8))
+
+
 def test_plain_torch_dataloader_then_produce_data(add_server):
     loader = torch.utils.data.DataLoader(AddDataset(add_server.proxy), batch_size=8, num_workers=2)
     for s, d, i in loader:
