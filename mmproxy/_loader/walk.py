@@ -19,6 +19,7 @@ import torch
 _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.Tensor,
            np.ndarray, np.generic, types.ModuleType, type, types.FunctionType,
            types.BuiltinFunctionType, types.MethodType)
+_LEAF_TYPES = frozenset(_LEAVES)  # exactly these: a list of them (a batch's keys) is one check
 
 
 class _Replace:
@@ -34,6 +35,8 @@ class _Replace:
         key = id(x)
         if key in self.memo:
             return self.memo[key]
+        if type(x) in (list, tuple) and _LEAF_TYPES.issuperset(map(type, x)):
+            return x
         if isinstance(x, tuple):
             self.memo[key] = x  # a cycle through a tuple passes through a mutable container first
             items = [self.visit(v) for v in x]

@@ -99,9 +99,12 @@ def test_produce_data_replaces_inside_any_nesting(add_server, double_server):
     other = default_collate([double_server.proxy(vec(i)) for i in range(4)])
     cyclic = [bs]
     cyclic.append(cyclic)
+    keys = ["a", "b", 3, None, 2.5]
     obj = {"pair": Pair(bs, 7), "holder": Holder(bd), "cyclic": cyclic, "other": other,
-           "text": "hello"}
+           "text": "hello", "keys": keys, "mixed": ("key", bs)}
     out = add_server.produce_data(obj)
+    assert out["keys"] is keys  # a list of plain values is left as it is
+    assert out["mixed"][0] == "key" and isinstance(out["mixed"][1], torch.Tensor)
     assert isinstance(out["pair"], Pair) and out["pair"].y == 7
     torch.testing.assert_close(out["pair"].x[:, 0], torch.arange(4.0) + 1)
     torch.testing.assert_close(out["holder"].value[:, 0], torch.arange(4.0) - 1)
