@@ -250,8 +250,7 @@ class DALIServer:
                 try:
                     request = _transport.unpack(fds)
                 finally:
-                    for fd in fds:
-                        os.close(fd)
+                    _transport.close_all(fds)
                 self.table.accept(request)
         except ServerStateError:
             pass

@@ -99,11 +99,12 @@ def _placed(dtype: str, files: bytes, offsets: bytes, nbytes: bytes, shapes: Any
 
 
 def place(inputs: list[list[np.ndarray]], registry: FileMappings
-          ) -> tuple[list[Placed], list[np.ndarray], list[int]]:
-    """Where each input's arrays will lie: ``(placed, payloads, fds)``.
+          ) -> tuple[list[Placed], list[np.ndarray], list[int], np.ndarray]:
+    """Where each input's arrays will lie: ``(placed, payloads, fds, identities)``.
 
     Arrays inside a file of ``registry`` (which the caller holds locked) are sent by reference
-    (``fds``: the request's file table, descriptors the registry owns); the others are copied,
+    (``fds``: the request's file table, descriptors the registry owns, and ``identities``: a row
+    of four int64 a file, :func:`mmproxy._wire.mappings.identity`); the others are copied,
     in order, into the payload area (``payloads``: C-contiguous, each at an aligned offset).
     Only views are looked for in the files (an array that owns its memory is in none), all of
     an input's at once.
@@ -111,7 +112,7 @@ def place(inputs: list[list[np.ndarray]], registry: FileMappings
     Raises:
         TransportError: The samples of one input do not share a dtype.
     """
-    starts, ends, fds = registry.table()
+    starts, ends, fds, identities = registry.table()
     present = np.zeros(len(starts), bool)  # the registry's files this run references
     prepared: list[tuple[list[np.ndarray], str, np.ndarray, np.ndarray, np.ndarray, Any]] = []
     for arrays in inputs:
@@ -140,7 +141,7 @@ def place(inputs: list[list[np.ndarray]], registry: FileMappings
             position += int(room.sum())
             payloads.extend([arrays[i] for i in copied.tolist()])
         placed.append(Placed(dtype, files, offsets, nbytes, _shapes([a.shape for a in arrays])))
-    return placed, payloads, fds[present].tolist()
+    return placed, payloads, fds[present].tolist(), identities[present]
 
 
 def _dtype(arrays: list[np.ndarray]) -> str:

@@ -2,8 +2,9 @@
 
 In a worker, :data:`files` registers read-only mappings of files (local shards, streamed shards
 in a memfd): bytes inside one are sent as the file's descriptor and an offset
-(:func:`mmproxy._wire.transport.pack`). In the server, :func:`server_mapping` maps each file received
-once per file version and keeps the last ones, so later batches of the same shard cost nothing.
+(:func:`mmproxy._wire.transport.pack`), with the file's identity. In the server, :func:`server_mapping`
+maps each file received once per file version and keeps the last ones, so later batches of the
+same shard cost nothing: not even a system call, when the identity sent is one mapped already.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ __all__ = ["KEPT_FILES", "KEPT_MEMFDS", "MAX_FILES", "FileMappings", "files", "s
 # descriptors and no memory (a streamed shard's memfd is released when the shard is read).
 MAX_FILES = 64
 
+Identity = tuple[int, int, int, int]  # a file version: device, inode, size, modification time
+
 
 def _address(a: Any) -> int:
     return int(np.frombuffer(a, np.uint8).__array_interface__["data"][0]) if len(a) else 0
@@ -43,16 +46,18 @@ class FileMappings:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.entries: OrderedDict[int, tuple[int, int, mmap.mmap]] = OrderedDict()  # start -> end, fd
+        # start -> end, fd, mapping, the file's identity (:func:`identity`)
+        self.entries: OrderedDict[int, tuple[int, int, mmap.mmap, Identity]] = OrderedDict()
         self._table = _table(self.entries)
 
     def add(self, mapping: mmap.mmap, fd: int) -> None:
         start = _address(mapping)
         own = os.dup(fd)
+        ident = identity(own)
         with self.lock:
             if start in self.entries:
                 os.close(self.entries.pop(start)[1])
-            self.entries[start] = (start + len(mapping), own, mapping)
+            self.entries[start] = (start + len(mapping), own, mapping, ident)
             while len(self.entries) > MAX_FILES:
                 os.close(self.entries.popitem(last=False)[1][1])
             self._table = _table(self.entries)
@@ -65,9 +70,10 @@ class FileMappings:
                 os.close(entry[1])
                 self._table = _table(self.entries)
 
-    def table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The registered files sorted by address, as int64 columns: start and end addresses and
-        descriptors (what :func:`mmproxy._wire.layout.place` searches a whole input's arrays in)."""
+    def table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The registered files sorted by address, as int64 columns: start and end addresses,
+        descriptors and identities (a row each) (what :func:`mmproxy._wire.layout.place`
+        searches a whole input's arrays in)."""
         return self._table
 
     def after_fork(self) -> None:
@@ -76,19 +82,27 @@ class FileMappings:
         self.lock = threading.Lock()
 
 
-def _table(entries: OrderedDict[int, tuple[int, int, mmap.mmap]]
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _table(entries: OrderedDict[int, tuple[int, int, mmap.mmap, Identity]]
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     starts = sorted(entries)
     return (np.array(starts, np.int64), np.array([entries[s][0] for s in starts], np.int64),
-            np.array([entries[s][1] for s in starts], np.int64))
+            np.array([entries[s][1] for s in starts], np.int64),
+            np.array([entries[s][3] for s in starts], np.int64).reshape(len(starts), 4))
+
+
+
+def identity(fd: int) -> Identity:
+    """The version of the file open as ``fd``: what the server keeps one mapping for."""
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 files = FileMappings()
 _process.on_fork_in_child(files.after_fork)
 
 
-_mapped_files: OrderedDict[tuple[int, int, int, int], mmap.mmap] = OrderedDict()
-_mapped_memfds: OrderedDict[tuple[int, int, int, int], mmap.mmap] = OrderedDict()
+_mapped_files: OrderedDict[Identity, mmap.mmap] = OrderedDict()
+_mapped_memfds: OrderedDict[Identity, mmap.mmap] = OrderedDict()
 _mapped_lock = threading.Lock()
 
 
@@ -105,21 +119,32 @@ KEPT_FILES = _kept_files()
 KEPT_MEMFDS = 4  # streamed remote shards: a kept mapping would hold the shard's memory
 
 
-def server_mapping(fd: int) -> mmap.mmap:
-    """The server's read-only mapping of a shard, one per file version: the last
-    :data:`KEPT_FILES` files kept, but only the last :data:`KEPT_MEMFDS` memfds.
-
-    A shard mapped again for each batch costs a map, an unmap (which interrupts every core the
-    process runs threads on, to flush their TLBs) and page faults in DALI's threads on first
-    touch, for every shard of every batch."""
-    st = os.fstat(fd)
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    with _mapped_lock:  # a shard mapped already (the common case): no more system calls
+def _mapped(key: Identity) -> mmap.mmap | None:
+    with _mapped_lock:
         for cache in (_mapped_files, _mapped_memfds):
             mapping = cache.get(key)
             if mapping is not None:
                 cache.move_to_end(key)
                 return mapping
+    return None
+
+
+def server_mapping(fd: int, sent: Identity | None = None) -> mmap.mmap:
+    """The server's read-only mapping of a shard, one per file version: the last
+    :data:`KEPT_FILES` files kept, but only the last :data:`KEPT_MEMFDS` memfds. ``sent``: the
+    identity the sender read from the same open file, looked up without a system call (each
+    one lets another thread take the interpreter, and a shuffled run names dozens of shards).
+
+    A shard mapped again for each batch costs a map, an unmap (which interrupts every core the
+    process runs threads on, to flush their TLBs) and page faults in DALI's threads on first
+    touch, for every shard of every batch."""
+    mapping = _mapped(sent) if sent is not None else None  # the common case: no system call
+    if mapping is not None:
+        return mapping
+    key = identity(fd)  # what the file is now, not what the header says
+    mapping = _mapped(key)
+    if mapping is not None:
+        return mapping
     memfd = os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
     cache, bound = (_mapped_memfds, KEPT_MEMFDS) if memfd else (_mapped_files, KEPT_FILES)
     with _mapped_lock:

@@ -67,9 +67,9 @@ def pack(run_id: str, tag: tuple[str, int] | None, keys: list[Any],
     are sent by reference (owned by the registry: send them, do not close them).
     """
     with _mappings.files.lock:
-        placed, payloads, files = _layout.place(inputs, _mappings.files)
-    header = pickle.dumps((run_id, tag, run_skips(keys), _layout.key_columns(keys), placed),
-                          protocol=pickle.HIGHEST_PROTOCOL)
+        placed, payloads, files, identities = _layout.place(inputs, _mappings.files)
+    header = pickle.dumps((run_id, tag, run_skips(keys), _layout.key_columns(keys), placed,
+                           identities.tobytes()), protocol=pickle.HIGHEST_PROTOCOL)
     base = _layout.align(12 + len(header))
     buffers = [_MAGIC + struct.pack("<Q", len(header)), header, bytes(base - 12 - len(header)),
                *_layout.padded(payloads)]
@@ -106,9 +106,14 @@ def unpack(fds: list[int]) -> Request:
     if mm[:4] != _MAGIC:
         raise TransportError("received a buffer that mmproxy did not write")
     (hlen,) = struct.unpack_from("<Q", mm, 4)
-    run_id, tag, skip, keys, placed = pickle.loads(mm[12:12 + hlen])
+    run_id, tag, skip, keys, placed, identities = pickle.loads(mm[12:12 + hlen])
     base = _layout.align(12 + hlen)
-    files = [_mappings.server_mapping(fd) for fd in fds[1:]]
+    sent = np.frombuffer(identities, np.int64).tolist()
+    if len(sent) != 4 * (len(fds) - 1):
+        raise TransportError(f"a batch's header names {len(sent) // 4} files, {len(fds) - 1} "
+                             "were sent")
+    files = [_mappings.server_mapping(fd, tuple(sent[4 * i:4 * i + 4]))  # type: ignore[arg-type]
+             for i, fd in enumerate(fds[1:])]
     inputs = [_layout.arrays(p, mm, base, files) for p in placed]
     if isinstance(keys, _layout.KeyColumns):
         keys = keys.keys(bool(skip))
@@ -116,6 +121,25 @@ def unpack(fds: list[int]) -> Request:
         raise TransportError(f"a batch's header has {len(keys)} keys for inputs of "
                              f"{sorted({len(a) for a in inputs})} samples")
     return Request(run_id, tag, keys, inputs, bool(skip))
+
+
+def close_all(fds: list[int]) -> None:
+    """Closes a batch's descriptors, a system call for each range of consecutive numbers (a
+    shuffled run brings dozens, mostly numbered in a row), not one each: every system call lets
+    another thread take the interpreter."""
+    if not fds:
+        return
+    numbers = sorted(fds)
+    first = previous = numbers[0]
+    for fd in numbers[1:] + [-1]:
+        if fd == previous + 1:
+            previous = fd
+            continue
+        if previous == first:
+            os.close(first)
+        else:
+            os.closerange(first, previous + 1)
+        first = previous = fd
 
 
 def address(server_uid: str) -> str:

@@ -177,9 +177,13 @@ def test_a_runs_skip_policy_travels_once_beside_its_keys():
 def test_the_registry_table_follows_its_mappings(tmp_path):
     before = len(_mappings.files.table()[0])
     mapping = _registered(tmp_path, "c.tar", b"x" * 100)
-    starts, ends, fds = _mappings.files.table()
+    starts, ends, fds, identities = _mappings.files.table()
     address = np.frombuffer(mapping, np.uint8).__array_interface__["data"][0]
     assert address in starts.tolist() and address + 100 in ends.tolist()
+    row = starts.tolist().index(address)  # the file's version: what the server maps once
+    with open(tmp_path / "c.tar", "rb") as f:
+        assert tuple(identities[row]) == _mappings.identity(int(fds[row])) == _mappings.identity(
+            f.fileno())
     assert list(starts) == sorted(starts) and len(fds) == min(before + 1, _mappings.MAX_FILES)
     _transport.release_file_mapping(mapping)
     assert address not in _mappings.files.table()[0].tolist()

@@ -95,6 +95,39 @@ def test_shard_bytes_travel_by_reference_and_arrive_intact(tmp_path):
     assert got == [bytes(p) for p in payloads] + [own.tobytes()]
 
 
+def test_a_shard_mapped_already_costs_the_server_no_system_call(tmp_path, monkeypatch):
+    """The header names each shard's version: a shard the server has mapped is found without a
+    ``fstat``; one it has not is mapped as the file is, whatever the header says."""
+    paths = [_tar(tmp_path / f"s{i}.tar", FILES, tarfile.GNU_FORMAT) for i in range(3)]
+    views = [np.frombuffer(_registered_view(p), np.uint8)[512:516] for p in paths]
+    fd, files = _transport.pack("run", None, [None] * 3, [views])
+    try:
+        assert bytes(_transport.unpack([fd, *files]).inputs[0][2]) == FILES[0][1][:4]
+        calls = []
+        fstat = os.fstat
+        monkeypatch.setattr(os, "fstat", lambda f: calls.append(f) or fstat(f))
+        assert [bytes(a) for a in _transport.unpack([fd, *files]).inputs[0]] == [FILES[0][1][:4]] * 3
+        assert calls == [fd]  # the run's own memfd only
+        _mappings._mapped_files.clear()  # not mapped any more: found from the file itself
+        assert len(_transport.unpack([fd, *files]).inputs[0]) == 3 and len(calls) == 1 + 1 + 3
+        with pytest.raises(_transport.TransportError, match="names 3 files, 2 were sent"):
+            _transport.unpack([fd, *files[:2]])
+    finally:
+        os.close(fd)
+
+
+def test_a_batch_s_descriptors_are_closed_range_by_range():
+    fds = sorted(os.dup(0) for _ in range(6))
+    stay = fds.pop(2)  # a descriptor between two of the batch's: not the batch's, left open
+    _transport.close_all(fds)
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    os.fstat(stay)
+    os.close(stay)
+    _transport.close_all([])
+
+
 def test_a_worker_keeps_a_bounded_number_of_shards_registered(tmp_path):
     path = _tar(tmp_path / "s.tar", FILES[:2], tarfile.GNU_FORMAT)
     before = len(os.listdir("/proc/self/fd"))
