@@ -5,6 +5,8 @@ docs/internals.md, ``mmproxy._wire.layout``, has the rest.
 from __future__ import annotations
 
 import ctypes
+import functools
+import itertools
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -240,9 +242,15 @@ class KeyColumns:
         if not len(self.shard) == len(self.seeds) == len(self.seeded) == n or (
                 n and not 0 <= int(self.shard.min()) <= int(self.shard.max()) < len(shards)):
             raise TransportError("a batch's header has key columns that do not match")
-        return [SampleId(name, shards[i], skip, seed if seeded else None)
-                for name, i, seed, seeded in zip(
-                    self.names, self.shard.tolist(), self.seeds.tolist(), self.seeded.tolist())]
+        seeds = self.seeds.tolist()
+        if not self.seeded.all():
+            seeds = [s if k else None for s, k in zip(seeds, self.seeded.tolist())]
+        # tuples made in C (a named tuple's own constructor is Python, called once a key)
+        return list(map(_new_key, zip(self.names, map(shards.__getitem__, self.shard.tolist()),
+                                      itertools.repeat(skip), seeds)))
+
+
+_new_key = functools.partial(tuple.__new__, SampleId)
 
 
 def _key_columns(names: list[str], shards: list[str | None], shard: bytes, seeds: bytes,
