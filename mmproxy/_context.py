@@ -9,6 +9,7 @@ reads it through :mod:`mmproxy.worker`.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -132,17 +133,38 @@ def draw_number() -> int:
 
 class Stamped:
     """A worker's item with the worker's position right after it: what a dataset yields (through
-    :func:`mmproxy.worker.stamp`) so that the loader can save where every worker stands."""
+    :func:`mmproxy.worker.stamp`) so that the loader can save where every worker stands.
+
+    Pickled (from a worker to the main process), the position travels as its pickled bytes
+    (:class:`Packed`): the main process keeps the last one of each worker and reads it only when
+    a state is asked for, not every batch (a shuffle buffer's position is hundreds of objects).
+    """
 
     __slots__ = ("item", "worker", "state")
 
     def __init__(self, item: Any, worker: int, state: Any) -> None:
         self.item, self.worker, self.state = item, worker, state
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        state = self.state if isinstance(self.state, Packed) else Packed(
+            pickle.dumps(self.state, protocol=pickle.HIGHEST_PROTOCOL))
+        return Stamped, (self.item, self.worker, state)
+
     def pin_memory(self) -> Stamped:  # torch's pin-memory thread calls this
         from torch.utils.data._utils.pin_memory import pin_memory
 
         return Stamped(pin_memory(self.item), self.worker, self.state)
+
+
+class Packed(NamedTuple):
+    """A worker's position as pickled bytes (see :class:`Stamped`)."""
+
+    data: bytes
+
+
+def unpacked(state: Any) -> Any:
+    """A position as the dataset made it, whether it travelled :class:`Packed` or not."""
+    return pickle.loads(state.data) if isinstance(state, Packed) else state
 
 
 def set_resume(loader_id: str, state: ResumePoint | None) -> None:

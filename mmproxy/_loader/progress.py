@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from mmproxy._context import Stamped
+from mmproxy._context import Stamped, unpacked
 from mmproxy._loader.indexed import unwrapped
 from mmproxy.protocols import Reshardable
 from mmproxy.skips import SkipReport
@@ -58,8 +58,9 @@ class Progress:
         self._last = max(self._last, (seq, item.worker))
 
     def state(self) -> LoaderState:
+        positions = {w: unpacked(p) for w, p in self.positions.items()}
         return LoaderState(self.epoch, self.done, self.rank, self.world, self.workers,
-                           self.batches, (self._last[1] + 1) % self.workers, dict(self.positions),
+                           self.batches, (self._last[1] + 1) % self.workers, positions,
                            self.report.state_dict())
 
 

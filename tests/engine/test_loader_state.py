@@ -123,3 +123,29 @@ def test_a_dataset_of_its_own_is_judged_by_the_members_it_has(server):
     with pytest.raises(mmproxy.SkipLimitError, match="max_skipped=20.0%"):
         for _ in mmproxy.DataLoader(server, Lossy(), batch_size=None):
             pass
+
+
+def test_a_worker_s_position_travels_packed_and_is_read_when_asked(root):
+    """From a worker, each batch's position arrives as bytes; the loader keeps them as they came
+    and reads them only for a state, which holds the dataset's own values."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from mmproxy._context import Packed, Stamped, unpacked
+
+    position = {"held": [(0, 1, 2)] * 3, "rng": {"state": 2**100}}
+    arrived = pickle.loads(ForkingPickler.dumps(Stamped({"x": 1}, 2, position)))
+    assert isinstance(arrived.state, Packed) and unpacked(arrived.state) == position
+    assert pickle.loads(ForkingPickler.dumps(arrived)).state == arrived.state  # not packed twice
+
+    dataset = MultiModalDataset(str(root / "m-{0..4}.tar"), {"txt": ("txt", bytes)}, batch_size=3,
+                                seed=1)
+    loader = dataset.loader([], num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    next(it)
+    kept = list(loader._progress.positions.values())  # noqa: SLF001 - what the loader holds
+    assert kept and all(isinstance(p, Packed) for p in kept)
+    state = loader.state_dict()
+    positions = list(state["positions"].values())
+    assert positions and all(p["batcher"]["made"] >= 1 for p in positions)  # the dataset's own
+    del it
