@@ -12,6 +12,7 @@
 #                  benchmarks/video_bench.py with PyAV in the workers (no reader)
 #   ROUNDS (2), SAMPLES (16384), WORKERS (15), THREADS (8), EPOCHS (4): on 2 cores
 #                  SAMPLES=2048 WORKERS=2 THREADS=2
+#   ARGS           more arguments for both codes' runs, e.g. ARGS="--pipelines 2"
 # The earlier code is copied to /tmp/before-site-NAME (NAME: BEFORE_COMMIT) and run from /tmp,
 # so that the checkout's folders on the path do not shadow it.
 set -o pipefail
@@ -27,7 +28,7 @@ if [[ ! -d $site/mmproxy ]]; then  # the packages as pyproject.toml maps them (n
   mkdir -p "$site" && cp -r "$before/mmproxy" "$site/" && cp -r "$before/datasets" "$site/mmproxy/datasets" \
     && cp -r "$before/pipelines" "$site/mmproxy/pipelines"
 fi
-common="--workers ${WORKERS:-15} --threads ${THREADS:-8} --epochs ${EPOCHS:-4}"
+common="--workers ${WORKERS:-15} --threads ${THREADS:-8} --epochs ${EPOCHS:-4} ${ARGS:-}"
 new() { timeout 400 python3 -m mmproxy.cli bench "$@"; }
 old() { (cd /tmp && PYTHONPATH=$site:$PYTHONPATH timeout 400 python3 -m mmproxy.cli bench "$@"); }
 video() {  # video CODE ROUND SCRIPT DATA
@@ -67,7 +68,7 @@ for path in sorted(runs.glob("*.json"), key=lambda p: (p.stem.split("-")[0], int
                  "dali_reader": reader.get("samples_per_s"),
                  "ratio": mine.get("samples_per_s", 0) / reader["samples_per_s"] if reader else None})
 asked = " ".join(f"{k}={os.environ[k]}" for k in ("PART", "ROUNDS", "SAMPLES", "WORKERS", "THREADS",
-                                                  "EPOCHS") if os.environ.get(k))
+                                                  "EPOCHS", "ARGS") if os.environ.get(k))
 target.write_text(json.dumps({"command": f"{asked} bash benchmarks/compare_code.sh".strip(),
                               "commit": (head or {}).get("commit", ""), "before": before,
                               "date": (head or {}).get("date", ""),
