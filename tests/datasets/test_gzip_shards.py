@@ -138,12 +138,12 @@ def test_a_gzip_shards_fields_are_views_of_a_registered_memfd_let_go_after_the_s
     first = next(reading)
     mapping = first["jpg"].obj
     assert first["jpg"].readonly and all(s["jpg"].obj is mapping for s in [first, next(reading)])
-    held = [fd for start, (end, fd, m) in _mappings.files.entries.items() if m is mapping]
+    held = [fd for start, (end, fd, m, _) in _mappings.files.entries.items() if m is mapping]
     assert len(held) == 1 and os.readlink(f"/proc/self/fd/{held[0]}").startswith("/memfd:")
     assert mapping[:] == gzip.decompress((tmp_path / "a.tar.gz").read_bytes())
     assert os.fstat(held[0]).st_size == len(mapping)  # the memory it holds: the tar's size
     assert len(list(reading)) == PER_SHARD - 2
-    assert not any(m is mapping for _, _, m in _mappings.files.entries.values())
+    assert not any(m is mapping for _, _, m, _ in _mappings.files.entries.values())
 
 
 @pytest.mark.parametrize("workers", [0, 2])
