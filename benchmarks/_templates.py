@@ -332,9 +332,10 @@ the median and range, the JSON with its command, commit, date and machine).
   one server; the first sample of one large shard.
 - `resume_bench.py`: the first batch after a resume; sample-seeded crops against DALI-drawn ones.
 - `ddp_bench.py`, `ddp_profile.py`: DDP training under torchrun, with controls and profiles.
-- `pipeline_cost.py`, `transport_cost.py`, `worker_cost.py`, `cpu_image_stages.py`: one part alone
-  (the graph behind each feed, the transport's CPU a run, a worker's CPU a sample, the CPU image
-  pipeline's stages).
+- `pipeline_cost.py`, `transport_cost.py`, `worker_cost.py`, `main_cost.py`,
+  `cpu_image_stages.py`: one part alone (the graph behind each feed, the transport's CPU a run, a
+  worker's CPU a sample, the main process's CPU a batch behind a pipeline that does next to
+  nothing, the CPU image pipeline's stages).
 - `video_decode_cost.py`, `nvdec_cut.py`: PyAV's decode with and without the pictures nothing
   refers to; NVDEC on whole and cut clips.
 - `photo_shards.py`: shards of real photographs for `mmproxy bench --data`.
