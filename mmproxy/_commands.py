@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="mmproxy's run fails when more than this fraction of an epoch's samples "
                        "is skipped as damaged (default 0.1)")
     bench.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
+    bench.add_argument("--hw-decoder-load", type=_FRACTION, default=None,
+                       help="image systems on a GPU: the share of JPEGs for the GPU's hardware "
+                       "decoder, the rest decoded by DALI's threads (default: DALI's, 0.65)")
     bench.add_argument("--cpu-resize", choices=["torchvision", "dali"], default="torchvision",
                        help="CPU image pipelines of every DALI system: resize with torchvision "
                        "inside the pipeline (default) or with DALI's fn.resize")

@@ -109,13 +109,24 @@ def _normalize(images: Any, *, size: int, layout: Layout, dtype: DType, mean: Se
                                     mean=list(mean), std=list(std), **kwargs)
 
 
+def _decoder_share(gpu: bool, hw_decoder_load: float | None) -> dict[str, float]:
+    """The decoder's argument for the share of JPEGs its GPU's hardware decoder takes (the rest
+    are decoded by DALI's threads with the GPU): none for DALI's default, or on the CPU."""
+    if hw_decoder_load is None:
+        return {}
+    if not 0.0 <= hw_decoder_load <= 1.0:
+        raise ValueError(f"hw_decoder_load must be between 0 and 1, got {hw_decoder_load!r}")
+    return {"hw_decoder_load": float(hw_decoder_load)} if gpu else {}
+
+
 def image_train_graph(encoded: Any, *, gpu: bool, size: int = 224,
                       scale: tuple[float, float] = (0.08, 1.0),
                       ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_probability: float = 0.5,
                       mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                       layout: Layout = "CHW", dtype: DType = "float32",
                       cpu_resize: CpuResize = "torchvision", crop_anchor: Any = None,
-                      crop_shape: Any = None, flip: Any = None, roi_decode: bool = True) -> Any:
+                      crop_shape: Any = None, flip: Any = None, roi_decode: bool = True,
+                      hw_decoder_load: float | None = None) -> Any:
     """The training graph: encoded images (a DALI node) to random-resized, flipped, normalized
     crops. Call it inside a ``pipeline_def``; arguments as in :func:`image_train_pipeline`, with
     ``gpu`` from :func:`~mmproxy.pipelines.resolve_device`.
@@ -129,17 +140,18 @@ def image_train_graph(encoded: Any, *, gpu: bool, size: int = 224,
     from nvidia.dali import fn, types
 
     device = "mixed" if gpu else "cpu"
+    load = _decoder_share(gpu, hw_decoder_load)
     if crop_anchor is None:
         images = fn.decoders.image_random_crop(
             encoded, device=device, output_type=types.RGB, random_area=list(scale),
-            random_aspect_ratio=list(ratio))
+            random_aspect_ratio=list(ratio), **load)
         flip = fn.random.coin_flip(probability=flip_probability)
     elif roi_decode:
         images = fn.decoders.image_slice(
             encoded, crop_anchor, crop_shape, device=device, output_type=types.RGB,
-            normalized_anchor=True, normalized_shape=True, axis_names="WH")
+            normalized_anchor=True, normalized_shape=True, axis_names="WH", **load)
     else:
-        images = fn.slice(fn.decoders.image(encoded, device=device, output_type=types.RGB),
+        images = fn.slice(fn.decoders.image(encoded, device=device, output_type=types.RGB, **load),
                           crop_anchor, crop_shape, normalized_anchor=True, normalized_shape=True,
                           axis_names="WH")
     images = resize(images, size, gpu=gpu, cpu_resize=cpu_resize)
@@ -150,12 +162,14 @@ def image_train_graph(encoded: Any, *, gpu: bool, size: int = 224,
 def image_eval_graph(encoded: Any, *, gpu: bool, size: int = 224, resize_size: int | None = None,
                      mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                      layout: Layout = "CHW", dtype: DType = "float32",
-                     cpu_resize: CpuResize = "torchvision") -> Any:
+                     cpu_resize: CpuResize = "torchvision",
+                     hw_decoder_load: float | None = None) -> Any:
     """The evaluation graph: encoded images (a DALI node) to center crops of the resized image,
     normalized. Call it inside a ``pipeline_def``; arguments as in :func:`image_eval_pipeline`."""
     from nvidia.dali import fn, types
 
-    images = fn.decoders.image(encoded, device="mixed" if gpu else "cpu", output_type=types.RGB)
+    images = fn.decoders.image(encoded, device="mixed" if gpu else "cpu", output_type=types.RGB,
+                               **_decoder_share(gpu, hw_decoder_load))
     images = resize(images, resize_size or round(size * 256 / 224), gpu=gpu,
                     cpu_resize=cpu_resize, shorter=True)
     return _normalize(images, size=size, layout=layout, dtype=dtype, mean=mean, std=std, crop=True)
@@ -168,7 +182,8 @@ def image_train_pipeline(*, batch_size: int, size: int = 224,
                          layout: Layout = "CHW", dtype: DType = "float32", device: Device = "auto",
                          device_id: int | None = None, num_threads: int = 4, seed: int | None = None,
                          prefetch_queue_depth: int = 2, input_name: str = "images",
-                         cpu_resize: CpuResize = "torchvision", sample_seeded: bool = False) -> Any:
+                         cpu_resize: CpuResize = "torchvision", sample_seeded: bool = False,
+                         hw_decoder_load: float | None = None) -> Any:
     """Training: random-resized crop (like torchvision's RandomResizedCrop), flip, normalize.
 
     With ``sample_seeded=True`` the crop window and the flip are drawn by the proxy from each
@@ -199,11 +214,14 @@ def image_train_pipeline(*, batch_size: int, size: int = 224,
         cpu_resize: On CPU, resize with "torchvision" (inside the DALI pipeline; the faster of
             the two, module docstring) or with DALI's own "dali" ``fn.resize``. Ignored on a GPU.
         sample_seeded: Draw the crop and flip per sample from its seed (above).
+        hw_decoder_load: On a GPU, the share of JPEGs for its hardware decoder, the rest decoded
+            by DALI's threads (None: DALI's default, 0.65). With several pipelines a server
+            (docs/pipelines.md) a lower share can keep both busy. Ignored on the CPU.
     """
     gpu, dev_id = resolve_device(device, device_id)
     graph = partial(image_train_graph, gpu=gpu, size=size, scale=scale, ratio=ratio,
                     flip_probability=flip_probability, mean=mean, std=std, layout=layout,
-                    dtype=dtype, cpu_resize=cpu_resize)
+                    dtype=dtype, cpu_resize=cpu_resize, hw_decoder_load=hw_decoder_load)
     drawn = RandomResizedCrop(input_name, scale, ratio, flip_probability) if sample_seeded else None
     pipe = external_pipeline(graph, input_name=input_name, batch_size=batch_size,
                              num_threads=num_threads, device_id=dev_id, seed=seed,
@@ -219,7 +237,8 @@ def image_eval_pipeline(*, batch_size: int, size: int = 224, resize_size: int | 
                         layout: Layout = "CHW", dtype: DType = "float32", device: Device = "auto",
                         device_id: int | None = None, num_threads: int = 4,
                         prefetch_queue_depth: int = 2, input_name: str = "images",
-                        cpu_resize: CpuResize = "torchvision") -> Any:
+                        cpu_resize: CpuResize = "torchvision",
+                        hw_decoder_load: float | None = None) -> Any:
     """Evaluation: resize the shorter side to ``resize_size`` (default ``size * 256 / 224``),
     center crop ``size``, normalize. Deterministic. Other arguments as in
     :func:`image_train_pipeline`.
@@ -227,7 +246,8 @@ def image_eval_pipeline(*, batch_size: int, size: int = 224, resize_size: int | 
     _check_resize_size(size, resize_size)
     gpu, dev_id = resolve_device(device, device_id)
     graph = partial(image_eval_graph, gpu=gpu, size=size, resize_size=resize_size, mean=mean,
-                    std=std, layout=layout, dtype=dtype, cpu_resize=cpu_resize)
+                    std=std, layout=layout, dtype=dtype, cpu_resize=cpu_resize,
+                    hw_decoder_load=hw_decoder_load)
     return external_pipeline(graph, input_name=input_name, batch_size=batch_size,
                              num_threads=num_threads, device_id=dev_id,
                              prefetch_queue_depth=prefetch_queue_depth)

@@ -381,16 +381,29 @@ def test_log_mel_matches_torchaudio():
     assert (10 * torch.log10(got[loud]) - 10 * torch.log10(ref[loud])).abs().max() < 0.1
 
 
+def test_a_hardware_decoder_share_outside_0_to_1_is_refused():
+    for load in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="hw_decoder_load must be between 0 and 1"):
+            image_train_pipeline(batch_size=2, device="cpu", hw_decoder_load=load)
+    jpegs = [image_bytes(synth_image(i, 120, 160)) for i in range(2)]
+    with mmproxy.DALIServer(image_eval_pipeline(batch_size=2, size=32, device="cpu",
+                                                hw_decoder_load=0.5)) as server:
+        assert run(server, jpegs).shape == (2, 3, 32, 32)  # on the CPU the share has no say
+
+
 @pytest.mark.gpu
 def test_gpu_pipelines_agree_with_cpu():
     jpegs = [image_bytes(synth_image(i, 120, 160)) for i in range(4)]
     outs = {}
-    for device in ("cpu", "gpu"):
-        pipe = image_eval_pipeline(batch_size=4, size=64, device=device, num_threads=2)
+    for device, load in (("cpu", None), ("gpu", None), ("gpu", 0.0), ("gpu", 1.0)):
+        pipe = image_eval_pipeline(batch_size=4, size=64, device=device, num_threads=2,
+                                   hw_decoder_load=load)
         with mmproxy.DALIServer(pipe) as server:
-            outs[device] = run(server, jpegs).cpu()
-    # nvJPEG (GPU) and libjpeg-turbo (CPU) differ by IDCT rounding: a level or two.
-    assert (outs["cpu"] - outs["gpu"]).abs().mean() < 0.05
+            outs[device, load] = run(server, jpegs).cpu()
+    # nvJPEG (GPU: its hardware decoder, or DALI's threads with the GPU) and libjpeg-turbo (CPU)
+    # differ by IDCT rounding: a level or two.
+    for key in (("gpu", None), ("gpu", 0.0), ("gpu", 1.0)):
+        assert (outs["cpu", None] - outs[key]).abs().mean() < 0.05, key
     wav = audio_bytes(synth_speech(0, 1.0, 44100), 44100, "WAV")
     res = {}
     for device, resample in (("cpu", "dali"), ("cpu", "soxr"), ("gpu", "soxr")):

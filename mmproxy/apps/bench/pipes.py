@@ -31,7 +31,8 @@ def _graph(setup: Setup) -> Any:
     if setup.modality == "audio":
         return lambda data: audio_graph(data, gpu=setup.gpu, sample_rate=16000,
                                         pad_to_longest=True)[0]
-    return partial(image_train_graph, gpu=setup.gpu, size=224, cpu_resize=setup.args.cpu_resize)
+    return partial(image_train_graph, gpu=setup.gpu, size=224, cpu_resize=setup.args.cpu_resize,
+                   hw_decoder_load=getattr(setup.args, "hw_decoder_load", None))
 
 
 def proxied_pipeline(setup: Setup, prefetch: int | None = None) -> Any:
