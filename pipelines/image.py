@@ -109,14 +109,14 @@ def _normalize(images: Any, *, size: int, layout: Layout, dtype: DType, mean: Se
                                     mean=list(mean), std=list(std), **kwargs)
 
 
-def _decoder_share(gpu: bool, hw_decoder_load: float | None) -> dict[str, float]:
-    """The decoder's argument for the share of JPEGs its GPU's hardware decoder takes (the rest
-    are decoded by DALI's threads with the GPU): none for DALI's default, or on the CPU."""
+def _decoder_share(gpu: bool, hw_decoder_load: float | None) -> float | None:
+    """The share of JPEGs the GPU's hardware decoder takes (the rest are decoded by DALI's
+    threads with the GPU): None (DALI's default) when not given, or on the CPU."""
     if hw_decoder_load is None:
-        return {}
+        return None
     if not 0.0 <= hw_decoder_load <= 1.0:
         raise ValueError(f"hw_decoder_load must be between 0 and 1, got {hw_decoder_load!r}")
-    return {"hw_decoder_load": float(hw_decoder_load)} if gpu else {}
+    return float(hw_decoder_load) if gpu else None
 
 
 def image_train_graph(encoded: Any, *, gpu: bool, size: int = 224,
@@ -144,14 +144,16 @@ def image_train_graph(encoded: Any, *, gpu: bool, size: int = 224,
     if crop_anchor is None:
         images = fn.decoders.image_random_crop(
             encoded, device=device, output_type=types.RGB, random_area=list(scale),
-            random_aspect_ratio=list(ratio), **load)
+            random_aspect_ratio=list(ratio), hw_decoder_load=load)
         flip = fn.random.coin_flip(probability=flip_probability)
     elif roi_decode:
         images = fn.decoders.image_slice(
             encoded, crop_anchor, crop_shape, device=device, output_type=types.RGB,
-            normalized_anchor=True, normalized_shape=True, axis_names="WH", **load)
+            normalized_anchor=True, normalized_shape=True, axis_names="WH",
+            hw_decoder_load=load)
     else:
-        images = fn.slice(fn.decoders.image(encoded, device=device, output_type=types.RGB, **load),
+        images = fn.slice(fn.decoders.image(encoded, device=device, output_type=types.RGB,
+                                            hw_decoder_load=load),
                           crop_anchor, crop_shape, normalized_anchor=True, normalized_shape=True,
                           axis_names="WH")
     images = resize(images, size, gpu=gpu, cpu_resize=cpu_resize)
@@ -169,7 +171,7 @@ def image_eval_graph(encoded: Any, *, gpu: bool, size: int = 224, resize_size: i
     from nvidia.dali import fn, types
 
     images = fn.decoders.image(encoded, device="mixed" if gpu else "cpu", output_type=types.RGB,
-                               **_decoder_share(gpu, hw_decoder_load))
+                               hw_decoder_load=_decoder_share(gpu, hw_decoder_load))
     images = resize(images, resize_size or round(size * 256 / 224), gpu=gpu,
                     cpu_resize=cpu_resize, shorter=True)
     return _normalize(images, size=size, layout=layout, dtype=dtype, mean=mean, std=std, crop=True)
