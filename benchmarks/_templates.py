@@ -148,8 +148,16 @@ the cores hold at the pipeline's threads ([docs/pipelines.md](docs/pipelines.md)
 no loader, with one more freedom each. The hardware JPEG decoder tops near 40,000 images a second
 (its share 1.0 frees five cores and runs slower); the whole image decoded costs more than the
 window alone; two or three processes at once run below one. Each row is the measurement "fed
-from the shards' mappings, shuffled". The graph's ceiling on this machine is near 49,000 images a
-second, 1.2x the reader: 1.3x it is above what the graph reaches.
+from the shards' mappings, shuffled". With DALI's default share (0.65) the graph stops near
+49,000 images a second, 1.2x the reader; a lower share lifts it (next section).
+""", kind="variants"),
+    Section(H200, "The image graph by the hardware decoder's share (one H200)",
+            ["image-graph-hw-share.json"], """
+The same measurement with four pipelines, the hardware JPEG decoder's share (`hw_decoder_load`)
+set lower than DALI's default, so that DALI's threads decode more: 0.5 with 4 threads a pipeline
+reached 54,400-56,900 images a second, where the hardware decoder alone tops near 40,000 and the
+default share near 50,000. `image_train_pipeline(hw_decoder_load=...)` and `mmproxy bench
+--hw-decoder-load` set it.
 """, kind="variants"),
     Section(H200, "Images against SPDL (one H200)", ["image-spdl.json"], """
 16,384 JPEGs, mmproxy with one pipeline. SPDL's CUDA build on that machine has no nvJPEG, so
@@ -170,6 +178,14 @@ reader's images alone.
 reader with its one. The graph alone runs far above both: what a clip costs on its way from the
 workers to the pipeline is the gap ("Audio part by part", below).
 """),
+    Section(H200, "Audio, this code against a4773b2 (one H200)", ["compare-code.json"], """
+`benchmarks/compare_code.sh` with two pipelines of 7 threads: this code (less work a batch in
+the main process: small tensors inside the batch, shards found by the version the worker sends,
+a worker's position kept as bytes) against the commit before it, each against the reader in the
+same run, the two interleaved. Best epochs 1.13 and 1.23 of the reader against 1.05 and 1.11;
+the sustained rates overlap. The README's recipe with labels gains more (`benchmarks/main_cost.py
+--labels`); this bench's audio system loads the clips alone.
+""", kind="compare"),
     Section(H200, "Audio part by part (one H200)", ["audio-parts.json"], """
 `benchmarks/pipeline_cost.py --pipelines 2 --threads 7`: the bench's graph (16-bit decode, on the
 GPU resample and pad) fed from memory, behind a server fed in its own process (the runners, the
