@@ -67,9 +67,14 @@ def inline_small_tensors() -> None:
 
     def reduce(tensor: torch.Tensor) -> Any:
         if (tensor.device.type != "cpu" or tensor.layout is not torch.strided
-                or tensor.requires_grad or tensor.nbytes > INLINE_MAX or tensor.has_names()):
+                or tensor.requires_grad or tensor.is_quantized or tensor.is_nested
+                or tensor.has_names() or tensor.nbytes > INLINE_MAX):
             return reduce_tensor(tensor)
-        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+        try:
+            data = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1).view(
+                torch.uint8).numpy()
+        except (RuntimeError, TypeError):  # a kind of tensor its bytes do not describe
+            return reduce_tensor(tensor)
         return _inlined, (data, tensor.dtype, tuple(tensor.shape))
 
     ForkingPickler.register(torch.Tensor, reduce)
