@@ -114,7 +114,7 @@ def _decoder_share(gpu: bool, hw_decoder_load: float | None) -> float | None:
     threads with the GPU): None (DALI's default) when not given, or on the CPU."""
     if hw_decoder_load is None:
         return None
-    if not 0.0 <= hw_decoder_load <= 1.0:
+    if isinstance(hw_decoder_load, bool) or not 0.0 <= hw_decoder_load <= 1.0:
         raise ValueError(f"hw_decoder_load must be between 0 and 1, got {hw_decoder_load!r}")
     return float(hw_decoder_load) if gpu else None
 

@@ -58,10 +58,18 @@ class Progress:
         self._last = max(self._last, (seq, item.worker))
 
     def state(self) -> LoaderState:
-        positions = {w: unpacked(p) for w, p in self.positions.items()}
+        positions = {w: _position(w, p) for w, p in self.positions.items()}
         return LoaderState(self.epoch, self.done, self.rank, self.world, self.workers,
                            self.batches, (self._last[1] + 1) % self.workers, positions,
                            self.report.state_dict())
+
+
+def _position(worker: int, state: Any) -> Any:
+    try:
+        return unpacked(state)
+    except Exception as err:  # noqa: BLE001 - the dataset's own state, whatever it holds
+        raise RuntimeError(f"the position worker {worker} sent with its last batch cannot be "
+                           f"read back: {err!r}") from err
 
 
 def hand_out(saved: Sequence[LoaderState], dataset: Any, workers: int

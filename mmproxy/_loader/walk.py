@@ -26,6 +26,9 @@ class _Replace:
     def __init__(self, kind: type | tuple[type, ...], fn: Callable[[Any], Any]) -> None:
         self.kind, self.fn = kind, fn
         self.memo: dict[int, Any] = {}
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # a list of leaves holds nothing to replace, unless a leaf is itself of ``kind``
+        self._leaf_lists = not any(issubclass(leaf, k) for leaf in _LEAVES for k in kinds)
 
     def visit(self, x: Any) -> Any:
         if isinstance(x, self.kind):
@@ -35,7 +38,7 @@ class _Replace:
         key = id(x)
         if key in self.memo:
             return self.memo[key]
-        if type(x) in (list, tuple) and _LEAF_TYPES.issuperset(map(type, x)):
+        if self._leaf_lists and type(x) in (list, tuple) and _LEAF_TYPES.issuperset(map(type, x)):
             return x
         if isinstance(x, tuple):
             self.memo[key] = x  # a cycle through a tuple passes through a mutable container first

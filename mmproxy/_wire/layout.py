@@ -106,7 +106,7 @@ def place(inputs: list[list[np.ndarray]], registry: FileMappings
 
     Arrays inside a file of ``registry`` (which the caller holds locked) are sent by reference
     (``fds``: the request's file table, descriptors the registry owns, and ``identities``: a row
-    of four int64 a file, :func:`mmproxy._wire.mappings.identity`); the others are copied,
+    of four uint64 a file, :func:`mmproxy._wire.mappings.identity`); the others are copied,
     in order, into the payload area (``payloads``: C-contiguous, each at an aligned offset).
     Only views are looked for in the files (an array that owns its memory is in none), all of
     an input's at once.
@@ -250,7 +250,8 @@ class KeyColumns:
                                       itertools.repeat(skip), seeds)))
 
 
-_new_key = functools.partial(tuple.__new__, SampleId)
+_new_key = functools.partial(tuple.__new__, SampleId)  # no field count check: the zip gives 4
+assert len(SampleId._fields) == 4
 
 
 def _key_columns(names: list[str], shards: list[str | None], shard: bytes, seeds: bytes,

@@ -29,7 +29,9 @@ __all__ = ["KEPT_FILES", "KEPT_MEMFDS", "MAX_FILES", "FileMappings", "files", "s
 # descriptors and no memory (a streamed shard's memfd is released when the shard is read).
 MAX_FILES = 64
 
-Identity = tuple[int, int, int, int]  # a file version: device, inode, size, modification time
+# A file version: device, inode, size, modification time, each as an unsigned 64-bit number
+Identity = tuple[int, int, int, int]
+_U64 = (1 << 64) - 1
 
 
 def _address(a: Any) -> int:
@@ -71,8 +73,8 @@ class FileMappings:
                 self._table = _table(self.entries)
 
     def table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The registered files sorted by address, as int64 columns: start and end addresses,
-        descriptors and identities (a row each) (what :func:`mmproxy._wire.layout.place`
+        """The registered files sorted by address: start and end addresses and descriptors
+        (int64), and identities (uint64, a row each) (what :func:`mmproxy._wire.layout.place`
         searches a whole input's arrays in)."""
         return self._table
 
@@ -87,14 +89,13 @@ def _table(entries: OrderedDict[int, tuple[int, int, mmap.mmap, Identity]]
     starts = sorted(entries)
     return (np.array(starts, np.int64), np.array([entries[s][0] for s in starts], np.int64),
             np.array([entries[s][1] for s in starts], np.int64),
-            np.array([entries[s][3] for s in starts], np.int64).reshape(len(starts), 4))
-
+            np.array([entries[s][3] for s in starts], np.uint64).reshape(len(starts), 4))
 
 
 def identity(fd: int) -> Identity:
     """The version of the file open as ``fd``: what the server keeps one mapping for."""
     st = os.fstat(fd)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev & _U64, st.st_ino & _U64, st.st_size & _U64, st.st_mtime_ns & _U64)
 
 
 files = FileMappings()

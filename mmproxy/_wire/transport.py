@@ -108,7 +108,7 @@ def unpack(fds: list[int]) -> Request:
     (hlen,) = struct.unpack_from("<Q", mm, 4)
     run_id, tag, skip, keys, placed, identities = pickle.loads(mm[12:12 + hlen])
     base = _layout.align(12 + hlen)
-    sent = np.frombuffer(identities, np.int64).tolist()
+    sent = np.frombuffer(identities, np.uint64).tolist()
     if len(sent) != 4 * (len(fds) - 1):
         raise TransportError(f"a batch's header names {len(sent) // 4} files, {len(fds) - 1} "
                              "were sent")

@@ -104,6 +104,10 @@ def test_produce_data_replaces_inside_any_nesting(add_server, double_server):
            "text": "hello", "keys": keys, "mixed": ("key", bs)}
     out = add_server.produce_data(obj)
     assert out["keys"] is keys  # a list of plain values is left as it is
+    from mmproxy._loader import walk
+
+    tensors = [torch.zeros(1), torch.ones(1)]  # unless plain values are what is looked for
+    assert walk.collect(tensors, torch.Tensor) == tensors and walk.collect(keys, str) == ["a", "b"]
     assert out["mixed"][0] == "key" and isinstance(out["mixed"][1], torch.Tensor)
     assert isinstance(out["pair"], Pair) and out["pair"].y == 7
     torch.testing.assert_close(out["pair"].x[:, 0], torch.arange(4.0) + 1)
@@ -164,6 +168,25 @@ def test_worker_tensors_arrive_whole_small_ones_inline(add_server):
         small["int"].add_(1)
         assert large.is_shared()
     assert sorted(seen) == list(range(8))
+
+
+def test_tensors_the_inline_handover_cannot_describe_go_torch_s_way():
+    import pickle
+    import warnings
+    from multiprocessing.reduction import ForkingPickler
+
+    from mmproxy._loader.workers import inline_small_tensors
+
+    inline_small_tensors()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    quantized = torch.quantize_per_tensor(torch.rand(4), 0.1, 0, torch.quint8)
+    for t in (nested, quantized):
+        assert b"_inlined" not in bytes(ForkingPickler.dumps(t))
+    conj = torch.randn(3, dtype=torch.complex64).conj()  # its bytes are resolved first
+    assert b"_inlined" in bytes(ForkingPickler.dumps(conj))
+    assert torch.equal(pickle.loads(ForkingPickler.dumps(conj)), conj)
 
 
 def test_plain_torch_dataloader_then_produce_data(add_server):
